@@ -1,0 +1,1 @@
+"""embedfleet data plane: the embedding server that runs in each pod."""
