@@ -1,0 +1,80 @@
+"""One error shape for every route: {"error": {"message", "type", "code"}}.
+
+OpenAI's SDK reads `error.message`; TEI clients read `error` as text, which still shows the dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    405: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error",
+    429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+        self.code = code or TYPES.get(status, "error")
+
+
+def error_body(status: int, message: str, code: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": TYPES.get(status, "error"),
+                                   "code": code or str(status)}})
+
+
+def error_response(status: int, message: str, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(status, message, code), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts) or "body"
+
+
+def describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        return 400, f"malformed JSON body: {detail.get('ctx', {}).get('error', detail.get('msg'))}", "invalid_json"
+    # A union (e.g. `input: str | list[str] | ...`) reports one error per branch; show the first few.
+    shown = "; ".join(f"{_loc(tuple(e['loc']))}: {e['msg']}" for e in errors[:3])
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return 422, f"invalid request: {shown}{more}", "invalid_request"
+
+
+def install(app, on_error) -> None:
+    """Map every failure to the one shape; `on_error(status)` counts it."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> Response:
+        on_error(exc.status)
+        return error_response(exc.status, exc.message, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        status, message, code = describe_validation(exc)
+        on_error(status)
+        return error_response(status, message, code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        on_error(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        on_error(500)
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")

@@ -1,0 +1,118 @@
+"""ASGI middleware in front of every route: auth, drain, payload limit, admission, in-flight count.
+
+Written as raw ASGI (not BaseHTTPMiddleware) because it runs on every request and must add
+microseconds, not milliseconds, to the single-query fast path.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import dataclass
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from embedfleet.runtime.api.errors import error_body
+from embedfleet.runtime.metrics import RuntimeMetrics
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class PayloadTooLarge(StarletteHTTPException):
+    """An HTTPException so that FastAPI's body parsing passes it through as a 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is over the payload limit of {limit} bytes")
+
+
+@dataclass
+class GateState:
+    """Shared with the server: the drain flag and the count the autoscaler reads."""
+
+    draining: bool = False
+    in_flight: int = 0
+
+
+class Gate:
+    def __init__(self, app, *, api_key: str | None, payload_limit: int, max_concurrent: int,
+                 state: GateState, metrics: RuntimeMetrics, queue_saturated, known_paths: frozenset[str]) -> None:
+        self.app = app
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.payload_limit = payload_limit
+        self.max_concurrent = max_concurrent
+        self.state = state
+        self.metrics = metrics
+        self.queue_saturated = queue_saturated
+        self.known_paths = known_paths
+
+    async def _refuse(self, send, status: int, message: str, code: str,
+                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        self.metrics.errors.labels(str(status)).inc()
+        body = error_body(status, message, code)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.key is not None:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.key):
+                await self._refuse(send, 401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                                   "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+                return
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:
+            await self._refuse(send, 503, "the server is draining for shutdown; retry on another replica",
+                               "draining", [(b"retry-after", b"1")])
+            return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.payload_limit:
+            await self._refuse(send, 413, f"request body of {int(length)} bytes is over the payload limit of "
+                               f"{self.payload_limit} bytes", "payload_too_large")
+            return
+        if self.state.in_flight >= self.max_concurrent or self.queue_saturated():
+            await self._refuse(send, 429, f"the server is at capacity ({self.state.in_flight} requests in "
+                               f"flight, limit {self.max_concurrent}); retry later", "overloaded",
+                               [(b"retry-after", b"1")])
+            return
+        await self._admit(scope, receive, send)
+
+    async def _admit(self, scope, receive, send) -> None:
+        received = 0
+        started_response = False
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.payload_limit:
+                    raise PayloadTooLarge(self.payload_limit)
+            return message
+
+        async def tracked_send(message):
+            nonlocal started_response
+            if message["type"] == "http.response.start":
+                started_response = True
+            await send(message)
+
+        self.state.in_flight += 1
+        self.metrics.requests_in_flight.set(self.state.in_flight)
+        start = time.perf_counter()
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except PayloadTooLarge:
+            if not started_response:
+                await self._refuse(send, 413, f"request body is over the payload limit of {self.payload_limit} "
+                                   "bytes", "payload_too_large")
+        finally:
+            self.state.in_flight -= 1
+            self.metrics.requests_in_flight.set(self.state.in_flight)
+            route = scope["path"] if scope["path"] in self.known_paths else "other"
+            self.metrics.request_duration.labels(route).observe(time.perf_counter() - start)

@@ -1,0 +1,1 @@
+"""Request-independent machinery: tokenizer pool, batching policy, batch manager."""

@@ -1,0 +1,122 @@
+"""Tokenization off the event loop.
+
+HF `tokenizers` releases the GIL and parallelises `encode_batch` itself, so a small thread pool
+is enough to keep the event loop free and all cores busy. Truncation is done here, not by the
+tokenizer's own setting, because we must know each input's full length (to refuse it when the
+client asked for no truncation) and must keep the model's special tokens at both ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from tokenizers import Encoding, Tokenizer
+
+Direction = Literal["right", "left"]
+
+
+class InputTooLong(ValueError):
+    def __init__(self, index: int, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"input {index} has {tokens} tokens, more than the limit of {limit}; "
+            "shorten it or allow truncation")
+        self.index, self.tokens, self.limit = index, tokens, limit
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    ids: list[int]
+    original_length: int
+
+    @property
+    def truncated(self) -> bool:
+        return len(self.ids) < self.original_length
+
+
+def truncate_encoding(ids: list[int], special_mask: list[int], limit: int, direction: Direction) -> list[int]:
+    """Cut content tokens, never the special tokens the post-processor put at either end."""
+    if len(ids) <= limit:
+        return ids
+    lead = 0
+    while lead < len(ids) and special_mask[lead]:
+        lead += 1
+    trail = 0
+    while trail < len(ids) - lead and special_mask[len(ids) - 1 - trail]:
+        trail += 1
+    keep = max(limit - lead - trail, 0)
+    body = ids[lead:len(ids) - trail]
+    body = body[:keep] if direction == "right" else body[len(body) - keep:]
+    return ids[:lead] + body + ids[len(ids) - trail:]
+
+
+def truncate_ids(ids: list[int], limit: int, direction: Direction) -> list[int]:
+    if len(ids) <= limit:
+        return ids
+    return ids[:limit] if direction == "right" else ids[len(ids) - limit:]
+
+
+class TokenizerPool:
+    def __init__(self, tokenizer_file: Path, workers: int) -> None:
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self._pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="tokenizer")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _encode_sync(self, texts: list[str], limit: int, truncate: bool, direction: Direction) -> list[Tokenized]:
+        if len(texts) == 1:
+            encodings: list[Encoding] = [self.tokenizer.encode(texts[0])]
+        else:
+            encodings = self.tokenizer.encode_batch(texts)
+        out = []
+        for i, enc in enumerate(encodings):
+            ids = enc.ids
+            if len(ids) > limit:
+                if not truncate:
+                    raise InputTooLong(i, len(ids), limit)
+                ids = truncate_encoding(ids, enc.special_tokens_mask, limit, direction)
+            out.append(Tokenized(ids, len(enc.ids)))
+        return out
+
+    async def encode(self, texts: list[str], limit: int, truncate: bool = True,
+                     direction: Direction = "right") -> list[Tokenized]:
+        return await self._run(self._encode_sync, texts, limit, truncate, direction)
+
+    @staticmethod
+    def from_ids(token_lists: list[list[int]], limit: int, truncate: bool, direction: Direction) -> list[Tokenized]:
+        """Pre-tokenized input (OpenAI allows token arrays): only truncation applies."""
+        out = []
+        for i, ids in enumerate(token_lists):
+            if len(ids) > limit and not truncate:
+                raise InputTooLong(i, len(ids), limit)
+            out.append(Tokenized(truncate_ids(ids, limit, direction), len(ids)))
+        return out
+
+    def _details_sync(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [
+            [
+                {"id": tid, "text": tok, "special": bool(sp), "start": None if sp else s, "stop": None if sp else e}
+                for tid, tok, sp, (s, e) in zip(enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets,
+                                               strict=True)
+            ]
+            for enc in encodings
+        ]
+
+    async def details(self, texts: list[str], add_special_tokens: bool = True) -> list[list[dict]]:
+        return await self._run(self._details_sync, texts, add_special_tokens)
+
+    def _decode_sync(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        return self.tokenizer.decode_batch(ids, skip_special_tokens=skip_special_tokens)
+
+    async def decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return await self._run(self._decode_sync, ids, skip_special_tokens)

@@ -1,0 +1,1 @@
+"""Inference engines. Each file is one engine behind the `Engine` interface in base.py."""

@@ -1,0 +1,1 @@
+"""What a model directory declares: architecture, pooling, normalisation, limits."""

