@@ -1,0 +1,79 @@
+"""Shared by the benchmark scripts: a deterministic corpus and a server process."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_PATHS = [str(ROOT / "runtime"), str(ROOT / "operator"), str(ROOT / "client")]
+sys.path[:0] = SOURCE_PATHS
+
+
+def corpus(n: int = 10_000, seed: int = 0) -> list[str]:
+    """Short queries and long passages interleaved in their natural (unsorted) order."""
+    from embedfleet.runtime.settings import default_model_dir
+
+    vocab = [w for w in (default_model_dir() / "vocab.txt").read_text().split("\n")[2000:12000]
+             if w.isalpha()]
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n):
+        r = rng.random()
+        words = rng.randint(3, 12) if r < 0.5 else rng.randint(20, 60) if r < 0.75 else rng.randint(80, 220)
+        texts.append(" ".join(rng.choice(vocab) for _ in range(words)))
+    return texts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`embedfleet serve` as a user starts it."""
+
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(SOURCE_PATHS), HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port",
+             str(self.port), "--log-level", "warning", *flags],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_ready(self.url, self.proc)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(60)
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None = None, path: str = "/ready", timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} not ready")
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    import numpy as np
+
+    a = np.array(samples) * 1000
+    return {"p50_ms": round(float(np.percentile(a, 50)), 3), "p90_ms": round(float(np.percentile(a, 90)), 3),
+            "p99_ms": round(float(np.percentile(a, 99)), 3)}

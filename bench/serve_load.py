@@ -1,0 +1,91 @@
+"""Load generator against a running OpenAI-compatible server (ours, or Infinity, or TEI).
+
+backfill: the corpus in natural order, requests of N inputs, C in flight -> embeddings/s.
+online: single short queries at concurrency 1 and 16 -> p50/p90/p99 latency.
+Prints one JSON line. With no --url it starts `embedfleet serve` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import httpx
+from _common import Server, corpus, percentiles
+
+
+async def backfill(url: str, model: str, texts: list[str], n_per_request: int, concurrency: int) -> dict:
+    chunks = [texts[i:i + n_per_request] for i in range(0, len(texts), n_per_request)]
+    queue: asyncio.Queue = asyncio.Queue()
+    for chunk in chunks:
+        queue.put_nowait(chunk)
+    done = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def worker() -> None:
+            nonlocal done
+            while not queue.empty():
+                chunk = queue.get_nowait()
+                resp = await client.post("/v1/embeddings", json={"model": model, "input": chunk,
+                                                                 "encoding_format": "base64"})
+                resp.raise_for_status()
+                assert len(resp.json()["data"]) == len(chunk)
+                done += len(chunk)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return {"embeddings_per_s": round(done / elapsed, 2), "inputs": done, "seconds": round(elapsed, 2),
+            "inputs_per_request": n_per_request, "concurrency": concurrency}
+
+
+async def online(url: str, model: str, concurrency: int, requests: int) -> dict:
+    samples: list[float] = []
+    queries = [f"how do I reset my password {i}" for i in range(requests)]
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        for q in queries[:10]:  # warm the connection pool and the server
+            await client.post("/v1/embeddings", json={"model": model, "input": q})
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(q: str) -> None:
+            async with sem:
+                t0 = time.perf_counter()
+                resp = await client.post("/v1/embeddings", json={"model": model, "input": q})
+                samples.append(time.perf_counter() - t0)
+                resp.raise_for_status()
+
+        await asyncio.gather(*(one(q) for q in queries))
+    return {"concurrency": concurrency, **percentiles(samples)}
+
+
+def measure(url: str | None, model: str, n: int, per_request: int, concurrency: int, flags: list[str]) -> dict:
+    server = Server(*flags) if url is None else None
+    url = url or server.url
+    try:
+        texts = corpus(n)
+        result = {"figure": "serve_load", "url": url, "model": model,
+                  "backfill": asyncio.run(backfill(url, model, texts, per_request, concurrency)),
+                  "online_c1": asyncio.run(online(url, model, 1, 300)),
+                  "online_c16": asyncio.run(online(url, model, 16, 600))}
+    finally:
+        if server:
+            server.stop()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--url", help="a running server; default: start `embedfleet serve`")
+    p.add_argument("--model", default="all-MiniLM-L6-v2")
+    p.add_argument("--n", type=int, default=10_000)
+    p.add_argument("--inputs-per-request", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--server-flag", action="append", default=[], help="extra flag for `embedfleet serve`")
+    a = p.parse_args()
+    print(json.dumps(measure(a.url, a.model, a.n, a.inputs_per_request, a.concurrency, a.server_flag)))
+
+
+if __name__ == "__main__":
+    main()
