@@ -49,15 +49,15 @@ class RuntimeServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def metric(self, name: str) -> float:
-        """Sum of a metric's samples from the live /metrics page."""
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples (those matching `labels`) from the live /metrics page."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         total, seen = 0.0, False
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                     total, seen = total + sample.value, True
         if not seen:
             raise KeyError(f"{name} not exported")

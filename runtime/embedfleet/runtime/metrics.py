@@ -6,6 +6,8 @@ Each server owns its registry so tests can run several apps in one process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -18,26 +20,46 @@ class RuntimeMetrics:
         r = self.registry = CollectorRegistry()
         self.requests_in_flight = Gauge(
             "embedfleet_requests_in_flight", "Requests accepted and not yet answered", registry=r)
-        self.queue_tokens = Gauge("embedfleet_queue_tokens", "Tokens waiting for the engine", registry=r)
+        self.queue_tokens = Gauge("embedfleet_queue_tokens", "Tokens waiting for the engine", ["model"], registry=r)
         self.queue_requests = Gauge(
-            "embedfleet_queue_requests", "Requests with inputs waiting for the engine", registry=r)
+            "embedfleet_queue_requests", "Requests with inputs waiting for the engine", ["model"], registry=r)
         self.max_batch_requests = Gauge(
-            "embedfleet_max_batch_requests", "Configured most inputs per engine batch", registry=r)
+            "embedfleet_max_batch_requests", "Configured most inputs per engine batch", ["model"], registry=r)
         self.max_batch_tokens = Gauge(
-            "embedfleet_max_batch_tokens", "Configured token budget per engine batch", registry=r)
+            "embedfleet_max_batch_tokens", "Configured token budget per engine batch", ["model"], registry=r)
         self.expected_wait = Gauge(
             "embedfleet_expected_wait_seconds", "Queued tokens divided by measured tokens per second",
-            registry=r)
+            ["model"], registry=r)
         self.request_duration = Histogram(
             "embedfleet_request_duration_seconds", "Time from accepting a request to answering it",
             ["route"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram(
-            "embedfleet_batch_size", "Inputs per engine batch", buckets=SIZE_BUCKETS, registry=r)
+            "embedfleet_batch_size", "Inputs per engine batch", ["model"], buckets=SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram(
-            "embedfleet_batch_tokens", "Padded tokens per engine batch", buckets=TOKEN_BUCKETS, registry=r)
-        self.inputs = Counter("embedfleet_inputs_total", "Inputs embedded", registry=r)
-        self.tokens = Counter("embedfleet_tokens_total", "Tokens embedded (unpadded)", registry=r)
+            "embedfleet_batch_tokens", "Padded tokens per engine batch", ["model"], buckets=TOKEN_BUCKETS,
+            registry=r)
+        self.inputs = Counter("embedfleet_inputs_total", "Inputs run through the engine", ["model"], registry=r)
+        self.tokens = Counter(
+            "embedfleet_tokens_total", "Tokens run through the engine (unpadded)", ["model"], registry=r)
         self.truncated = Counter(
-            "embedfleet_truncated_inputs_total", "Inputs truncated to the model's limit", registry=r)
+            "embedfleet_truncated_inputs_total", "Inputs truncated to the model's limit", ["model"], registry=r)
         self.errors = Counter("embedfleet_errors_total", "Error responses by HTTP status", ["code"], registry=r)
         self.ready = Gauge("embedfleet_ready", "1 when the server accepts work", registry=r)
+
+    def for_model(self, name: str) -> ModelMetrics:
+        """The per-model series (label `model`), so each model's queue is visible on its own."""
+        return ModelMetrics(*(getattr(self, f).labels(name) for f in ModelMetrics.__dataclass_fields__))
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    queue_tokens: Gauge
+    queue_requests: Gauge
+    max_batch_requests: Gauge
+    max_batch_tokens: Gauge
+    expected_wait: Gauge
+    batch_size: Histogram
+    batch_tokens: Histogram
+    inputs: Counter
+    tokens: Counter
+    truncated: Counter

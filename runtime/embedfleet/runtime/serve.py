@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from embedfleet.runtime.api.app import create_app
 from embedfleet.runtime.api.gate import GateState
 from embedfleet.runtime.metrics import RuntimeMetrics
-from embedfleet.runtime.service import EmbeddingService
+from embedfleet.runtime.service import Models
 from embedfleet.runtime.settings import (
     RuntimeSettings,
     add_settings_arguments,
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = RuntimeMetrics()
     gate = GateState()
-    service = EmbeddingService(settings, metrics)
+    models = Models(settings, metrics)
     config = uvicorn.Config(None, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=settings.drain_timeout)
     server = DrainingServer(config, gate, settings.drain_timeout)
@@ -85,10 +85,10 @@ def run(args: argparse.Namespace) -> int:
         server.failed = True
         server.should_exit = True
 
-    config.app = create_app(service, gate, on_load_failed=load_failed)
+    config.app = create_app(models, gate, on_load_failed=load_failed)
     config.loaded = False
     server.run()
     if server.failed:
-        print(f"embedfleet serve: model failed to load: {service.load_error}", file=sys.stderr)
+        print(f"embedfleet serve: model failed to load: {models.load_error}", file=sys.stderr)
         return 1
     return 0

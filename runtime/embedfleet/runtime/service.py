@@ -1,7 +1,8 @@
-"""The embedding service of one model: tokenizer pool + batch manager + engine, and their state.
+"""The service of one model: tokenizer pool + batch manager + engine, and their state.
 
-Routes call `embed()`; everything between the HTTP layer and the engine is here, so a second
-front-end (the async Redis worker) reuses the same path.
+Routes call `tokenize*()` then `run()`; everything between the HTTP layer and the engine is here,
+so a second front-end (the async Redis worker) reuses the same path. `Models` holds one service
+per served model; each has its own queue and limits.
 """
 
 from __future__ import annotations
@@ -18,16 +19,20 @@ from embedfleet.runtime.core.batcher import BatchManager
 from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
 from embedfleet.runtime.engines.base import Engine
 from embedfleet.runtime.metrics import RuntimeMetrics
-from embedfleet.runtime.models.spec import ModelSpec, load_spec
-from embedfleet.runtime.settings import RuntimeSettings
+from embedfleet.runtime.models.spec import ModelSpec, Task, load_spec
+from embedfleet.runtime.settings import ModelEntry, RuntimeSettings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class EmbedResult:
-    vectors: np.ndarray  # pooled, unnormalised, input order
+class RunResult:
+    rows: np.ndarray  # pooled unnormalised vectors, or logits; input order
     tokens: int
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
 
 
 def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
@@ -41,20 +46,26 @@ def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
                        num_threads=settings.num_threads or settings.cores())
 
 
-class EmbeddingService:
-    def __init__(self, settings: RuntimeSettings, metrics: RuntimeMetrics) -> None:
+class ModelService:
+    def __init__(self, entry: ModelEntry, settings: RuntimeSettings, metrics: RuntimeMetrics) -> None:
+        self.entry = entry
+        self.name = entry.name
         self.settings = settings
-        self.metrics = metrics
+        self.metrics = metrics.for_model(entry.name)
         self.spec: ModelSpec | None = None
         self.engine: Engine | None = None
         self.tokenizer: TokenizerPool | None = None
         self.batcher: BatchManager | None = None
-        self.load_error: str | None = None
         self.created = int(time.time())
 
     @property
     def loaded(self) -> bool:
         return self.batcher is not None
+
+    @property
+    def task(self) -> Task:
+        assert self.spec is not None
+        return self.spec.task
 
     @property
     def input_limit(self) -> int:
@@ -64,30 +75,21 @@ class EmbeddingService:
             limit = min(limit, self.settings.max_input_tokens)
         return min(limit, self.settings.max_batch_tokens)
 
-    def served_name(self) -> str:
-        if self.settings.served_model_name:
-            return self.settings.served_model_name
-        return "all-MiniLM-L6-v2" if self.settings.model is None else self.settings.model_dir().name
-
     async def load(self) -> None:
-        """Load off the event loop so /health answers (and /ready says no) while weights load."""
-        try:
-            spec = load_spec(self.settings.model_dir(), self.served_name())
-            engine = await asyncio.to_thread(build_engine, self.settings, spec)
-            await asyncio.to_thread(getattr(engine, "warmup", lambda: None))
-        except Exception as exc:
-            self.load_error = f"{type(exc).__name__}: {exc}"
-            log.error("model failed to load: %s", self.load_error)
-            raise
+        spec = await asyncio.to_thread(load_spec, self.entry.path, self.entry.name, self.entry.task)
+        engine = await asyncio.to_thread(build_engine, self.settings, spec)
+        await asyncio.to_thread(getattr(engine, "warmup", lambda: None))
         self.spec, self.engine = spec, engine
-        self.tokenizer = TokenizerPool(spec.path / "tokenizer.json", self.settings.tokenizer_workers
-                                       or self.settings.cores())
-        batcher = BatchManager(engine.embed, self.settings.max_batch_tokens, self.settings.max_batch_requests,
+        self.tokenizer = TokenizerPool(spec.path / "tokenizer.json",
+                                       self.settings.tokenizer_workers or self.settings.cores())
+        run = engine.embed if spec.task == "embed" else engine.classify
+        batcher = BatchManager(run, self.settings.max_batch_tokens, self.settings.max_batch_requests,
                                self.settings.max_queue_tokens, self.metrics)
         batcher.start()
         self.batcher = batcher
-        log.info("serving %s (%s, pooling=%s, max_tokens=%d, dim=%d) on %s/%s", spec.name, spec.model_type,
-                 spec.pooling, self.input_limit, spec.hidden_size, self.settings.device, self.settings.dtype)
+        log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,
+                 spec.model_type, ",".join(spec.architectures), spec.pooling, self.input_limit,
+                 self.settings.device, self.settings.dtype)
 
     async def close(self) -> None:
         if self.batcher:
@@ -102,16 +104,23 @@ class EmbeddingService:
             return await self.tokenizer.encode(list(inputs), self.input_limit, truncate, direction)
         return TokenizerPool.from_ids(list(inputs), self.input_limit, truncate, direction)
 
-    async def embed(self, tokenized: list[Tokenized], disconnected: Awaitable[None] | None = None) -> EmbedResult:
-        """Run tokenized inputs through the batch manager; give up (and free the queue) if the client goes."""
+    async def tokenize_pairs(self, pairs: list[tuple[str, str]], truncate: bool,
+                             direction: Direction) -> list[Tokenized]:
+        assert self.tokenizer is not None
+        return await self.tokenizer.encode_pairs(pairs, self.input_limit, truncate, direction)
+
+    async def run(self, tokenized: list[Tokenized], disconnected: Awaitable[None] | None = None,
+                  urgent: bool | None = None) -> RunResult:
+        """Through the batch manager; if the client goes first, its queued inputs are dropped."""
         assert self.batcher is not None
         truncated = sum(t.truncated for t in tokenized)
         if truncated:
             self.metrics.truncated.inc(truncated)
-        job = self.batcher.submit([t.ids for t in tokenized],
-                                  urgent=len(tokenized) <= self.settings.urgent_max_inputs)
+        if urgent is None:
+            urgent = len(tokenized) <= self.settings.urgent_max_inputs
+        job = self.batcher.submit(tokenized, urgent=urgent)
         if disconnected is None:
-            vectors = await job.future
+            rows = await job.future
         else:
             watcher = asyncio.ensure_future(disconnected)
             try:
@@ -121,9 +130,46 @@ class EmbeddingService:
             if job.future not in done:
                 self.batcher.cancel(job)
                 raise ClientGone()
-            vectors = job.future.result()
-        return EmbedResult(vectors, sum(len(t.ids) for t in tokenized))
+            rows = job.future.result()
+        return RunResult(rows, sum(len(t) for t in tokenized))
 
 
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
+class Models:
+    """Every served model by name, loaded in the background at start-up."""
+
+    def __init__(self, settings: RuntimeSettings, metrics: RuntimeMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.services = {e.name: ModelService(e, settings, metrics) for e in settings.models()}
+        self.load_error: str | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return all(s.loaded for s in self.services.values())
+
+    @property
+    def saturated(self) -> bool:
+        return any(s.batcher is not None and s.batcher.saturated for s in self.services.values())
+
+    async def load(self) -> None:
+        for service in self.services.values():
+            try:
+                await service.load()
+            except Exception as exc:
+                self.load_error = f"{service.name}: {type(exc).__name__}: {exc}"
+                log.error("model failed to load: %s", self.load_error)
+                raise
+
+    async def close(self) -> None:
+        for service in self.services.values():
+            await service.close()
+
+    def names(self) -> list[str]:
+        return list(self.services)
+
+    def pick(self, name: str | None, task: Task) -> ModelService | None:
+        """The named model, or the first one serving `task` when the request names none."""
+        if name is not None:
+            return self.services.get(name)
+        return next((s for s in self.services.values() if s.spec is None or s.task == task),
+                    next(iter(self.services.values())))

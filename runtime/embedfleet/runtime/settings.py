@@ -11,15 +11,28 @@ import argparse
 import os
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from embedfleet.runtime.models.spec import TASKS, Task
+
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16", "fp8"]
 EngineName = Literal["torch", "trtllm"]
+
+
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    path: Path
+    name: str
+    task: Task | None
 
 
 def default_model_dir() -> Path:
@@ -32,11 +45,13 @@ def default_model_dir() -> Path:
 class RuntimeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EMBEDFLEET_", extra="forbid", validate_default=True)
 
-    model: Path | None = Field(
-        None, description="local model directory (sentence-transformers or Hugging Face layout); "
+    model: str | None = Field(
+        None, description="local model directory (sentence-transformers or Hugging Face layout), as "
+        "[TASK:][NAME=]PATH; repeat the flag (or separate with commas) to serve several models; "
         "default: the embedded all-MiniLM-L6-v2")
     served_model_name: str | None = Field(
-        None, description="name clients pass as `model`; default: the directory's name")
+        None, description="name clients pass as `model` (single-model servers); default: the directory's name")
+    task: Task | None = Field(None, description="override the task detected from config.json")
     host: str = Field("0.0.0.0", description="address to bind")
     port: int = Field(8080, ge=1, le=65535, description="port to bind")
     device: Device = Field("cpu", description="where the engine runs")
@@ -69,12 +84,34 @@ class RuntimeSettings(BaseSettings):
     def _check(self) -> RuntimeSettings:
         if self.max_batch_requests > self.max_batch_tokens:
             raise ValueError("max_batch_requests cannot exceed max_batch_tokens (every input has a token)")
-        if self.model is not None and not self.model.is_dir():
-            raise ValueError(f"model: {self.model} is not a directory")
+        entries = self.models()
+        for entry in entries:
+            if not entry.path.is_dir():
+                raise ValueError(f"model: {entry.path} is not a directory")
+        names = [e.name for e in entries if e.name]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model: served names must be unique, got {names}")
+        if self.served_model_name and len(entries) > 1:
+            raise ValueError("served_model_name: only for one model; name each model as NAME=PATH instead")
         return self
 
-    def model_dir(self) -> Path:
-        return self.model if self.model is not None else default_model_dir()
+    def models(self) -> list[ModelEntry]:
+        """The models to serve, parsed from `[TASK:][NAME=]PATH` entries."""
+        if not self.model:
+            return [ModelEntry(default_model_dir(), self.served_model_name or DEFAULT_MODEL_NAME, self.task)]
+        entries = []
+        for raw in (part.strip() for part in self.model.split(",")):
+            if not raw:
+                continue
+            task: Task | None = self.task
+            head, sep, rest = raw.partition(":")
+            if sep and head in TASKS:
+                task, raw = head, rest  # type: ignore[assignment]
+            name, sep, path = raw.partition("=")
+            if not sep:
+                name, path = "", raw
+            entries.append(ModelEntry(Path(path), name or self.served_model_name or Path(path).name, task))
+        return entries
 
     def cores(self) -> int:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -106,7 +143,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, model: type[BaseSett
             default = "embedded all-MiniLM-L6-v2"
         help_text = f"{field.description} (default: {default}; env {prefix}{name.upper()})"
         flag = "--" + name.replace("_", "-")
-        if typ is bool:
+        if name == "model":
+            parser.add_argument(flag, action="append", default=argparse.SUPPRESS, help=help_text, metavar="MODEL")
+        elif typ is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_text)
         else:
@@ -117,6 +156,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, model: type[BaseSett
 def settings_from_args(args: argparse.Namespace) -> RuntimeSettings:
     """Flags override env vars; pydantic validates both and names the bad field."""
     given = {k: v for k, v in vars(args).items() if k in RuntimeSettings.model_fields}
+    if isinstance(given.get("model"), list):
+        given["model"] = ",".join(given["model"])
     return RuntimeSettings(**given)
 
 

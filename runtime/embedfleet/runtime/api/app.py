@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -19,22 +20,37 @@ from embedfleet.runtime.api import errors
 from embedfleet.runtime.api.gate import Gate, GateState
 from embedfleet.runtime.api.inputs import as_batch
 from embedfleet.runtime.api.schemas import (
+    ClassifyRequest,
+    ClassifyResponse,
+    CohereRerankRequest,
+    CohereRerankResponse,
     ModelCard,
     ModelList,
     OpenAIEmbeddingRequest,
     OpenAIEmbeddingResponse,
+    PredictRequest,
+    RankTEI,
+    RerankRequest,
     SimpleToken,
     TEIEmbedRequest,
     TokenizeRequest,
 )
 from embedfleet.runtime.core.postprocess import finish, to_base64
+from embedfleet.runtime.core.scores import label_scores, relevance
 from embedfleet.runtime.core.tokenize import InputTooLong, Tokenized
-from embedfleet.runtime.service import ClientGone, EmbeddingService
+from embedfleet.runtime.models.spec import Task
+from embedfleet.runtime.service import ClientGone, Models, ModelService
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
-WORK_ROUTES = frozenset({"/v1/embeddings", "/embed", "/tokenize"})
+WORK_ROUTES = frozenset({"/v1/embeddings", "/embed", "/tokenize", "/rerank", "/v1/rerank", "/predict",
+                         "/classify"})
+ROUTE_TASKS: dict[str, tuple[Task, ...]] = {
+    "/v1/embeddings": ("embed",), "/embed": ("embed",), "/rerank": ("rerank",), "/v1/rerank": ("rerank",),
+    "/predict": ("rerank", "classify"), "/classify": ("classify",),
+}
+KIND = {"embed": "an embedding model", "rerank": "a reranker (cross-encoder)", "classify": "a classifier"}
 
 
 class JSON(Response):
@@ -54,19 +70,26 @@ def body_of(model: type[BaseModel]) -> dict:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-async def parse(request: Request, model: type[M]) -> M:
-    """Read the body as JSON whatever the content type says, and validate it into `model`."""
-    raw = await request.body()
+async def load_json(request: Request) -> dict:
+    """The body as a JSON object, whatever the content type says."""
     try:
-        data = orjson.loads(raw)
+        data = orjson.loads(await request.body())
     except orjson.JSONDecodeError as exc:
         raise errors.ApiError(400, f"malformed JSON body: {exc}", "invalid_json") from None
     if not isinstance(data, dict):
         raise errors.ApiError(422, f"the body must be a JSON object, not {type(data).__name__}", "invalid_request")
+    return data
+
+
+def validate(data: dict, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+async def parse(request: Request, model: type[M]) -> M:
+    return validate(await load_json(request), model)
 
 
 def with_request_schemas(app: FastAPI) -> Callable[[], dict]:
@@ -93,16 +116,16 @@ async def wait_disconnect(receive) -> None:
             return
 
 
-def create_app(service: EmbeddingService, gate_state: GateState,
+def create_app(models: Models, gate_state: GateState,
                on_load_failed: Callable[[], None] | None = None) -> FastAPI:
-    settings = service.settings
-    metrics = service.metrics
+    settings = models.settings
+    metrics = models.metrics
     load_task: dict[str, asyncio.Task] = {}
 
     async def lifespan(_: FastAPI):
         async def load() -> None:
             try:
-                await service.load()
+                await models.load()
                 metrics.ready.set(1)
             except Exception:
                 if on_load_failed:
@@ -111,103 +134,222 @@ def create_app(service: EmbeddingService, gate_state: GateState,
         load_task["t"] = asyncio.create_task(load())
         yield
         load_task["t"].cancel()
-        await service.close()
+        await models.close()
 
     app = FastAPI(title="embedfleet runtime", version="0.1.0", lifespan=lifespan, default_response_class=JSON,
-                  description="OpenAI- and TEI-compatible embedding server with token-budget batching.")
+                  description="OpenAI-, TEI- and Cohere-compatible embedding, rerank and classification server "
+                  "with token-budget batching.")
     errors.install(app, lambda status: metrics.errors.labels(str(status)).inc())
     app.add_middleware(
         Gate, api_key=settings.api_key.get_secret_value() if settings.api_key else None,
         payload_limit=settings.payload_limit, max_concurrent=settings.max_concurrent_requests,
-        state=gate_state, metrics=metrics, known_paths=WORK_ROUTES,
-        queue_saturated=lambda: service.batcher is not None and service.batcher.saturated)
+        state=gate_state, metrics=metrics, known_paths=WORK_ROUTES, queue_saturated=lambda: models.saturated)
 
-    def loaded_service() -> EmbeddingService:
-        if not service.loaded:
-            raise errors.ApiError(503, "the model is still loading; retry shortly", "loading",
-                                  {"retry-after": "2"})
-        return service
+    def service_for(name: str | None, route: str) -> ModelService:
+        """The model a request names (or the first of the route's kind), loaded and of the right kind."""
+        tasks = ROUTE_TASKS[route]
+        svc = models.pick(name, tasks[0])
+        if svc is None:
+            raise errors.ApiError(404, f"model {name!r} is not served here; available: {models.names()}",
+                                  "model_not_found")
+        if not svc.loaded:
+            raise errors.ApiError(503, "the model is still loading; retry shortly", "loading", {"retry-after": "2"})
+        if svc.task not in tasks:
+            wanted = " or ".join(KIND[t] for t in tasks)
+            raise errors.ApiError(400, f"{route} needs {wanted}, but {svc.name!r} is {KIND[svc.task]}; "
+                                  f"models here: {models.names()}", "wrong_model_kind")
+        return svc
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != service.served_name():
-            raise errors.ApiError(404, f"model {name!r} is not served here; available: "
-                                  f"{[service.served_name()]}", "model_not_found")
-
-    def check_dimensions(dimensions: int | None) -> None:
-        dim = service.spec.hidden_size if service.spec else 0
+    def check_dimensions(svc: ModelService, dimensions: int | None) -> None:
+        dim = svc.spec.hidden_size
         if dimensions is not None and dimensions > dim:
             raise errors.ApiError(422, f"dimensions={dimensions} is more than the model's {dim}",
                                   "invalid_dimensions")
 
-    async def tokenize(raw, truncate: bool | None, direction: str, prefix: str = "") -> list[Tokenized]:
-        svc = loaded_service()
+    def truncation(truncate: bool | None) -> bool:
+        return settings.auto_truncate if truncate is None else truncate
+
+    async def tokenize(svc: ModelService, raw, truncate: bool | None, direction: str,
+                       prefix: str = "") -> list[Tokenized]:
         batch = as_batch(raw, settings.max_client_batch_size, svc.tokenizer.tokenizer.get_vocab_size())
         if prefix and isinstance(batch[0], str):
             batch = [prefix + text for text in batch]
         try:
-            return await svc.tokenize(batch, settings.auto_truncate if truncate is None else truncate,
-                                      direction.lower())
+            return await svc.tokenize(batch, truncation(truncate), direction.lower())
         except InputTooLong as exc:
             raise errors.ApiError(413, str(exc), "input_too_long") from exc
 
-    async def run(tokenized: list[Tokenized], request: Request):
+    async def tokenize_pairs(svc: ModelService, pairs: list[tuple[str, str]], truncate: bool | None,
+                             direction: str) -> list[Tokenized]:
+        if len(pairs) > settings.max_client_batch_size:
+            raise errors.ApiError(413, f"{len(pairs)} pairs is over the limit of {settings.max_client_batch_size} "
+                                  "per request (--max-client-batch-size); split it", "batch_too_large")
+        for i, (a, b) in enumerate(pairs):
+            if not a.strip() or not b.strip():
+                raise errors.ApiError(422, f"pair {i} has an empty text", "empty_input")
         try:
-            return await service.embed(tokenized, wait_disconnect(request.receive))
+            return await svc.tokenize_pairs(pairs, truncation(truncate), direction.lower())
+        except InputTooLong as exc:
+            raise errors.ApiError(413, str(exc).replace("input", "pair", 1), "input_too_long") from exc
+
+    async def run(svc: ModelService, tokenized: list[Tokenized], request: Request):
+        try:
+            return await svc.run(tokenized, wait_disconnect(request.receive))
         except ClientGone:
             log.debug("client went away; its queued inputs were dropped")
             raise errors.ApiError(499, "client closed the request", "client_closed") from None
+
+    def prompt_prefix(svc: ModelService, prompt_name: str | None, instruction: str | None) -> str:
+        if prompt_name is not None:
+            if prompt_name not in svc.spec.prompts:
+                raise errors.ApiError(422, f"prompt_name {prompt_name!r} is not one of the model's prompts "
+                                      f"{sorted(svc.spec.prompts)}", "unknown_prompt")
+            return svc.spec.prompts[prompt_name]
+        return instruction or ""
 
     @app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, tags=["OpenAI"],
               openapi_extra=body_of(OpenAIEmbeddingRequest))
     async def openai_embeddings(request: Request):
         """OpenAI-compatible embeddings; vectors are unit length (as OpenAI's are)."""
         body = await parse(request, OpenAIEmbeddingRequest)
-        check_model(body.model)
-        check_dimensions(body.dimensions)
-        tokenized = await tokenize(body.input, body.truncate, body.truncation_direction)
-        result = await run(tokenized, request)
-        vectors = finish(result.vectors, normalize=True, dimensions=body.dimensions)
-        if body.encoding_format == "base64":
-            data = [{"object": "embedding", "index": i, "embedding": to_base64(v)} for i, v in enumerate(vectors)]
-        else:
-            data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
-        return JSON({"object": "list", "data": data, "model": service.served_name(),
+        svc = service_for(body.model, "/v1/embeddings")
+        check_dimensions(svc, body.dimensions)
+        prefix = prompt_prefix(svc, body.prompt_name, body.instruction)
+        tokenized = await tokenize(svc, body.input, body.truncate, body.truncation_direction, prefix)
+        result = await run(svc, tokenized, request)
+        vectors = finish(result.rows, normalize=True, dimensions=body.dimensions)
+        encode = to_base64 if body.encoding_format == "base64" else (lambda v: v)
+        data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)]
+        return JSON({"object": "list", "data": data, "model": svc.name,
                      "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})
 
     @app.post("/embed", response_model=list[list[float]], tags=["TEI"], openapi_extra=body_of(TEIEmbedRequest))
     async def tei_embed(request: Request):
         """Text Embeddings Inference's /embed: a list of vectors in input order."""
         body = await parse(request, TEIEmbedRequest)
-        check_model(body.model)
-        check_dimensions(body.dimensions)
-        prefix = ""
-        if body.prompt_name is not None:
-            prompts = service.spec.prompts if service.spec else {}
-            if body.prompt_name not in prompts:
-                raise errors.ApiError(422, f"prompt_name {body.prompt_name!r} is not one of the model's prompts "
-                                      f"{sorted(prompts)}", "unknown_prompt")
-            prefix = prompts[body.prompt_name]
-        tokenized = await tokenize(body.inputs, body.truncate, body.truncation_direction, prefix)
-        result = await run(tokenized, request)
-        return JSON(finish(result.vectors, normalize=body.normalize, dimensions=body.dimensions))
+        svc = service_for(body.model, "/embed")
+        check_dimensions(svc, body.dimensions)
+        prefix = prompt_prefix(svc, body.prompt_name, body.instruction)
+        tokenized = await tokenize(svc, body.inputs, body.truncate, body.truncation_direction, prefix)
+        result = await run(svc, tokenized, request)
+        return JSON(finish(result.rows, normalize=body.normalize, dimensions=body.dimensions))
+
+    async def rerank_scores(svc: ModelService, query: str, docs: list[str], truncate: bool | None,
+                            direction: str, raw: bool, request: Request):
+        tokenized = await tokenize_pairs(svc, [(query, d) for d in docs], truncate, direction)
+        result = await run(svc, tokenized, request)
+        scores = relevance(result.rows, raw)
+        order = sorted(range(len(docs)), key=lambda i: (-scores[i], i))
+        return scores, order, result.tokens
+
+    @app.post("/rerank", tags=["TEI", "Cohere"], openapi_extra=body_of(RerankRequest),
+              response_model=list[RankTEI] | CohereRerankResponse)
+    async def rerank(request: Request):
+        """TEI/BEI shape (`texts`) -> ranked list; Cohere/Jina shape (`documents`) -> {results: [...]}."""
+        data = await load_json(request)
+        if "documents" in data:
+            return await cohere_shape(validate(data, CohereRerankRequest), "/rerank", request)
+        body = validate(data, RerankRequest)
+        svc = service_for(body.model, "/rerank")
+        scores, order, _ = await rerank_scores(svc, body.query, body.texts, body.truncate,
+                                               body.truncation_direction, body.raw_scores, request)
+        return JSON([{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
+                     for i in order])
+
+    @app.post("/v1/rerank", response_model=CohereRerankResponse, tags=["Cohere"],
+              openapi_extra=body_of(CohereRerankRequest))
+    async def cohere_rerank(request: Request):
+        """Cohere / Jina rerank: relevance scores in [0, 1], best first, `top_n` of them."""
+        return await cohere_shape(await parse(request, CohereRerankRequest), "/v1/rerank", request)
+
+    async def cohere_shape(body: CohereRerankRequest, route: str, request: Request):
+        svc = service_for(body.model, route)
+        docs = [d if isinstance(d, str) else d.text for d in body.documents]
+        scores, order, tokens = await rerank_scores(svc, body.query, docs, body.truncate,
+                                                    body.truncation_direction, False, request)
+        results = [{"index": i, "relevance_score": float(scores[i]),
+                    **({"document": {"text": docs[i]}} if body.return_documents else {})}
+                   for i in order[: body.top_n]]
+        return JSON({"id": str(uuid.uuid4()), "model": svc.name, "results": results,
+                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def labelled(svc: ModelService, rows, raw: bool, top_k: int | None = None) -> list[list[dict]]:
+        scores = label_scores(rows, raw, svc.spec.multi_label)
+        out = []
+        for row in scores:
+            order = sorted(range(len(row)), key=lambda k: -row[k])[:top_k]
+            out.append([{"label": svc.spec.labels[k], "score": float(row[k])} for k in order])
+        return out
+
+    @app.post("/predict", tags=["TEI"], openapi_extra=body_of(PredictRequest))
+    async def predict(request: Request):
+        """TEI/BEI /predict: a text or a pair -> [{label, score}]; a list of them -> one list each."""
+        body = await parse(request, PredictRequest)
+        svc = service_for(body.model, "/predict")
+        single = isinstance(body.inputs, str) or (len(body.inputs) == 2 and all(isinstance(x, str)
+                                                                                 for x in body.inputs))
+        items = [body.inputs] if single else list(body.inputs)
+        if not items:
+            raise errors.ApiError(422, "inputs must not be empty", "empty_input")
+        pair_at = [i for i, x in enumerate(items) if isinstance(x, list)]
+        text_at = [i for i, x in enumerate(items) if isinstance(x, str)]
+        if single and isinstance(body.inputs, list):
+            pair_at, text_at = [0], []
+            items = [list(body.inputs)]
+        if svc.task == "rerank" and text_at:
+            raise errors.ApiError(422, f"{svc.name!r} is a reranker: every input must be a [query, document] pair",
+                                  "pair_required")
+        tokenized: list[Tokenized | None] = [None] * len(items)
+        if text_at:
+            for i, t in zip(text_at, await tokenize(svc, [items[i] for i in text_at], body.truncate,
+                                                    body.truncation_direction), strict=True):
+                tokenized[i] = t
+        if pair_at:
+            pairs = [(items[i][0], items[i][1]) for i in pair_at]
+            for i, t in zip(pair_at, await tokenize_pairs(svc, pairs, body.truncate, body.truncation_direction),
+                            strict=True):
+                tokenized[i] = t
+        result = await run(svc, tokenized, request)
+        out = labelled(svc, result.rows, body.raw_scores)
+        return JSON(out[0] if single else out)
+
+    @app.post("/classify", response_model=ClassifyResponse, tags=["embedfleet"],
+              openapi_extra=body_of(ClassifyRequest))
+    async def classify(request: Request):
+        """Label texts with the model's `id2label` names; scores are softmax (sigmoid if multi-label)."""
+        body = await parse(request, ClassifyRequest)
+        svc = service_for(body.model, "/classify")
+        tokenized = await tokenize(svc, body.input, body.truncate, body.truncation_direction)
+        result = await run(svc, tokenized, request)
+        rows = labelled(svc, result.rows, body.raw_scores, body.top_k)
+        return JSON({"object": "list", "model": svc.name,
+                     "data": [{"index": i, "label": r[0]["label"], "labels": r} for i, r in enumerate(rows)],
+                     "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})
 
     @app.post("/tokenize", response_model=list[list[SimpleToken]], tags=["TEI"],
               openapi_extra=body_of(TokenizeRequest))
     async def tokenize_route(request: Request):
         """Tokens with their ids, text and character offsets, as the engine will see them."""
         body = await parse(request, TokenizeRequest)
-        check_model(body.model)
-        svc = loaded_service()
+        svc = models.pick(body.model, "embed")
+        if svc is None:
+            raise errors.ApiError(404, f"model {body.model!r} is not served here; available: {models.names()}",
+                                  "model_not_found")
+        if not svc.loaded:
+            raise errors.ApiError(503, "the model is still loading; retry shortly", "loading", {"retry-after": "2"})
         texts = as_batch(body.inputs, settings.max_client_batch_size, svc.tokenizer.tokenizer.get_vocab_size())
         return JSON(await svc.tokenizer.details(texts, body.add_special_tokens))
 
     @app.get("/v1/models", response_model=ModelList, tags=["OpenAI"])
-    async def models():
-        svc = loaded_service()
-        card = ModelCard(id=svc.served_name(), created=svc.created, task="embed", max_input_tokens=svc.input_limit,
-                         dimensions=svc.spec.hidden_size, pooling=svc.spec.pooling, dtype=settings.dtype,
-                         device=settings.device, digest=svc.spec.digest)
-        return JSON(ModelList(data=[card]).model_dump())
+    async def list_models():
+        if not models.loaded:
+            raise errors.ApiError(503, "models are still loading; retry shortly", "loading", {"retry-after": "2"})
+        cards = [ModelCard(id=s.name, created=s.created, task=s.task, max_input_tokens=s.input_limit,
+                           dimensions=s.spec.hidden_size if s.task == "embed" else 0, labels=list(s.spec.labels),
+                           pooling=s.spec.pooling, dtype=settings.dtype, device=settings.device, digest=s.spec.digest,
+                           architecture=",".join(s.spec.architectures))
+                 for s in models.services.values()]
+        return JSON(ModelList(data=cards).model_dump())
 
     @app.get("/health", tags=["probes"])
     async def health():
@@ -219,11 +361,11 @@ def create_app(service: EmbeddingService, gate_state: GateState,
         """Readiness: false while loading, draining after SIGTERM, or with a saturated queue."""
         if gate_state.draining:
             state = "draining"
-        elif service.load_error:
+        elif models.load_error:
             state = "failed"
-        elif not service.loaded:
+        elif not models.loaded:
             state = "loading"
-        elif service.batcher.saturated or gate_state.in_flight >= settings.max_concurrent_requests:
+        elif models.saturated or gate_state.in_flight >= settings.max_concurrent_requests:
             state = "saturated"
         else:
             return JSON({"status": "ready"})

@@ -22,6 +22,8 @@ class OpenAIEmbeddingRequest(BaseModel):
         "float", description="`base64`: little-endian float32 bytes, as OpenAI's SDK decodes them")
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first N dims, renormalised")
     user: str | None = None
+    prompt_name: str | None = Field(None, description="a prompt from the model's sentence-transformers config")
+    instruction: str | None = Field(None, description="raw text prefixed to every input (e.g. an instruction)")
     truncate: bool | None = Field(None, description="truncate inputs longer than the limit (default: server's)")
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
 
@@ -53,6 +55,7 @@ class TEIEmbedRequest(BaseModel):
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
     dimensions: int | None = Field(None, ge=1)
     prompt_name: str | None = None
+    instruction: str | None = None
     model: str | None = None
 
 
@@ -78,8 +81,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "embedfleet"
     task: str
+    architecture: str
     max_input_tokens: int
     dimensions: int
+    labels: list[str]
     pooling: str
     dtype: str
     device: str
@@ -89,3 +94,101 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+TruncationDirection = Literal["right", "left", "Right", "Left"]
+
+
+class RerankRequest(BaseModel):
+    """TEI / BEI shape."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    query: str = Field(min_length=1)
+    texts: list[str] = Field(min_length=1)
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool | None = None
+    truncation_direction: TruncationDirection = "right"
+    model: str | None = None
+
+
+class CohereDocument(BaseModel):
+    text: str
+
+
+class CohereRerankRequest(BaseModel):
+    """Cohere / Jina shape (also what vLLM and Infinity accept on /v1/rerank)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    query: str = Field(min_length=1)
+    documents: list[str | CohereDocument] = Field(min_length=1)
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = False
+    truncate: bool | None = None
+    truncation_direction: TruncationDirection = "right"
+    model: str | None = None
+
+
+class RankTEI(BaseModel):
+    index: int
+    score: float
+    text: str | None = None
+
+
+class CohereResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: CohereDocument | None = None
+
+
+class CohereRerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[CohereResult]
+    usage: Usage
+
+
+PredictItem = str | Annotated[list[str], Field(min_length=2, max_length=2)]
+
+
+class PredictRequest(BaseModel):
+    """TEI / BEI /predict: a text, a pair [a, b], or a list of texts and pairs."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    inputs: str | list[PredictItem]
+    raw_scores: bool = False
+    truncate: bool | None = None
+    truncation_direction: TruncationDirection = "right"
+    model: str | None = None
+
+
+class LabelScore(BaseModel):
+    label: str
+    score: float
+
+
+class ClassifyRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input: str | list[str]
+    raw_scores: bool = False
+    top_k: int | None = Field(None, ge=1)
+    truncate: bool | None = None
+    truncation_direction: TruncationDirection = "right"
+    model: str | None = None
+
+
+class Classification(BaseModel):
+    index: int
+    label: str
+    labels: list[LabelScore]
+
+
+class ClassifyResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[Classification]
+    usage: Usage

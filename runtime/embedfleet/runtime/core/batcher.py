@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from embedfleet.runtime.core.batching import Entry, plan_batch
-from embedfleet.runtime.metrics import RuntimeMetrics
+from embedfleet.runtime.metrics import ModelMetrics
 
 log = logging.getLogger(__name__)
 
-EngineFn = Callable[[list[list[int]]], np.ndarray]
+EngineFn = Callable[[list], np.ndarray]  # a batch of inputs (anything with len()) -> rows
 
 
 class QueueFull(RuntimeError):
@@ -34,7 +34,7 @@ class QueueFull(RuntimeError):
 class Job:
     """One request's inputs on their way through the engine."""
 
-    inputs: Sequence[list[int]]
+    inputs: Sequence  # token sequences; len() is the token count
     urgent: bool
     future: asyncio.Future
     remaining: int
@@ -55,7 +55,7 @@ class Item:
 
 class BatchManager:
     def __init__(self, engine_fn: EngineFn, max_batch_tokens: int, max_batch_requests: int,
-                 max_queue_tokens: int, metrics: RuntimeMetrics) -> None:
+                 max_queue_tokens: int, metrics: ModelMetrics) -> None:
         self.engine_fn = engine_fn
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
@@ -96,7 +96,7 @@ class BatchManager:
     def expected_wait(self) -> float:
         return self._queued_tokens / self._tokens_per_s if self._tokens_per_s else 0.0
 
-    def submit(self, inputs: Sequence[list[int]], urgent: bool) -> Job:
+    def submit(self, inputs: Sequence, urgent: bool) -> Job:
         """Queue a request's inputs; await `job.future` for the rows in input order."""
         tokens = sum(len(x) for x in inputs)
         if self._queued_tokens and self._queued_tokens + tokens > self.max_queue_tokens:
@@ -173,7 +173,7 @@ class BatchManager:
                 if job.remaining == 0:
                     job.future.set_result(np.stack(job.results))
 
-    def _record(self, batch: list[Item], inputs: list[list[int]], seconds: float) -> None:
+    def _record(self, batch: list[Item], inputs: list, seconds: float) -> None:
         tokens = sum(len(x) for x in inputs)
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_tokens.observe(max(len(x) for x in inputs) * len(inputs))

@@ -29,12 +29,36 @@ class InputTooLong(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Tokenized:
+    """One engine input. `type_ids` only for pairs (query, document) on models that use segments."""
+
     ids: list[int]
     original_length: int
+    type_ids: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
     @property
     def truncated(self) -> bool:
         return len(self.ids) < self.original_length
+
+
+def truncate_pair(enc: Encoding, limit: int, direction: Direction) -> tuple[list[int], list[int]]:
+    """Shorten the document (second sequence) first, the query only if the document is gone."""
+    ids, types, seqs = list(enc.ids), list(enc.type_ids), list(enc.sequence_ids)
+    excess = len(ids) - limit
+    for target in (1, 0):
+        positions = [i for i, s in enumerate(seqs) if s == target]
+        take = min(excess, len(positions))
+        drop = set(positions[:take] if direction == "left" else positions[len(positions) - take:])
+        if drop:
+            ids = [t for i, t in enumerate(ids) if i not in drop]
+            types = [t for i, t in enumerate(types) if i not in drop]
+            seqs = [t for i, t in enumerate(seqs) if i not in drop]
+            excess -= len(drop)
+        if excess <= 0:
+            break
+    return ids, types
 
 
 def truncate_encoding(ids: list[int], special_mask: list[int], limit: int, direction: Direction) -> list[int]:
@@ -86,6 +110,23 @@ class TokenizerPool:
                 ids = truncate_encoding(ids, enc.special_tokens_mask, limit, direction)
             out.append(Tokenized(ids, len(enc.ids)))
         return out
+
+    def _encode_pairs_sync(self, pairs: list[tuple[str, str]], limit: int, truncate: bool,
+                           direction: Direction) -> list[Tokenized]:
+        out = []
+        for i, enc in enumerate(self.tokenizer.encode_batch(pairs)):
+            if len(enc.ids) > limit:
+                if not truncate:
+                    raise InputTooLong(i, len(enc.ids), limit)
+                ids, types = truncate_pair(enc, limit, direction)
+            else:
+                ids, types = enc.ids, enc.type_ids
+            out.append(Tokenized(ids, len(enc.ids), types if any(types) else None))
+        return out
+
+    async def encode_pairs(self, pairs: list[tuple[str, str]], limit: int, truncate: bool = True,
+                           direction: Direction = "right") -> list[Tokenized]:
+        return await self._run(self._encode_pairs_sync, pairs, limit, truncate, direction)
 
     async def encode(self, texts: list[str], limit: int, truncate: bool = True,
                      direction: Direction = "right") -> list[Tokenized]:

@@ -19,19 +19,37 @@ class Capabilities:
 
 
 class Engine(Protocol):
+    """Batches are lists of token-id lists or of objects with `.ids` and `.type_ids` (pairs)."""
+
     capabilities: Capabilities
 
-    def embed(self, batch: list[list[int]]) -> np.ndarray:
+    def embed(self, batch: list) -> np.ndarray:
         """Pooled, unnormalised float32 vectors, one row per input, in input order."""
         ...
 
+    def classify(self, batch: list) -> np.ndarray:
+        """Raw logits (inputs x labels), float32; for pairs this is the reranker's score."""
+        ...
 
-def pad_batch(batch: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad token lists into (ids, attention mask) int64 arrays."""
-    width = max(len(x) for x in batch)
-    ids = np.full((len(batch), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(batch), width), dtype=np.int64)
-    for row, tokens in enumerate(batch):
+
+@dataclass
+class Padded:
+    ids: np.ndarray
+    mask: np.ndarray
+    type_ids: np.ndarray | None
+
+
+def pad_batch(batch: list, pad_id: int) -> Padded:
+    """Right-pad into int64 arrays; segment ids only when some input has them."""
+    seqs = [getattr(x, "ids", x) for x in batch]
+    segments = [getattr(x, "type_ids", None) for x in batch]
+    width = max(len(x) for x in seqs)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    types = np.zeros((len(seqs), width), dtype=np.int64) if any(s is not None for s in segments) else None
+    for row, tokens in enumerate(seqs):
         ids[row, : len(tokens)] = tokens
         mask[row, : len(tokens)] = 1
-    return ids, mask
+        if types is not None and segments[row] is not None:
+            types[row, : len(tokens)] = segments[row]
+    return Padded(ids, mask, types)

@@ -37,8 +37,9 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
 
 
 class TorchEngine:
-    def __init__(self, spec: ModelSpec, device: str = "cpu", dtype: str = "float32", num_threads: int = 0) -> None:
-        from transformers import AutoModel
+    def __init__(self, spec: ModelSpec, device: str = "cpu", dtype: str = "float32",
+                 num_threads: int = 0) -> None:
+        from transformers import AutoModel, AutoModelForSequenceClassification
 
         if dtype not in DTYPES:
             raise EngineError(f"dtype {dtype!r} is not supported by the torch engine on {device}")
@@ -51,20 +52,35 @@ class TorchEngine:
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
-        self.model = AutoModel.from_pretrained(
+        loader = AutoModel if spec.task == "embed" else AutoModelForSequenceClassification
+        self.model = loader.from_pretrained(
             str(spec.path), dtype=self.dtype, attn_implementation="sdpa", local_files_only=True,
         ).to(self.device).eval()
+        if spec.task != "embed" and self.model.config.pad_token_id is None:
+            # decoder classifiers find each row's last token through the pad id
+            self.model.config.pad_token_id = spec.pad_token_id
         self.capabilities = Capabilities(
-            tasks=("embed",), pooling=spec.pooling, max_tokens=spec.max_length,
-            dtypes=tuple(DTYPES), device=device, dim=spec.hidden_size)
+            tasks=(spec.task,), pooling=spec.pooling, max_tokens=spec.max_length,
+            dtypes=tuple(DTYPES), device=device, dim=spec.hidden_size if spec.task == "embed" else len(spec.labels))
 
     def warmup(self) -> None:
-        self.embed([[self.spec.pad_token_id + 1] * 8])
+        run = self.embed if self.spec.task == "embed" else self.classify
+        run([[self.spec.pad_token_id + 1] * 8, [self.spec.pad_token_id + 1] * 3])
+
+    def _inputs(self, batch: list) -> dict[str, torch.Tensor]:
+        padded = pad_batch(batch, self.spec.pad_token_id)
+        inputs = {"input_ids": torch.from_numpy(padded.ids).to(self.device, non_blocking=True),
+                  "attention_mask": torch.from_numpy(padded.mask).to(self.device, non_blocking=True)}
+        if padded.type_ids is not None:
+            inputs["token_type_ids"] = torch.from_numpy(padded.type_ids).to(self.device, non_blocking=True)
+        return inputs
 
     @torch.inference_mode()
-    def embed(self, batch: list[list[int]]) -> np.ndarray:
-        ids, mask = pad_batch(batch, self.spec.pad_token_id)
-        ids_t = torch.from_numpy(ids).to(self.device, non_blocking=True)
-        mask_t = torch.from_numpy(mask).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids=ids_t, attention_mask=mask_t).last_hidden_state
-        return pool(hidden, mask_t, self.spec.pooling).cpu().numpy()
+    def embed(self, batch: list) -> np.ndarray:
+        inputs = self._inputs(batch)
+        hidden = self.model(**inputs).last_hidden_state
+        return pool(hidden, inputs["attention_mask"], self.spec.pooling).cpu().numpy()
+
+    @torch.inference_mode()
+    def classify(self, batch: list) -> np.ndarray:
+        return self.model(**self._inputs(batch)).logits.float().cpu().numpy()

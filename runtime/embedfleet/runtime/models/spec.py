@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Literal
 
 Pooling = Literal["mean", "cls", "last", "max"]
+Task = Literal["embed", "rerank", "classify"]
+TASKS: tuple[Task, ...] = ("embed", "rerank", "classify")
 
 DECODER_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"}
 SUPPORTED_MODULES = {
@@ -39,7 +41,17 @@ class ModelSpec:
     pad_token_id: int
     is_decoder: bool
     digest: str
+    task: Task = "embed"
+    labels: tuple[str, ...] = ()
+    multi_label: bool = False
     prompts: dict[str, str] = field(default_factory=dict)
+
+
+def detect_task(architectures: tuple[str, ...], num_labels: int) -> Task:
+    """A sequence classifier with one output is a cross-encoder (reranker); more outputs classify."""
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return "rerank" if num_labels == 1 else "classify"
+    return "embed"
 
 
 def _read_json(path: Path) -> dict:
@@ -78,7 +90,7 @@ def directory_digest(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def load_spec(path: Path, served_name: str | None = None) -> ModelSpec:
+def load_spec(path: Path, served_name: str | None = None, task: Task | None = None) -> ModelSpec:
     path = Path(path)
     if not path.is_dir():
         raise ModelDirError(f"model directory {path} does not exist")
@@ -113,6 +125,15 @@ def load_spec(path: Path, served_name: str | None = None) -> ModelSpec:
     if st_prompts.exists():
         prompts = {k: v for k, v in (_read_json(st_prompts).get("prompts") or {}).items() if v}
 
+    architectures = tuple(config.get("architectures") or ())
+    id2label = config.get("id2label") or {}
+    num_labels = int(config.get("num_labels") or len(id2label) or 2)
+    detected = detect_task(architectures, num_labels)
+    if task is not None and (task == "embed") != (detected == "embed"):
+        raise ModelDirError(f"--task {task} does not fit {list(architectures)}: rerank and classify need a "
+                            "*ForSequenceClassification model; embed needs a base model")
+    task = task or detected
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
     pad = config.get("pad_token_id")
     if pad is None:
         pad = config.get("eos_token_id", 0)
@@ -122,7 +143,7 @@ def load_spec(path: Path, served_name: str | None = None) -> ModelSpec:
         path=path,
         name=served_name or path.name,
         model_type=model_type,
-        architectures=tuple(config.get("architectures") or ()),
+        architectures=architectures,
         pooling=pooling,
         normalize=normalize,
         max_length=max_length,
@@ -130,6 +151,9 @@ def load_spec(path: Path, served_name: str | None = None) -> ModelSpec:
         pad_token_id=int(pad or 0),
         is_decoder=is_decoder,
         digest=directory_digest(path),
+        task=task,
+        labels=labels if task != "embed" else (),
+        multi_label=config.get("problem_type") == "multi_label_classification",
         prompts=prompts,
     )
 
