@@ -332,4 +332,4 @@ def test_label_node_after_verified_pull(kube_api: tuple[str, Path], tmp_path: Pa
     good = subprocess.run([*args, "--digest", digest], env=env, capture_output=True, text=True, timeout=120)
     assert good.returncode == 0, good.stderr
     labels = core.read_node("gpu-node-1").metadata.labels
-    assert labels == {"pool": "gpu", f"cache.embedfleet.dev/{digest[7:19]}": "ready"}
+    assert labels == {"pool": "gpu", f"cache.embedfleet.dev/sha256-{digest[7:23]}": "ready"}

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
                    help="node to label (default: $NODE_NAME, set from the downward API)")
     p.add_argument("--label-node", action="store_true",
-                   help="label the node cache.embedfleet.dev/<12 hex of digest>=ready once verified")
+                   help="label the node cache.embedfleet.dev/sha256-<16 hex of digest>=ready once verified")
     p.add_argument("--retries", type=int, default=3, help="attempts after the first (default 3)")
     p.add_argument("--backoff", type=float, default=1.0, help="first wait between attempts, doubling (s)")
     p.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout per request (s)")

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from embedfleet.operator.crd import naming
+
 from .digest import READY_MARKER, parse_digest
 from .sources import FetchError, UnsupportedSource, fetch
 
@@ -25,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def entry_path(cache_dir: Path, digest: str) -> Path:
     """Where a digest lives in the cache (the runtime mounts this path read-only)."""
-    return cache_dir / f"sha256-{parse_digest(digest)}"
+    return cache_dir / naming.cache_subdir(digest)
 
 
 def is_ready(cache_dir: Path, digest: str) -> bool:
