@@ -517,13 +517,13 @@ def render_prepull(
                 {"name": "tmp", "mountPath": "/tmp"},
             ],
         }
+        # Re-checks the cache (a no-op when the init container filled it), keeps the label fresh, then
+        # holds until SIGTERM, so the pod stays Ready exactly while its node holds verified weights.
         hold = {
+            **pull,
             "name": "hold",
-            "image": image,
-            "imagePullPolicy": pull_policy,
-            "command": ["sleep", "infinity"],
-            "securityContext": _non_root_container_security(),
-            "resources": {"requests": {"cpu": "1m", "memory": "8Mi"}, "limits": {"memory": "32Mi"}},
+            "command": [*pull["command"], "--hold"],
+            "resources": {"requests": {"cpu": "5m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
         }
         pod_spec: dict[str, Any] = {
             "serviceAccountName": sa_name,
