@@ -131,13 +131,17 @@ def _selector_matches(selector: Mapping[str, str], obj_labels: Mapping[str, str]
     return all(obj_labels.get(k) == v for k, v in selector.items())
 
 
-def load_client() -> kubernetes.client.ApiClient:
-    """In-cluster credentials when running in a pod, else ``$KUBECONFIG`` / ~/.kube/config."""
+def load_client(kubeconfig: str | os.PathLike[str] | None = None) -> kubernetes.client.ApiClient:
+    """An explicit kubeconfig, else in-cluster credentials in a pod, else ``$KUBECONFIG`` / ~/.kube/config."""
     config = kubernetes.client.Configuration()
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
         kubernetes.config.load_incluster_config(client_configuration=config)
     else:
-        kubernetes.config.load_kube_config(client_configuration=config)
+        # Read $KUBECONFIG now: the client captures it at import time, before tests or CLIs set it.
+        path = kubeconfig or os.environ.get("KUBECONFIG") or None
+        kubernetes.config.load_kube_config(
+            config_file=str(path) if path else None, client_configuration=config
+        )
     return kubernetes.client.ApiClient(configuration=config)
 
 
