@@ -1,0 +1,148 @@
+"""Fetchers: put the bytes a source URL names into an empty directory, verifying them on the way.
+
+Each fetcher leaves ``dest`` holding exactly the model's files and raises `FetchError` (worth a retry:
+network trouble, a server error, bytes that do not match the digest) or `UnsupportedSource` (retrying
+cannot help: unknown scheme, missing tool or credentials, malformed manifest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tarfile
+from pathlib import Path
+from urllib.parse import quote, unquote, urlparse
+
+import httpx
+
+from .digest import (
+    MANIFEST_NAME,
+    DigestError,
+    file_sha256,
+    parse_manifest,
+    render_manifest,
+    tree_digest,
+)
+
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+_CHUNK = 1 << 20
+
+
+class FetchError(Exception):
+    """A failure a later attempt may not repeat."""
+
+
+class UnsupportedSource(Exception):
+    """A failure no retry can fix; the message says what would."""
+
+
+_NEEDS = {
+    "hf": "hf:// needs the Hugging Face Hub client (pip install huggingface_hub) and network access to "
+    "huggingface.co (plus HF_TOKEN for gated models); this puller speaks plain HTTP only: publish the files "
+    "over http(s) with a SHA256SUMS manifest (`embedfleet cache digest DIR --write-manifest`) or use file://",
+    "s3": "s3:// needs the AWS CLI or boto3 and credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an "
+    "IRSA role); use a presigned https:// URL to a .tar archive, or an http(s) directory with a SHA256SUMS "
+    "manifest, instead",
+    "gs": "gs:// needs gcloud/gsutil or google-cloud-storage and credentials (GOOGLE_APPLICATION_CREDENTIALS "
+    "or Workload Identity); use a signed https:// URL to a .tar archive, or an http(s) directory with a "
+    "SHA256SUMS manifest, instead",
+    "pvc": "pvc:// is mounted, not pulled: mount the claim into the pod and pass file:///mount/path",
+}
+
+
+def fetch(source: str, dest: Path, expected_hex: str, timeout: float = 60.0) -> str:
+    """Fill ``dest`` from ``source``; return a short description of what was fetched."""
+    scheme = urlparse(source).scheme.lower()
+    if scheme in ("http", "https"):
+        return _fetch_http(source, dest, expected_hex, timeout)
+    if scheme == "file":
+        return _fetch_file(Path(unquote(urlparse(source).path)), dest, expected_hex)
+    if scheme in _NEEDS:
+        raise UnsupportedSource(_NEEDS[scheme])
+    raise UnsupportedSource(f"unsupported source scheme {scheme!r} in {source!r}; use http(s):// or file://")
+
+
+def _is_archive(name: str) -> bool:
+    return name.endswith(ARCHIVE_SUFFIXES)
+
+
+def _check(actual_hex: str, expected_hex: str, what: str) -> None:
+    if actual_hex != expected_hex:
+        raise FetchError(f"digest mismatch for {what}: got sha256:{actual_hex}, want sha256:{expected_hex}")
+
+
+def _extract(archive: Path, dest: Path) -> None:
+    """Unpack with tarfile's 'data' filter: no absolute paths, no escapes, no devices or links out."""
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(dest, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        raise FetchError(f"cannot unpack {archive.name}: {exc}") from exc
+    archive.unlink()
+
+
+def _fetch_file(path: Path, dest: Path, expected_hex: str) -> str:
+    if path.is_dir():
+        shutil.copytree(path, dest, dirs_exist_ok=True, symlinks=False)
+        _check(tree_digest(dest).removeprefix("sha256:"), expected_hex, f"directory {path}")
+        return f"directory {path}"
+    if not path.is_file():
+        raise UnsupportedSource(f"file source does not exist: {path}")
+    target = dest / path.name
+    shutil.copyfile(path, target)
+    _check(file_sha256(target), expected_hex, str(path))
+    if _is_archive(path.name):
+        _extract(target, dest)
+        return f"archive {path}"
+    return f"file {path}"
+
+
+def _download(client: httpx.Client, url: str, target: Path) -> str:
+    """Stream ``url`` into ``target``; return the sha256 hex of what arrived."""
+    h = hashlib.sha256()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with client.stream("GET", url) as response:
+            if response.status_code in (408, 429) or response.status_code >= 500:
+                raise FetchError(f"GET {url}: HTTP {response.status_code}")
+            if response.status_code >= 400:
+                raise UnsupportedSource(f"GET {url}: HTTP {response.status_code}")
+            with target.open("wb") as fh:
+                for chunk in response.iter_bytes(_CHUNK):
+                    h.update(chunk)
+                    fh.write(chunk)
+    except httpx.HTTPError as exc:
+        raise FetchError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+    return h.hexdigest()
+
+
+def _fetch_http(url: str, dest: Path, expected_hex: str, timeout: float) -> str:
+    with httpx.Client(timeout=timeout, follow_redirects=True) as client:
+        if url.endswith("/"):
+            return _fetch_http_directory(client, url, dest, expected_hex)
+        name = Path(unquote(urlparse(url).path)).name or "model"
+        target = dest / name
+        _check(_download(client, url, target), expected_hex, url)
+        if _is_archive(name):
+            _extract(target, dest)
+            return f"archive {url}"
+        return f"file {url}"
+
+
+def _fetch_http_directory(client: httpx.Client, url: str, dest: Path, expected_hex: str) -> str:
+    """A directory published as ``<url>SHA256SUMS`` plus the files it lists, relative to ``url``."""
+    manifest_path = dest.parent / (dest.name + ".manifest")
+    try:
+        _download(client, url + MANIFEST_NAME, manifest_path)
+        try:
+            entries = parse_manifest(manifest_path.read_bytes())
+        except (DigestError, UnicodeDecodeError) as exc:
+            raise FetchError(f"{url}{MANIFEST_NAME}: {exc}") from exc
+    finally:
+        manifest_path.unlink(missing_ok=True)
+    # The directory digest is the sha256 of the canonical manifest: check it before fetching any file.
+    _check(hashlib.sha256(render_manifest(entries)).hexdigest(), expected_hex, f"{url}{MANIFEST_NAME}")
+    for sha, rel in entries:
+        _check(_download(client, url + quote(rel), dest / rel), sha, url + rel)
+    _check(tree_digest(dest).removeprefix("sha256:"), expected_hex, f"directory {url}")
+    return f"directory {url} ({len(entries)} files)"

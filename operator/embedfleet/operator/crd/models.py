@@ -1,0 +1,341 @@
+"""EmbeddingDeployment and ModelCache, defined once as pydantic models.
+
+These models are the single source of truth for three things: the CRD's openAPIV3Schema (rendered by
+`schema.py` into ``crds/*.yaml``), the operator's parsing of ``spec`` (a spec that reaches a handler is
+parsed here, so an emulator or an old API server without the schema still gets the same checks), and the
+shape of ``status``. Python attributes are snake_case; the wire format is camelCase, like every
+Kubernetes API.
+
+Defaults here become schema defaults, so the API server fills them in and ``kubectl get -o yaml`` shows
+what the operator will use. Rate-limit fields deliberately have no schema default: naming either one
+replaces both defaults (HPA v2 semantics), which defaulting on the server would silently defeat.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+#: The schema checks the scheme only; embedfleet.operator.validate checks each scheme's shape with a message.
+MODEL_SOURCE_PATTERN = r"^(hf|s3|gs|https?|file|pvc)://\S+$"
+DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
+#: Kubernetes resource quantity (e.g. 500m, 2Gi, 1.5).
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+Engine = Literal["torch", "trtllm"]
+DType = Literal["float32", "bfloat16", "float16", "fp8"]
+Quantization = Literal["none", "fp8"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+_QUANTITY = re.compile(QUANTITY_PATTERN)
+
+
+def _quantity(value: int | str) -> str:
+    """Kubernetes accepts 2 and "2" alike; keep the string form so rendering has one type."""
+    text = str(value)
+    if isinstance(value, bool) or not _QUANTITY.match(text):
+        raise ValueError(f"not a Kubernetes quantity: {value!r} (e.g. 500m, 2Gi, 1)")
+    return text
+
+
+Quantity = Annotated[
+    int | str,
+    AfterValidator(_quantity),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}],
+        }
+    ),
+]
+
+
+class CamelModel(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are an error, not silently dropped."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- model
+
+
+class ModelSource(CamelModel):
+    """Where the weights come from and which exact bytes are meant."""
+
+    source: str = Field(
+        pattern=MODEL_SOURCE_PATTERN,
+        max_length=1024,
+        description="hf://org/name, s3://bucket/prefix, gs://bucket/prefix, http(s)://host/path, "
+        "file:///abs/path or pvc://claim/path.",
+    )
+    revision: str | None = Field(
+        default=None, max_length=255, description="Branch, tag or commit (hf://); ignored by other schemes."
+    )
+    digest: str | None = Field(
+        default=None,
+        pattern=DIGEST_PATTERN,
+        description="sha256 of the weights archive; required for pre-pull, it keys the node-local cache.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="Name reported by /v1/models; defaults to the resource name.",
+    )
+    max_input_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_048_576,
+        description="The model's maximum sequence length, when known; checked against maxBatchTokens.",
+    )
+
+
+# ---------------------------------------------------------------- runtime
+
+
+class ResourceRequirements(CamelModel):
+    requests: dict[str, Quantity] = Field(
+        default_factory=lambda: {"cpu": "1", "memory": "2Gi"},
+        json_schema_extra={"default": {"cpu": "1", "memory": "2Gi"}},
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=lambda: {"memory": "4Gi"}, json_schema_extra={"default": {"memory": "4Gi"}}
+    )
+
+
+class GPUSpec(CamelModel):
+    count: int = Field(default=0, ge=0, le=16, description="nvidia.com/gpu per replica; 0 runs on CPU.")
+    type: str | None = Field(
+        default=None,
+        max_length=63,
+        description="GPU model (e.g. nvidia-h100, nvidia-l4); pins pods to nodes with that GPU. "
+        "See embedfleet.operator.crd.gpus for the known types.",
+    )
+
+
+class SecretKeyRef(CamelModel):
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
+    key: str = Field(min_length=1, max_length=253)
+
+
+class Toleration(CamelModel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class RuntimeSpec(CamelModel):
+    """The data plane pods: image, engine and the limits the batcher enforces."""
+
+    image: str = Field(default="ghcr.io/embedfleet/runtime:0.1.0", min_length=1, max_length=512)
+    image_pull_policy: PullPolicy = "IfNotPresent"
+    engine: Engine = "torch"
+    dtype: DType = "float32"
+    quantization: Quantization = Field(default="none", description="fp8 runs the engine in FP8 (GPU only).")
+    max_batch_requests: int = Field(default=32, ge=1, le=4096, description="Requests per engine batch.")
+    max_batch_tokens: int = Field(default=16384, ge=1, le=4_194_304, description="Padded tokens per batch.")
+    max_client_batch_size: int = Field(default=2048, ge=1, le=1_000_000)
+    max_concurrent_requests: int = Field(default=512, ge=1, le=1_000_000)
+    max_input_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
+    payload_limit: int | None = Field(default=None, ge=1024, description="Request body limit in bytes.")
+    tokenizer_workers: int | None = Field(default=None, ge=1, le=256)
+    drain_timeout_seconds: int = Field(
+        default=30, ge=1, le=3600, description="SIGTERM drain; the pod grace period is longer than this."
+    )
+    port: int = Field(default=8080, ge=1024, le=65535)
+    api_key_secret: SecretKeyRef | None = Field(
+        default=None, description="Secret key holding the API key (EMBEDFLEET_API_KEY)."
+    )
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    gpu: GPUSpec = Field(default_factory=GPUSpec)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- autoscaling
+
+
+class ScaleUpRules(CamelModel):
+    """HPA v2 behaviour for growing. With neither rate field set: 100% or 4 pods per period, whichever
+    is more."""
+
+    stabilization_window_seconds: float = Field(default=0, ge=0, le=3600)
+    max_percent_per_period: float | None = Field(default=None, gt=0, le=10000)
+    max_pods_per_period: int | None = Field(default=None, ge=1, le=10000)
+    period_seconds: float = Field(default=15, gt=0, le=1800)
+
+
+class ScaleDownRules(CamelModel):
+    """HPA v2 behaviour for shrinking. With neither rate field set: 100% per period."""
+
+    stabilization_window_seconds: float = Field(default=300, ge=0, le=3600)
+    max_percent_per_period: float | None = Field(default=None, gt=0, le=100)
+    max_pods_per_period: int | None = Field(default=None, ge=1, le=10000)
+    period_seconds: float = Field(default=15, gt=0, le=1800)
+
+
+class AutoscalingSpec(CamelModel):
+    """Knobs of the in-flight autoscaler (embedfleet.operator.autoscale.from_spec reads these keys).
+
+    Target per replica = runtime.maxBatchRequests * targetUtilization in-flight requests.
+    """
+
+    enabled: bool = Field(default=True, description="When false, replicas = spec.replicas or minReplicas.")
+    min_replicas: int = Field(default=1, ge=0, le=10000)
+    max_replicas: int = Field(default=10, ge=1, le=10000)
+    target_utilization: float = Field(default=0.7, gt=0, le=1)
+    stable_window_seconds: float = Field(default=60, gt=0, le=3600)
+    panic_window_seconds: float = Field(default=6, gt=0, le=3600)
+    panic_threshold: float = Field(default=2.0, ge=1, le=100)
+    scale_up: ScaleUpRules = Field(default_factory=ScaleUpRules)
+    scale_down: ScaleDownRules = Field(default_factory=ScaleDownRules)
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    scale_to_zero: bool = False
+    scale_to_zero_grace_seconds: float = Field(default=30, ge=0, le=86400)
+    interval_seconds: float = Field(default=5, ge=0.5, le=300, description="Seconds between decisions.")
+    prometheus_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://\S+$",
+        description="Prometheus base URL; when unset the operator scrapes the pods' /metrics directly.",
+    )
+    query: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="PromQL returning total in-flight requests; default sums embedfleet_requests_in_flight.",
+    )
+
+
+# ---------------------------------------------------------------- cache & placement
+
+
+class CacheStorage(CamelModel):
+    host_path: str = Field(default="/var/lib/embedfleet/cache", pattern=r"^/\S*$")
+    size_limit: Quantity | None = None
+
+
+class NodePool(CamelModel):
+    name: str = Field(pattern=DNS_LABEL_PATTERN, max_length=40)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+
+class CacheSpec(CamelModel):
+    """Node-local weight cache: pre-pull per node pool, then prefer (or require) nodes that hold it."""
+
+    pre_pull: bool = False
+    node_selector: dict[str, str] = Field(default_factory=dict, description="The default node pool.")
+    node_pools: list[NodePool] = Field(
+        default_factory=list,
+        description="One pre-pull DaemonSet per pool; empty means one pool (nodeSelector).",
+    )
+    storage: CacheStorage = Field(default_factory=CacheStorage)
+    require_cached_node: bool = Field(
+        default=False, description="Require (not just prefer) nodes labelled as holding the weights."
+    )
+    puller_image: str | None = Field(
+        default=None, description="Image running `embedfleet cache pull`; defaults to runtime.image."
+    )
+
+
+class ClusterWeight(CamelModel):
+    cluster: str = Field(min_length=1, max_length=253)
+    weight: int = Field(ge=0, le=1000)
+
+
+class PlacementSpec(CamelModel):
+    """Multi-cluster placement, stored now and used by the hub's scheduler."""
+
+    regions: list[str] = Field(default_factory=list)
+    policy: Literal["Duplicated", "Divided"] = "Duplicated"
+    weights: list[ClusterWeight] = Field(default_factory=list)
+    residency: list[str] = Field(
+        default_factory=list, description="Data-residency labels a cluster must carry."
+    )
+
+
+class MonitoringSpec(CamelModel):
+    service_monitor: bool = Field(
+        default=False, description="Also create a ServiceMonitor (only where its CRD is installed)."
+    )
+    scrape_interval: str = Field(default="15s", pattern=r"^[0-9]+(ms|s|m)$")
+
+
+class EmbeddingDeploymentSpec(CamelModel):
+    model: ModelSource
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=10000,
+        description="Replica count when autoscaling is disabled (scale subresource).",
+    )
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    cache: CacheSpec = Field(default_factory=CacheSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+
+
+# ---------------------------------------------------------------- status
+
+
+ConditionType = Literal["Accepted", "CacheReady", "Available", "Scaling", "Degraded"]
+
+
+class Condition(CamelModel):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(default="", max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class ReplicaStatus(CamelModel):
+    desired: int = 0
+    current: int = 0
+    ready: int = 0
+
+
+class ScaleDecision(CamelModel):
+    time: str
+    from_replicas: int = Field(ge=0)
+    to_replicas: int = Field(ge=0)
+    in_flight: float = 0
+    mode: str = "stable"
+    reason: str = ""
+
+
+class EmbeddingDeploymentStatus(CamelModel):
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: ReplicaStatus = Field(default_factory=ReplicaStatus)
+    in_flight: float | None = None
+    cached_nodes: int | None = None
+    total_nodes: int | None = None
+    selector: str | None = Field(default=None, description="Pod label selector (scale subresource).")
+    last_scale_decision: ScaleDecision | None = None
+
+
+class ModelCacheSpec(CamelModel):
+    """Weights to keep on the nodes of some pools, independent of any deployment."""
+
+    model: ModelSource
+    node_pools: list[NodePool] = Field(default_factory=list)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    storage: CacheStorage = Field(default_factory=CacheStorage)
+    puller_image: str = Field(default="ghcr.io/embedfleet/runtime:0.1.0", min_length=1)
+
+
+class NodeCacheState(CamelModel):
+    name: str
+    ready: bool
+
+
+class ModelCacheStatus(CamelModel):
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    cached_nodes: int | None = None
+    total_nodes: int | None = None
+    nodes: list[NodeCacheState] = Field(default_factory=list)

@@ -1,0 +1,227 @@
+"""Pydantic JSON Schema -> Kubernetes structural openAPIV3Schema, and the CRD documents around it.
+
+The API server accepts only "structural" schemas: no ``$ref``, no ``additionalProperties: false``, no
+JSON-Schema-2020 numeric exclusives, ``nullable`` instead of ``anyOf [T, null]``. Pydantic emits the
+modern dialect, so this module rewrites it once, at generation time; the result is written to
+``crds/`` and checked in (a test regenerates it and compares).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from embedfleet.operator.crd import naming
+from embedfleet.operator.crd.models import (
+    EmbeddingDeploymentSpec,
+    EmbeddingDeploymentStatus,
+    ModelCacheSpec,
+    ModelCacheStatus,
+)
+
+_DROP = {"title", "additionalProperties", "$defs"}
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict) and "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _resolve(merged, defs)
+    return node
+
+
+def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite one (sub)schema into the structural OpenAPI v3 form the API server requires."""
+    node = _resolve(node, defs)
+    out: dict[str, Any] = {}
+
+    any_of = node.get("anyOf")
+    if any_of is not None and not node.get("x-kubernetes-int-or-string"):
+        branches = [b for b in any_of if b.get("type") != "null"]
+        if len(branches) != 1:
+            raise ValueError(f"cannot express anyOf {any_of!r} as a structural schema")
+        inner = structural(branches[0], defs)
+        out.update(inner)
+        if len(branches) != len(any_of):
+            out["nullable"] = True
+        for key in ("description", "default"):
+            if key in node and node[key] is not None:
+                out[key] = node[key]
+        return out
+
+    for key, value in node.items():
+        if key in _DROP or key == "anyOf":
+            continue
+        if key == "const":
+            out["enum"] = [value]
+        elif key == "exclusiveMinimum":
+            out["minimum"] = value
+            out["exclusiveMinimum"] = True
+        elif key == "exclusiveMaximum":
+            out["maximum"] = value
+            out["exclusiveMaximum"] = True
+        elif key == "properties":
+            out["properties"] = {name: structural(sub, defs) for name, sub in value.items()}
+        elif key == "items":
+            out["items"] = structural(value, defs)
+        else:
+            out[key] = value
+
+    if node.get("x-kubernetes-int-or-string"):
+        out["anyOf"] = node["anyOf"]
+        out.pop("type", None)
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        out["additionalProperties"] = structural(extra, defs)
+    if out.get("type") == "object" and "properties" in out:
+        required = set(out.get("required", []))
+        for name, sub in out["properties"].items():
+            # A nested object whose fields all have defaults defaults to {} itself, so the API server
+            # fills in the nested defaults even when the user leaves the whole block out.
+            if (
+                name not in required
+                and "default" not in sub
+                and sub.get("type") == "object"
+                and "properties" in sub
+                and not sub.get("required")
+            ):
+                sub["default"] = {}
+    return out
+
+
+def model_schema(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return structural(raw, raw.get("$defs", {}))
+
+
+def _root_schema(spec: type[BaseModel], status: type[BaseModel]) -> dict[str, Any]:
+    status_schema = model_schema(status)
+    # kopf keeps its own progress under status.kopf; without this the API server would prune it.
+    status_schema["properties"]["kopf"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    spec_schema = model_schema(spec)
+    spec_schema.pop("default", None)
+    return {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+    }
+
+
+def _crd(
+    *,
+    kind: str,
+    plural: str,
+    singular: str,
+    short_names: tuple[str, ...],
+    scope: str,
+    schema: dict[str, Any],
+    columns: list[dict[str, Any]],
+    subresources: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{plural}.{naming.GROUP}",
+            "labels": {"app.kubernetes.io/part-of": "embedfleet"},
+        },
+        "spec": {
+            "group": naming.GROUP,
+            "scope": scope,
+            "names": {
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": list(short_names),
+                "categories": ["embedfleet"],
+            },
+            "versions": [
+                {
+                    "name": naming.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": subresources,
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
+        },
+    }
+
+
+def _condition_column(name: str, priority: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "string",
+        "jsonPath": f'.status.conditions[?(@.type=="{name}")].status',
+        "priority": priority,
+    }
+
+
+def embedding_deployment_crd() -> dict[str, Any]:
+    return _crd(
+        kind=naming.EMBEDDING_DEPLOYMENT_KIND,
+        plural=naming.EMBEDDING_DEPLOYMENT_PLURAL,
+        singular=naming.EMBEDDING_DEPLOYMENT_SINGULAR,
+        short_names=naming.EMBEDDING_DEPLOYMENT_SHORT_NAMES,
+        scope="Namespaced",
+        schema=_root_schema(EmbeddingDeploymentSpec, EmbeddingDeploymentStatus),
+        columns=[
+            {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
+            {"name": "Ready", "type": "integer", "jsonPath": ".status.replicas.ready"},
+            {"name": "Desired", "type": "integer", "jsonPath": ".status.replicas.desired"},
+            {"name": "In-Flight", "type": "number", "jsonPath": ".status.inFlight"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+            _condition_column("Accepted", 1),
+            _condition_column("Available", 1),
+            {"name": "Cached", "type": "integer", "jsonPath": ".status.cachedNodes", "priority": 1},
+        ],
+        subresources={
+            "status": {},
+            "scale": {
+                "specReplicasPath": ".spec.replicas",
+                "statusReplicasPath": ".status.replicas.current",
+                "labelSelectorPath": ".status.selector",
+            },
+        },
+    )
+
+
+def model_cache_crd() -> dict[str, Any]:
+    return _crd(
+        kind=naming.MODEL_CACHE_KIND,
+        plural=naming.MODEL_CACHE_PLURAL,
+        singular=naming.MODEL_CACHE_SINGULAR,
+        short_names=naming.MODEL_CACHE_SHORT_NAMES,
+        scope="Namespaced",
+        schema=_root_schema(ModelCacheSpec, ModelCacheStatus),
+        columns=[
+            {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
+            {"name": "Cached", "type": "integer", "jsonPath": ".status.cachedNodes"},
+            {"name": "Nodes", "type": "integer", "jsonPath": ".status.totalNodes"},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        subresources={"status": {}},
+    )
+
+
+def all_crds() -> dict[str, dict[str, Any]]:
+    """File name in crds/ -> CRD document."""
+    docs = [embedding_deployment_crd(), model_cache_crd()]
+    return {f"{doc['metadata']['name']}.yaml": doc for doc in docs}
+
+
+def openapi_schema(kind: str) -> dict[str, Any]:
+    """The openAPIV3Schema of one kind, e.g. for validating example manifests with jsonschema."""
+    for doc in all_crds().values():
+        if doc["spec"]["names"]["kind"] == kind:
+            return doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    raise KeyError(kind)

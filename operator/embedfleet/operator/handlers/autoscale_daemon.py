@@ -1,0 +1,225 @@
+"""The autoscaler loop: one kopf daemon per EmbeddingDeployment. Read signal, decide, apply, explain.
+
+Each tick: read the Deployment (its ``spec.replicas`` is the truth about the current size), read the
+in-flight total (Prometheus or the pods' /metrics, see signals.py), feed the pure
+`autoscale.desired_replicas`, then — only when something changed — write ``status.replicas.desired``
+first and the Deployment's replicas second (so a reconcile running in between renders the new number,
+never the old one), and record the decision and its reason in ``status.lastScaleDecision`` and as an
+Event. The observation window and decision history live in this daemon's memory; after an operator
+restart they start empty, which only makes the first decisions more conservative.
+
+Ownership of status fields is documented in handlers/status.py: this daemon writes
+``replicas.desired``, ``inFlight`` and ``lastScaleDecision``, nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+import kubernetes
+
+from embedfleet.operator.autoscale import (
+    AutoscalerConfig,
+    Decision,
+    History,
+    Observation,
+    desired_replicas,
+    from_spec,
+    trim_observations,
+)
+from embedfleet.operator.crd import naming
+from embedfleet.operator.kube import Kube, KubeError
+from embedfleet.operator.render import runtime_name, selector_labels
+from embedfleet.operator.signals import Reading, pod_targets, query_prometheus, render_query, scrape
+from embedfleet.operator.validate import check
+
+log = logging.getLogger(__name__)
+KUBE = Kube()
+RESOURCE = (naming.GROUP, naming.VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL)
+KIND = naming.EMBEDDING_DEPLOYMENT_KIND
+#: Operator-wide default (``embedfleet operator run --prometheus-url``); spec.autoscaling.prometheusUrl wins.
+ENV_PROMETHEUS_URL = "EMBEDFLEET_PROMETHEUS_URL"
+IDLE_RECHECK_S = 5.0
+
+
+@dataclass
+class LoopState:
+    """What one daemon remembers between ticks."""
+
+    observations: list[Observation] = field(default_factory=list)
+    history: History = field(default_factory=History)
+    signal_ok: bool = True
+    last_mode: str | None = None
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def record_event(body: dict[str, Any], reason: str, message: str, type_: str = "Normal") -> None:
+    """A core/v1 Event about the EmbeddingDeployment, named ``<object>.<nanoseconds hex>`` like kubectl's.
+
+    The name is explicit rather than ``generateName`` so every decision gets its own Event on any API
+    server (the kmock emulator does not implement generateName).
+    """
+    meta = body["metadata"]
+    now = datetime.now(UTC)
+    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{time.time_ns():x}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": naming.API_VERSION,
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": type_,
+        "source": {"component": "embedfleet-autoscaler"},
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+    kubernetes.client.CoreV1Api(KUBE.client).create_namespaced_event(
+        meta["namespace"], event, _request_timeout=(5, 30)
+    )
+
+
+def _runtime_pods(name: str, namespace: str) -> list[dict[str, Any]]:
+    """The deployment's runtime pods as plain dicts (selector re-checked here: not every server filters)."""
+    wanted = selector_labels(name, "runtime")
+    selector = ",".join(f"{k}={v}" for k, v in wanted.items())
+    core = kubernetes.client.CoreV1Api(KUBE.client)
+    pods = core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=(5, 30))
+    out = []
+    for pod in KUBE.client.sanitize_for_serialization(pods).get("items", []):
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if all(labels.get(k) == v for k, v in wanted.items()):
+            out.append(pod)
+    return out
+
+
+def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: int) -> Reading:
+    """In-flight total from Prometheus when a URL is configured, else from every Ready pod's /metrics."""
+    url = autoscaling.get("prometheusUrl") or os.environ.get(ENV_PROMETHEUS_URL)
+    if url:
+        query = render_query(autoscaling.get("query"), namespace, name, runtime_name(name))
+        return query_prometheus(url, query)
+    try:
+        pods = _runtime_pods(name, namespace)
+    except (kubernetes.client.ApiException, OSError) as exc:
+        return Reading(in_flight=None, source="pods", errors=(f"listing pods: {exc}",))
+    return asyncio.run(scrape(pod_targets(pods, port)))
+
+
+def _status_update(decision: Decision, status: dict[str, Any], record: bool) -> dict[str, Any]:
+    """Only the fields that differ from what status already says (no idle writes)."""
+    update: dict[str, Any] = {}
+    if (status.get("replicas") or {}).get("desired") != decision.replicas:
+        update["replicas"] = {"desired": decision.replicas}
+    if status.get("inFlight") != decision.in_flight:
+        update["inFlight"] = decision.in_flight
+    if record:
+        update["lastScaleDecision"] = {
+            "time": _now_iso(),
+            "fromReplicas": decision.current,
+            "toReplicas": decision.replicas,
+            "inFlight": decision.in_flight,
+            "mode": decision.mode,
+            "reason": decision.reason[:1024],
+        }
+    return update
+
+
+def tick(
+    name: str,
+    namespace: str,
+    body: dict[str, Any],
+    config: AutoscalerConfig,
+    autoscaling: dict[str, Any],
+    port: int,
+    state: LoopState,
+    now: float,
+) -> Decision | None:
+    """One round of the loop; returns the decision, or None when there was nothing to decide on."""
+    deployment = KUBE.get("Deployment", runtime_name(name), namespace)
+    if deployment is None:
+        return None  # the reconcile handler has not created it yet
+    current = int((deployment.get("spec") or {}).get("replicas") or 0)
+    ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+
+    reading = read_signal(name, namespace, autoscaling, port)
+    if reading.in_flight is None:
+        if state.signal_ok:
+            message = f"no in-flight signal from {reading.source}, keeping {current}: " + "; ".join(
+                reading.errors
+            )
+            record_event(body, "SignalUnavailable", message, type_="Warning")
+        state.signal_ok = False
+        return None
+    state.signal_ok = True
+
+    state.observations = trim_observations(
+        [*state.observations, Observation(now, reading.in_flight, ready)], config, now
+    )
+    decision = desired_replicas(state.observations, config, state.history.with_current(current), now)
+    state.history = decision.history
+
+    status = dict(body.get("status") or {})
+    first = not status.get("lastScaleDecision")
+    record = decision.changed or first or decision.mode != state.last_mode
+    state.last_mode = decision.mode
+    update = _status_update(decision, status, record)
+    if update:
+        KUBE.patch_status(KIND, name, namespace, update)
+    if decision.changed:
+        scale = {"spec": {"replicas": decision.replicas}}
+        KUBE.patch_merge("Deployment", runtime_name(name), namespace, scale)
+        record_event(body, "Scaled", decision.reason)
+    return decision
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
+def autoscale(
+    stopped: kopf.DaemonStopped,
+    name: str,
+    namespace: str,
+    body: kopf.Body,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    """Runs for as long as the EmbeddingDeployment exists; ``body`` is kopf's live view of it."""
+    state = LoopState()
+    config_key: Any = None
+    while not stopped:
+        spec = dict(body.get("spec") or {})
+        parsed, _ = check(name, spec)
+        if parsed is None or not parsed.autoscaling.enabled:
+            stopped.wait(IDLE_RECHECK_S)
+            continue
+        autoscaling = parsed.autoscaling.model_dump(by_alias=True, exclude_none=True)
+        config = from_spec(autoscaling, parsed.runtime.max_batch_requests)
+        if config != config_key:
+            if config_key is not None:
+                logger.info("autoscaling settings changed; decisions restart from the current size")
+                state = LoopState()
+            config_key = config
+        try:
+            decision = tick(name, namespace, dict(body), config, autoscaling, parsed.runtime.port, state,
+                            time.monotonic())
+            if decision is not None and decision.changed:
+                logger.info("%s", decision.reason)
+        except (KubeError, kubernetes.client.ApiException, OSError) as exc:
+            logger.warning("autoscaler tick failed, retrying next interval: %s", exc)
+        stopped.wait(parsed.autoscaling.interval_seconds)

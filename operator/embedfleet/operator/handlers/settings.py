@@ -1,0 +1,23 @@
+"""Operator-wide kopf settings: our annotation prefix and finalizer, timeouts that survive idle watches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+PREFIX = "embedfleet.dev"
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = f"{PREFIX}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=PREFIX, key="last-handled-configuration"
+    )
+    # Long-running watches get cut by load balancers; reconnect well before typical idle limits.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.posting.enabled = True

@@ -1,0 +1,131 @@
+"""Status of an EmbeddingDeployment from what the cluster shows. Pure: dicts in, dicts out.
+
+The handlers own ``status.conditions``, ``status.replicas.current/ready``, ``status.cachedNodes`` /
+``totalNodes``, ``status.selector`` and ``status.observedGeneration``. The autoscaler daemon owns
+``status.replicas.desired`` (after its first decision), ``status.inFlight`` and
+``status.lastScaleDecision``. Conditions are one list (a merge patch replaces lists whole), so only the
+handlers write it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+CONDITION_ORDER = ("Accepted", "CacheReady", "Available", "Scaling", "Degraded")
+
+
+def condition(
+    type_: str, ok: bool | None, reason: str, message: str = "", generation: int | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": type_,
+        "status": "Unknown" if ok is None else ("True" if ok else "False"),
+        "reason": reason,
+        "message": message,
+    }
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out
+
+
+def merge_conditions(
+    old: list[Mapping[str, Any]] | None, new: list[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """New conditions over old ones; lastTransitionTime moves only when a condition's status flips."""
+    by_type = {c.get("type"): dict(c) for c in (old or [])}
+    for cond in new:
+        previous = by_type.get(cond["type"])
+        same = previous is not None and previous.get("status") == cond["status"]
+        stamp = previous.get("lastTransitionTime") if same and previous else None
+        by_type[cond["type"]] = {**cond, "lastTransitionTime": stamp or now}
+    known = [by_type.pop(t) for t in CONDITION_ORDER if t in by_type]
+    return known + [by_type[t] for t in sorted(by_type, key=str)]
+
+
+def without_times(conditions: list[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    return [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in conditions or []]
+
+
+def observed_conditions(
+    *,
+    deployment: Mapping[str, Any] | None,
+    daemonsets: list[Mapping[str, Any]],
+    pre_pull: bool,
+    desired: int,
+    generation: int | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(CacheReady/Available/Scaling/Degraded conditions, status fields) from the live objects."""
+    dep_status = (deployment or {}).get("status") or {}
+    current = int(dep_status.get("replicas") or 0)
+    ready = int(dep_status.get("readyReplicas") or 0)
+    updated = int(dep_status.get("updatedReplicas") or 0)
+    fields: dict[str, Any] = {"replicas": {"current": current, "ready": ready}}
+
+    if pre_pull:
+        cached = sum(int((ds.get("status") or {}).get("numberReady") or 0) for ds in daemonsets)
+        total = sum(int((ds.get("status") or {}).get("desiredNumberScheduled") or 0) for ds in daemonsets)
+        fields["cachedNodes"], fields["totalNodes"] = cached, total
+        cache = condition(
+            "CacheReady",
+            cached > 0,
+            "Cached" if cached else "Pulling",
+            f"weights verified on {cached}/{total} nodes",
+            generation,
+        )
+    else:
+        cache = condition(
+            "CacheReady", True, "PrePullDisabled", "each pod fetches (or mounts) the model itself", generation
+        )
+
+    if desired == 0:
+        available = condition("Available", True, "ScaledToZero", "no replicas requested", generation)
+    elif ready > 0:
+        available = condition(
+            "Available", True, "ReplicasReady", f"{ready}/{desired} replicas ready", generation
+        )
+    else:
+        available = condition(
+            "Available", False, "NoReadyReplicas", f"0/{desired} replicas ready", generation
+        )
+
+    scaling_now = current != desired or updated < min(current, desired)
+    scaling = condition(
+        "Scaling",
+        scaling_now,
+        "Converging" if scaling_now else "Stable",
+        f"{current} current, {updated} updated, {desired} desired",
+        generation,
+    )
+
+    failures = [
+        f"{c.get('type')}: {c.get('message') or c.get('reason')}"
+        for c in dep_status.get("conditions") or []
+        if (c.get("type") == "ReplicaFailure" and c.get("status") == "True")
+        or (c.get("type") == "Progressing" and c.get("status") == "False")
+    ]
+    degraded = condition(
+        "Degraded",
+        bool(failures),
+        "DeploymentFailing" if failures else "Healthy",
+        "; ".join(failures),
+        generation,
+    )
+    return [cache, available, scaling, degraded], fields
+
+
+def status_patch(current: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """The top-level status keys whose value differs; empty means nothing to write."""
+    current = current or {}
+    out: dict[str, Any] = {}
+    for key, value in wanted.items():
+        have = current.get(key)
+        if key == "conditions":
+            if without_times(have) != without_times(value):
+                out[key] = value
+        elif isinstance(value, Mapping) and isinstance(have, Mapping):
+            if any(have.get(k) != v for k, v in value.items()):
+                out[key] = dict(value)
+        elif have != value:
+            out[key] = value
+    return out

@@ -1,0 +1,342 @@
+"""All Kubernetes I/O of the operator's reconcile path, through the official ``kubernetes`` client.
+
+One generic path for every kind (a small table maps kind -> URL) instead of one typed API per kind, so
+apply/diff/prune behave identically for ConfigMaps and DaemonSets alike.
+
+Apply is "read, compare, write only on change": the last manifest we applied is kept in the
+``embedfleet.dev/last-applied`` annotation (like ``kubectl apply``). When it equals the new manifest the
+object is left alone, so a reconcile of an unchanged spec issues no writes, and server-side defaulting
+(which makes live objects differ from what we sent) never causes churn. On change, the whole manifest
+is sent as a JSON merge patch, with explicit nulls for fields the previous manifest had and the new one
+drops, so removed settings really disappear.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import kubernetes
+
+from embedfleet.operator.crd import naming
+
+log = logging.getLogger(__name__)
+
+LAST_APPLIED = "embedfleet.dev/last-applied"
+MERGE_PATCH = "application/merge-patch+json"
+TIMEOUT = (5, 30)
+
+ApplyResult = Literal["created", "patched", "unchanged"]
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str
+    plural: str
+    namespaced: bool
+
+    def path(
+        self, namespace: str | None = None, name: str | None = None, subresource: str | None = None
+    ) -> str:
+        base = f"/api/{self.api_version}" if "/" not in self.api_version else f"/apis/{self.api_version}"
+        if self.namespaced:
+            if namespace is None:
+                raise ValueError(f"{self.plural} is namespaced: a namespace is required")
+            base += f"/namespaces/{urllib.parse.quote(namespace)}"
+        base += f"/{self.plural}"
+        if name is not None:
+            base += f"/{urllib.parse.quote(name)}"
+        if subresource is not None:
+            base += f"/{subresource}"
+        return base
+
+
+KINDS: dict[str, Kind] = {
+    "ConfigMap": Kind("v1", "configmaps", True),
+    "Service": Kind("v1", "services", True),
+    "ServiceAccount": Kind("v1", "serviceaccounts", True),
+    "Event": Kind("v1", "events", True),
+    "Node": Kind("v1", "nodes", False),
+    "Deployment": Kind("apps/v1", "deployments", True),
+    "DaemonSet": Kind("apps/v1", "daemonsets", True),
+    "PodDisruptionBudget": Kind("policy/v1", "poddisruptionbudgets", True),
+    "ClusterRoleBinding": Kind("rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "ServiceMonitor": Kind("monitoring.coreos.com/v1", "servicemonitors", True),
+    naming.EMBEDDING_DEPLOYMENT_KIND: Kind(naming.API_VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL, True),
+    naming.MODEL_CACHE_KIND: Kind(naming.API_VERSION, naming.MODEL_CACHE_PLURAL, True),
+}
+
+#: Kinds an EmbeddingDeployment or ModelCache may own, in deletion order (consumers first).
+OWNED_KINDS = (
+    "ServiceMonitor",
+    "PodDisruptionBudget",
+    "Service",
+    "Deployment",
+    "DaemonSet",
+    "ClusterRoleBinding",
+    "ServiceAccount",
+    "ConfigMap",
+)
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, reason: str, body: str, what: str) -> None:
+        super().__init__(f"{what}: HTTP {status} {reason}: {body[:500]}")
+        self.status = status
+        self.reason = reason
+        self.body = body
+
+
+def merge_patch_deletions(old: Any, new: Any) -> Any:
+    """``new`` plus explicit ``None`` for every key ``old`` had and ``new`` lacks (RFC 7386 removals)."""
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return new
+    out = {key: merge_patch_deletions(old.get(key), value) for key, value in new.items()}
+    for key in old:
+        if key not in new:
+            out[key] = None
+    return out
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _stripped(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest as we compare it: our bookkeeping annotation removed."""
+    out = json.loads(json.dumps(manifest))
+    annotations = out.get("metadata", {}).get("annotations")
+    if annotations is not None:
+        annotations.pop(LAST_APPLIED, None)
+        if not annotations:
+            del out["metadata"]["annotations"]
+    return out
+
+
+def _with_last_applied(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    out = _stripped(manifest)
+    out.setdefault("metadata", {}).setdefault("annotations", {})[LAST_APPLIED] = _canonical(out)
+    return out
+
+
+def _selector_matches(selector: Mapping[str, str], obj_labels: Mapping[str, str] | None) -> bool:
+    obj_labels = obj_labels or {}
+    return all(obj_labels.get(k) == v for k, v in selector.items())
+
+
+def load_client(kubeconfig: str | os.PathLike[str] | None = None) -> kubernetes.client.ApiClient:
+    """An explicit kubeconfig, else in-cluster credentials in a pod, else ``$KUBECONFIG`` / ~/.kube/config."""
+    config = kubernetes.client.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kubernetes.config.load_incluster_config(client_configuration=config)
+    else:
+        # Read $KUBECONFIG now: the client captures it at import time, before tests or CLIs set it.
+        path = kubeconfig or os.environ.get("KUBECONFIG") or None
+        kubernetes.config.load_kube_config(
+            config_file=str(path) if path else None, client_configuration=config
+        )
+    return kubernetes.client.ApiClient(configuration=config)
+
+
+class Kube:
+    """A thin, synchronous façade; kopf runs sync handlers in worker threads, so blocking is fine."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient | None = None) -> None:
+        self._client = api_client
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> kubernetes.client.ApiClient:
+        with self._lock:
+            if self._client is None:
+                self._client = load_client()
+            return self._client
+
+    # ------------------------------------------------------------ raw requests
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+        allow_404: bool = False,
+    ) -> Any:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        method_, url, headers, body_, post = self.client.param_serialize(
+            method,
+            path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.client.call_api(
+            method_, url, header_params=headers, body=body_, post_params=post, _request_timeout=TIMEOUT
+        )
+        data = response.read()
+        if response.status == 404 and allow_404:
+            return None
+        if response.status >= 400:
+            raise KubeError(
+                response.status, str(response.reason), data.decode("utf-8", "replace"), f"{method} {path}"
+            )
+        return json.loads(data) if data else {}
+
+    # ------------------------------------------------------------ objects
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        return self._request("GET", KINDS[kind].path(namespace, name), allow_404=True)
+
+    def list(
+        self, kind: str, namespace: str | None = None, selector: Mapping[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Objects of a kind; the label selector is also applied here, since not every server honours it."""
+        selector = dict(selector or {})
+        query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))] if selector else []
+        data = self._request("GET", KINDS[kind].path(namespace), query=query)
+        items = data.get("items", []) if data else []
+        return [item for item in items if _selector_matches(selector, item.get("metadata", {}).get("labels"))]
+
+    def apply(self, manifest: Mapping[str, Any]) -> ApplyResult:
+        """Create, patch or leave alone; see the module docstring for why this issues no idle writes."""
+        kind = KINDS[manifest["kind"]]
+        meta = manifest["metadata"]
+        name, namespace = meta["name"], meta.get("namespace")
+        desired = _with_last_applied(manifest)
+        live = self.get(manifest["kind"], name, namespace)
+        if live is None:
+            self._request("POST", kind.path(namespace), body=desired)
+            log.info("created %s %s/%s", manifest["kind"], namespace or "-", name)
+            return "created"
+        previous_text = (live.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
+        if previous_text == desired["metadata"]["annotations"][LAST_APPLIED]:
+            return "unchanged"
+        previous = json.loads(previous_text) if previous_text else {}
+        patch = merge_patch_deletions(previous, desired)
+        self._request("PATCH", kind.path(namespace, name), body=patch, content_type=MERGE_PATCH)
+        log.info("patched %s %s/%s", manifest["kind"], namespace or "-", name)
+        return "patched"
+
+    def delete(self, kind: str, name: str, namespace: str | None = None) -> bool:
+        """True when something was deleted; a missing object is already the desired state."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        result = self._request("DELETE", KINDS[kind].path(namespace, name), body=body, allow_404=True)
+        if result is not None:
+            log.info("deleted %s %s/%s", kind, namespace or "-", name)
+        return result is not None
+
+    def patch_merge(
+        self,
+        kind: str,
+        name: str,
+        namespace: str | None,
+        patch: Mapping[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
+        return self._request(
+            "PATCH",
+            KINDS[kind].path(namespace, name, subresource),
+            body=dict(patch),
+            content_type=MERGE_PATCH,
+        )
+
+    def patch_status(self, kind: str, name: str, namespace: str | None, status: Mapping[str, Any]) -> None:
+        self.patch_merge(kind, name, namespace, {"status": dict(status)}, subresource="status")
+
+    def has_resource(self, api_version: str, plural: str) -> bool:
+        """Whether the server serves a resource (e.g. ServiceMonitor only where its CRD is installed)."""
+        path = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
+        try:
+            data = self._request("GET", path, allow_404=True)
+        except KubeError:
+            return False
+        return bool(data) and any(r.get("name") == plural for r in data.get("resources", []))
+
+    def event(self, involved: Mapping[str, Any], reason: str, message: str, type_: str = "Normal") -> None:
+        """A core/v1 Event about an object, for callers outside a kopf handler (kopf has its own)."""
+        meta = involved["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        namespace = meta.get("namespace") or "default"
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion"),
+                "kind": involved.get("kind"),
+                "name": meta["name"],
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+            },
+            "reason": reason[:128],
+            "message": message[:1024],
+            "type": type_,
+            "source": {"component": naming.MANAGED_BY},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self._request("POST", KINDS["Event"].path(namespace), body=body)
+
+    # ------------------------------------------------------------ ownership
+
+    def owned(
+        self,
+        owner_kind: str,
+        owner_name: str,
+        owner_uid: str | None,
+        namespace: str,
+        kinds: tuple[str, ...] = OWNED_KINDS,
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """Objects labelled as ours for this owner; namespaced ones must also carry its owner reference."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        for kind in kinds:
+            info = KINDS[kind]
+            selector = {naming.INSTANCE_LABEL: owner_name, naming.MANAGED_BY_LABEL: naming.MANAGED_BY}
+            if not info.namespaced:
+                selector[naming.OWNER_NAMESPACE_LABEL] = namespace
+                selector[naming.OWNER_KIND_LABEL] = owner_kind.lower()
+            try:
+                items = self.list(kind, namespace if info.namespaced else None, selector)
+            except KubeError as exc:
+                if exc.status == 404:  # e.g. no ServiceMonitor CRD on this cluster
+                    continue
+                raise
+            for item in items:
+                refs = item.get("metadata", {}).get("ownerReferences") or []
+                if (
+                    info.namespaced
+                    and owner_uid is not None
+                    and not any(r.get("uid") == owner_uid for r in refs)
+                ):
+                    continue
+                found.append((kind, item))
+        return found
+
+    def prune(
+        self,
+        owner_kind: str,
+        owner_name: str,
+        owner_uid: str | None,
+        namespace: str,
+        keep: list[Mapping[str, Any]],
+        kinds: tuple[str, ...] = OWNED_KINDS,
+    ) -> list[str]:
+        """Delete our objects for this owner that are not in ``keep``; returns ``Kind/name`` of each."""
+        wanted = {(m["kind"], m["metadata"]["name"]) for m in keep}
+        deleted = []
+        for kind, item in self.owned(owner_kind, owner_name, owner_uid, namespace, kinds):
+            name = item["metadata"]["name"]
+            if (kind, name) not in wanted and self.delete(kind, name, item["metadata"].get("namespace")):
+                deleted.append(f"{kind}/{name}")
+        return deleted

@@ -1,0 +1,608 @@
+"""EmbeddingDeployment spec -> the Kubernetes objects that run it. Pure: no I/O, no clock, no kopf.
+
+Everything the operator creates is decided here, so a reader (or a test) can see the whole cluster
+footprint of one spec by calling `render`. Objects carry an owner reference to the custom resource so
+the API server's garbage collector removes them with it; the one cluster-scoped object (the puller's
+ClusterRoleBinding) cannot be owned by a namespaced resource and is deleted explicitly by the handler.
+
+Model files reach the runtime in one of three ways, and ``EMBEDFLEET_MODEL`` points at the result:
+
+* pre-pull on: a DaemonSet per node pool runs ``embedfleet cache pull --label-node`` into the node cache
+  ``<cache.storage.hostPath>/sha256-<hex>``; runtime pods prefer (or require) nodes labelled
+  ``cache.embedfleet.dev/sha256-<16 hex>=ready`` and mount the cache root read-only;
+* pre-pull off: an init container runs ``embedfleet cache pull`` into a pod-local emptyDir;
+* ``file://`` (a path inside the image) and ``pvc://claim/path`` (mounted read-only) are used in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.parse
+from typing import Any
+
+from embedfleet.operator.crd import naming
+from embedfleet.operator.crd.gpus import GPU_PRODUCT_LABEL, KNOWN_GPU_TYPES
+from embedfleet.operator.crd.models import (
+    CacheStorage,
+    EmbeddingDeploymentSpec,
+    ModelCacheSpec,
+    ModelSource,
+    NodePool,
+)
+
+Manifest = dict[str, Any]
+
+RUNTIME_UID = 10001
+CONTAINER_CACHE_DIR = "/var/cache/embedfleet"
+PVC_MOUNT_DIR = "/models/pvc"
+#: Seconds preStop waits so endpoints drop the pod before SIGTERM starts the runtime's drain.
+PRESTOP_SLEEP_SECONDS = 5
+#: Margin on top of preStop + drain so the kubelet never SIGKILLs a pod that is still draining.
+GRACE_MARGIN_SECONDS = 10
+SERVICE_PORT = 80
+CONFIG_HASH_ANNOTATION = "embedfleet.dev/config-hash"
+PULLER_CLUSTER_ROLE = "embedfleet-cache-puller"
+
+
+# ---------------------------------------------------------------- small helpers
+
+
+def owner_reference(name: str, uid: str, kind: str = naming.EMBEDDING_DEPLOYMENT_KIND) -> dict[str, Any]:
+    return {
+        "apiVersion": naming.API_VERSION,
+        "kind": kind,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "embedfleet",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+        naming.MANAGED_BY_LABEL: naming.MANAGED_BY,
+        naming.INSTANCE_LABEL: name,
+        naming.COMPONENT_LABEL: component,
+    }
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    """The immutable subset used in selectors (a Deployment's selector can never change)."""
+    return {naming.INSTANCE_LABEL: name, naming.COMPONENT_LABEL: component}
+
+
+def selector_string(name: str, component: str = "runtime") -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name, component).items())
+
+
+def _meta(name: str, namespace: str, owner: dict[str, Any] | None, lbls: dict[str, str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(lbls)}
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    return meta
+
+
+def content_hash(obj: Any) -> str:
+    """Stable short hash of JSON-able data (key order does not matter)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _non_root_container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "runAsGroup": RUNTIME_UID,
+        "fsGroup": RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def runtime_name(name: str) -> str:
+    return name
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-config"
+
+
+def puller_name(name: str, pool: str) -> str:
+    return f"{name}-prepull-{pool}"
+
+
+def puller_binding_name(namespace: str, ds_prefix: str) -> str:
+    return f"embedfleet-{namespace}-{ds_prefix}"
+
+
+def node_pools(selector: dict[str, str], pools: list[NodePool]) -> list[NodePool]:
+    return list(pools) or [NodePool(name="default", node_selector=selector)]
+
+
+def model_dir(model: ModelSource) -> str:
+    """Where the runtime finds the model files inside its container."""
+    parsed = urllib.parse.urlsplit(model.source)
+    if parsed.scheme == "file":
+        return parsed.path
+    if parsed.scheme == "pvc":
+        return PVC_MOUNT_DIR + (parsed.path.rstrip("/") or "")
+    assert model.digest is not None, "validate() requires a digest for downloaded models"
+    return f"{CONTAINER_CACHE_DIR}/{naming.cache_subdir(model.digest)}"
+
+
+def effective_replicas(spec: EmbeddingDeploymentSpec, autoscaler_desired: int | None) -> int:
+    """Replicas to render: the autoscaler's last decision when it made one, else the spec's own count.
+
+    Rendering the autoscaler's number (instead of leaving the field out) keeps re-applying a changed spec
+    from snapping the fleet back to minReplicas.
+    """
+    auto = spec.autoscaling
+    if not auto.enabled:
+        return spec.replicas if spec.replicas is not None else auto.min_replicas
+    floor = 0 if auto.scale_to_zero else auto.min_replicas
+    start = (
+        autoscaler_desired
+        if autoscaler_desired is not None
+        else (
+            spec.replicas
+            if spec.replicas is not None
+            else max(auto.min_replicas, 0 if auto.scale_to_zero else 1)
+        )
+    )
+    return max(floor, min(auto.max_replicas, start))
+
+
+# ---------------------------------------------------------------- runtime pieces
+
+
+def runtime_env(name: str, spec: EmbeddingDeploymentSpec) -> dict[str, str]:
+    """The runtime's configuration contract (EMBEDFLEET_* variables), as ConfigMap data."""
+    rt = spec.runtime
+    env = {
+        "EMBEDFLEET_MODEL": model_dir(spec.model),
+        "EMBEDFLEET_SERVED_MODEL_NAME": spec.model.served_model_name or name,
+        "EMBEDFLEET_HOST": "0.0.0.0",  # inside the pod network namespace; the Service is the only way in
+        "EMBEDFLEET_PORT": str(rt.port),
+        "EMBEDFLEET_DEVICE": "cuda" if rt.gpu.count > 0 else "cpu",
+        "EMBEDFLEET_DTYPE": "fp8" if rt.quantization == "fp8" else rt.dtype,
+        "EMBEDFLEET_ENGINE": rt.engine,
+        "EMBEDFLEET_MAX_BATCH_TOKENS": str(rt.max_batch_tokens),
+        "EMBEDFLEET_MAX_BATCH_REQUESTS": str(rt.max_batch_requests),
+        "EMBEDFLEET_MAX_CLIENT_BATCH_SIZE": str(rt.max_client_batch_size),
+        "EMBEDFLEET_MAX_CONCURRENT_REQUESTS": str(rt.max_concurrent_requests),
+        "EMBEDFLEET_DRAIN_TIMEOUT": str(rt.drain_timeout_seconds),
+    }
+    optional = {
+        "EMBEDFLEET_MAX_INPUT_TOKENS": rt.max_input_tokens,
+        "EMBEDFLEET_PAYLOAD_LIMIT": rt.payload_limit,
+        "EMBEDFLEET_TOKENIZER_WORKERS": rt.tokenizer_workers,
+    }
+    env.update({key: str(value) for key, value in optional.items() if value is not None})
+    return env
+
+
+def render_config_map(name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(
+            config_map_name(name), namespace, owner_reference(name, uid), labels(name, "runtime")
+        ),
+        "data": runtime_env(name, spec),
+    }
+
+
+def _cache_affinity(spec: EmbeddingDeploymentSpec) -> dict[str, Any] | None:
+    required: list[dict[str, Any]] = []
+    preferred: list[dict[str, Any]] = []
+    gpu = spec.runtime.gpu
+    if gpu.count > 0 and gpu.type is not None:
+        required.append(
+            {"key": GPU_PRODUCT_LABEL, "operator": "In", "values": list(KNOWN_GPU_TYPES[gpu.type])}
+        )
+    if spec.cache.pre_pull and spec.model.digest is not None:
+        cached = {
+            "key": naming.cache_label_key(spec.model.digest),
+            "operator": "In",
+            "values": [naming.CACHE_LABEL_READY],
+        }
+        if spec.cache.require_cached_node:
+            required.append(cached)
+        else:
+            preferred.append({"weight": 100, "preference": {"matchExpressions": [cached]}})
+    if not required and not preferred:
+        return None
+    node_affinity: dict[str, Any] = {}
+    if required:
+        node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {
+            "nodeSelectorTerms": [{"matchExpressions": required}]
+        }
+    if preferred:
+        node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
+    return {"nodeAffinity": node_affinity}
+
+
+def _pull_args(model: ModelSource, cache_dir: str) -> list[str]:
+    assert model.digest is not None
+    return [
+        "embedfleet",
+        "cache",
+        "pull",
+        "--source",
+        model.source,
+        "--digest",
+        model.digest,
+        "--cache-dir",
+        cache_dir,
+    ]
+
+
+def _model_volumes(
+    spec: EmbeddingDeploymentSpec,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, runtime volumeMounts, init containers) that put the model where model_dir() says."""
+    parsed = urllib.parse.urlsplit(spec.model.source)
+    if parsed.scheme == "file":
+        return [], [], []
+    if parsed.scheme == "pvc":
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": parsed.netloc, "readOnly": True}}
+        return [volume], [{"name": "model", "mountPath": PVC_MOUNT_DIR, "readOnly": True}], []
+    if spec.cache.pre_pull:
+        volume = {
+            "name": "model-cache",
+            "hostPath": {"path": spec.cache.storage.host_path, "type": "DirectoryOrCreate"},
+        }
+        return [volume], [{"name": "model-cache", "mountPath": CONTAINER_CACHE_DIR, "readOnly": True}], []
+    empty_dir: dict[str, Any] = {}
+    if spec.cache.storage.size_limit is not None:
+        empty_dir["sizeLimit"] = spec.cache.storage.size_limit
+    init = {
+        "name": "fetch-model",
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": _pull_args(spec.model, CONTAINER_CACHE_DIR),
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "securityContext": _non_root_container_security(),
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": CONTAINER_CACHE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    volume = {"name": "model-cache", "emptyDir": empty_dir}
+    return [volume], [{"name": "model-cache", "mountPath": CONTAINER_CACHE_DIR, "readOnly": True}], [init]
+
+
+def _resources(spec: EmbeddingDeploymentSpec) -> dict[str, Any]:
+    requests = dict(spec.runtime.resources.requests)
+    limits = dict(spec.runtime.resources.limits)
+    if spec.runtime.gpu.count > 0:
+        requests["nvidia.com/gpu"] = str(spec.runtime.gpu.count)
+        limits["nvidia.com/gpu"] = str(spec.runtime.gpu.count)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def render_deployment(
+    name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec, replicas: int, config_hash: str
+) -> Manifest:
+    rt = spec.runtime
+    volumes, mounts, init_containers = _model_volumes(spec)
+    volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
+    ]
+    if rt.api_key_secret is not None:
+        env.append(
+            {
+                "name": "EMBEDFLEET_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": rt.api_key_secret.name, "key": rt.api_key_secret.key}},
+            }
+        )
+    container = {
+        "name": "runtime",
+        "image": rt.image,
+        "imagePullPolicy": rt.image_pull_policy,
+        "command": ["embedfleet", "serve"],
+        "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
+        "envFrom": [{"configMapRef": {"name": config_map_name(name)}}],
+        "env": env,
+        "resources": _resources(spec),
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 120,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 2,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "securityContext": _non_root_container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
+    }
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in rt.tolerations]
+    if rt.gpu.count > 0:
+        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+    pod_spec: dict[str, Any] = {
+        "securityContext": _pod_security(),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS
+        + rt.drain_timeout_seconds
+        + GRACE_MARGIN_SECONDS,
+        "containers": [container],
+        "volumes": volumes,
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": selector_labels(name, "runtime")},
+            }
+        ],
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if rt.node_selector:
+        pod_spec["nodeSelector"] = dict(rt.node_selector)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    affinity = _cache_affinity(spec)
+    if affinity is not None:
+        pod_spec["affinity"] = affinity
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(runtime_name(name), namespace, owner_reference(name, uid), labels(name, "runtime")),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(name, "runtime")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": labels(name, "runtime"),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(rt.port),
+                        "prometheus.io/path": "/metrics",
+                        CONFIG_HASH_ANNOTATION: config_hash,
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def render_service(name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec) -> Manifest:
+    meta = _meta(runtime_name(name), namespace, owner_reference(name, uid), labels(name, "runtime"))
+    meta["annotations"] = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(spec.runtime.port),
+        "prometheus.io/path": "/metrics",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name, "runtime"),
+            "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_pdb(name: str, namespace: str, uid: str) -> Manifest:
+    """At most one runtime pod voluntarily down at a time (a node drain proceeds one pod at a time)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(runtime_name(name), namespace, owner_reference(name, uid), labels(name, "runtime")),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, "runtime")}},
+    }
+
+
+def render_service_monitor(name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec) -> Manifest:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(runtime_name(name), namespace, owner_reference(name, uid), labels(name, "runtime")),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name, "runtime")},
+            "namespaceSelector": {"matchNames": [namespace]},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": spec.monitoring.scrape_interval}],
+        },
+    }
+
+
+# ---------------------------------------------------------------- pre-pull
+
+
+def render_prepull(
+    *,
+    owner_name: str,
+    owner_kind: str,
+    namespace: str,
+    uid: str,
+    model: ModelSource,
+    pools: list[NodePool],
+    storage: CacheStorage,
+    image: str,
+    pull_policy: str = "IfNotPresent",
+    ds_prefix: str,
+) -> list[Manifest]:
+    """ServiceAccount + ClusterRoleBinding (to label nodes) + one DaemonSet per node pool.
+
+    The pull runs as an init container, so a DaemonSet pod is Ready exactly when its node holds verified
+    weights: ``numberReady / desiredNumberScheduled`` is the cache status, with no node listing needed.
+    """
+    owner = owner_reference(owner_name, uid, owner_kind)
+    sa_name = ds_prefix
+    out: list[Manifest] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _meta(sa_name, namespace, owner, labels(owner_name, "prepull")),
+            "automountServiceAccountToken": True,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {
+                "name": puller_binding_name(namespace, ds_prefix),
+                "labels": {
+                    **labels(owner_name, "prepull"),
+                    naming.OWNER_NAMESPACE_LABEL: namespace,
+                    naming.OWNER_KIND_LABEL: owner_kind.lower(),
+                },
+            },
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": PULLER_CLUSTER_ROLE,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": sa_name, "namespace": namespace}],
+        },
+    ]
+    for pool in pools:
+        ds_labels = {**labels(owner_name, "prepull"), "embedfleet.dev/node-pool": pool.name}
+        ds_selector = {**selector_labels(owner_name, "prepull"), "embedfleet.dev/node-pool": pool.name}
+        pull = {
+            "name": "pull",
+            "image": image,
+            "imagePullPolicy": pull_policy,
+            "command": [
+                *_pull_args(model, CONTAINER_CACHE_DIR),
+                "--node-name",
+                "$(NODE_NAME)",
+                "--label-node",
+            ],
+            "env": [
+                {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                {"name": "HOME", "value": "/tmp"},
+            ],
+            "securityContext": _non_root_container_security(),
+            "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+            "volumeMounts": [
+                {"name": "cache", "mountPath": CONTAINER_CACHE_DIR},
+                {"name": "tmp", "mountPath": "/tmp"},
+            ],
+        }
+        # Re-checks the cache (a no-op when the init container filled it), keeps the label fresh, then
+        # holds until SIGTERM, so the pod stays Ready exactly while its node holds verified weights.
+        hold = {
+            **pull,
+            "name": "hold",
+            "command": [*pull["command"], "--hold"],
+            "resources": {"requests": {"cpu": "5m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        }
+        pod_spec: dict[str, Any] = {
+            "serviceAccountName": sa_name,
+            "securityContext": _pod_security(),
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 5,
+            "initContainers": [pull],
+            "containers": [hold],
+            "volumes": [
+                {"name": "cache", "hostPath": {"path": storage.host_path, "type": "DirectoryOrCreate"}},
+                {"name": "tmp", "emptyDir": {}},
+            ],
+            "tolerations": [{"operator": "Exists"}],
+        }
+        if pool.node_selector:
+            pod_spec["nodeSelector"] = dict(pool.node_selector)
+        out.append(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "DaemonSet",
+                "metadata": _meta(f"{ds_prefix}-{pool.name}", namespace, owner, ds_labels),
+                "spec": {
+                    "selector": {"matchLabels": ds_selector},
+                    "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "25%"}},
+                    "template": {"metadata": {"labels": ds_labels}, "spec": pod_spec},
+                },
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def render(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: EmbeddingDeploymentSpec,
+    *,
+    autoscaler_desired: int | None = None,
+    service_monitor_available: bool = False,
+) -> list[Manifest]:
+    """Every object one EmbeddingDeployment needs, in apply order (config before its consumers)."""
+    config = render_config_map(name, namespace, uid, spec)
+    replicas = effective_replicas(spec, autoscaler_desired)
+    out = [config]
+    if spec.cache.pre_pull:
+        out += render_prepull(
+            owner_name=name,
+            owner_kind=naming.EMBEDDING_DEPLOYMENT_KIND,
+            namespace=namespace,
+            uid=uid,
+            model=spec.model,
+            pools=node_pools(spec.cache.node_selector, spec.cache.node_pools),
+            storage=spec.cache.storage,
+            image=spec.cache.puller_image or spec.runtime.image,
+            pull_policy=spec.runtime.image_pull_policy,
+            ds_prefix=f"{name}-prepull",
+        )
+    out += [
+        render_deployment(name, namespace, uid, spec, replicas, content_hash(config["data"])),
+        render_service(name, namespace, uid, spec),
+        render_pdb(name, namespace, uid),
+    ]
+    if spec.monitoring.service_monitor and service_monitor_available:
+        out.append(render_service_monitor(name, namespace, uid, spec))
+    return out
+
+
+def render_model_cache(name: str, namespace: str, uid: str, spec: ModelCacheSpec) -> list[Manifest]:
+    return render_prepull(
+        owner_name=name,
+        owner_kind=naming.MODEL_CACHE_KIND,
+        namespace=namespace,
+        uid=uid,
+        model=spec.model,
+        pools=node_pools(spec.node_selector, spec.node_pools),
+        storage=spec.storage,
+        image=spec.puller_image,
+        ds_prefix=f"{name}-cache",
+    )

@@ -1,0 +1,310 @@
+"""The autoscaler's policy: worked examples first, then the invariants hypothesis hunts for breaks in."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from embedfleet.operator.autoscale import (
+    AutoscalerConfig,
+    History,
+    Observation,
+    Recommendation,
+    ScalingRules,
+    desired_replicas,
+    from_spec,
+    trim_observations,
+)
+
+NO_LIMITS = ScalingRules(stabilization_window_s=0, max_percent=None, max_pods=None)
+
+
+def cfg(**kw: object) -> AutoscalerConfig:
+    base: dict[str, object] = {
+        "max_batch_requests": 32,
+        "target_utilization": 1.0,
+        "scale_up": NO_LIMITS,
+        "scale_down": NO_LIMITS,
+    }
+    base.update(kw)
+    return AutoscalerConfig(**base)  # type: ignore[arg-type]
+
+
+def steady(load: float, now: float = 100.0, span: float = 60.0, step: float = 2.0) -> list[Observation]:
+    """A constant load sampled every `step` seconds over the last `span` seconds."""
+    n = int(span / step)
+    return [Observation(now - span + (i + 1) * step, load, 1) for i in range(n)]
+
+
+# ---------------------------------------------------------------- worked examples (table)
+
+EXAMPLES = [
+    # (what, config, observations, history, expected replicas, expected mode)
+    ("design example: batch 32, utilisation 1.0, 50 in flight -> 2",
+     cfg(), steady(50), History(2), 2, "stable"),
+    ("same example from one replica is a burst (panic) -> 2", cfg(), steady(50), History(1), 2, "panic"),
+    ("utilisation 0.5 halves the target: 50 / 16 -> 4", cfg(target_utilization=0.5), steady(50), History(4),
+     4, "stable"),
+    ("idle, min 1, no scale-down window -> 1", cfg(), steady(0), History(3), 1, "stable"),
+    ("idle with scale-to-zero off never reaches 0", cfg(min_replicas=0), steady(0, span=600), History(1), 1,
+     "stable"),
+    ("idle past the grace with scale-to-zero on -> 0",
+     cfg(scale_to_zero=True, scale_to_zero_grace_s=30), steady(0), History(1, last_active_at=0.0), 0,
+     "stable"),
+    ("huge load clamps to max", cfg(max_replicas=5), steady(10_000), History(5), 5, "panic"),
+    ("tolerance band keeps 4 at 6% over target (target 22.4)",
+     cfg(target_utilization=0.7), steady(95), History(4), 4, "stable"),
+    ("outside the band it moves: 120 / 22.4 -> 6", cfg(target_utilization=0.7, panic_threshold=10),
+     steady(120), History(4), 6, "stable"),
+    ("scale-up rate limit: from 2, max(100%, 4 pods) -> 6",
+     cfg(panic_threshold=100, scale_up=ScalingRules(max_percent=100, max_pods=4, period_s=15)),
+     steady(640), History(2), 6, "stable"),
+    ("scale-down rate limit: 10 -> at most 50% off -> 5",
+     cfg(scale_down=ScalingRules(max_percent=50, period_s=15)), steady(0), History(10), 5, "stable"),
+    ("scale-down stabilization holds the highest recent recommendation",
+     cfg(scale_down=ScalingRules(stabilization_window_s=300)), steady(40),
+     History(5, recommendations=(Recommendation(50.0, 5),)), 5, "stable"),
+    ("never below what in-flight work needs: latest 100 in flight / 32 -> 4",
+     cfg(panic_threshold=1000),
+     [*steady(0, now=99, span=58), Observation(100.0, 100, 1)], History(6), 4, "stable"),
+    ("scale from zero on requests held by the gateway",
+     cfg(scale_to_zero=True), [Observation(100.0, 0, 0, queue_depth=5)], History(0), 1, "stable"),
+]
+
+
+@pytest.mark.parametrize(("what", "config", "obs", "history", "expected", "mode"), EXAMPLES,
+                         ids=[e[0] for e in EXAMPLES])
+def test_worked_examples(what: str, config: AutoscalerConfig, obs: list[Observation], history: History,
+                         expected: int, mode: str) -> None:
+    decision = desired_replicas(obs, config, history, now=100.0)
+    assert decision.replicas == expected, decision.reason
+    assert decision.mode == mode, decision.reason
+    assert decision.reason.startswith(("keep", "scale up", "scale down"))
+    assert decision.history.current_replicas == expected
+
+
+def test_no_observations_keeps_current() -> None:
+    decision = desired_replicas([], cfg(), History(3), now=10.0)
+    assert decision.replicas == 3
+    assert "no observations" in decision.reason
+
+
+def test_scale_up_rate_limit_counts_the_whole_period() -> None:
+    """Two ticks inside one 15 s period may together add at most 4 pods from the period's start."""
+    config = cfg(panic_threshold=100, scale_up=ScalingRules(max_pods=4, period_s=15))
+    first = desired_replicas(steady(1000, now=100), config, History(2), now=100.0)
+    assert first.replicas == 6
+    second = desired_replicas(steady(1000, now=105), config, first.history, now=105.0)
+    assert second.replicas == 6, second.reason
+    third = desired_replicas(steady(1000, now=116), config, second.history, now=116.0)
+    assert third.replicas == 10, third.reason
+
+
+def test_panic_never_shrinks_until_stable_window_passes() -> None:
+    config = cfg(stable_window_s=60, panic_window_s=6, panic_threshold=2)
+    burst = desired_replicas(steady(320, now=100, span=6, step=1), config, History(2), now=100.0)
+    assert burst.mode == "panic" and burst.replicas == 10
+    calm = desired_replicas(steady(0, now=130, span=30, step=1), config, burst.history, now=130.0)
+    assert calm.mode == "panic" and calm.replicas == 10, calm.reason
+    later = desired_replicas(steady(0, now=170, span=60, step=1), config, calm.history, now=170.0)
+    assert later.mode == "stable" and later.replicas == 1, later.reason
+
+
+def test_scale_to_zero_waits_for_the_grace_period() -> None:
+    config = cfg(scale_to_zero=True, scale_to_zero_grace_s=30)
+    busy = desired_replicas([Observation(100, 5, 1)], config, History(1), now=100.0)
+    early = desired_replicas([Observation(120, 0, 1)], config, busy.history, now=120.0)
+    assert early.replicas == 1 and "scale to zero after" in early.reason
+    late = desired_replicas([Observation(131, 0, 1)], config, early.history, now=131.0)
+    assert late.replicas == 0
+
+
+def test_trim_observations_keeps_only_visible_samples() -> None:
+    config = cfg(stable_window_s=60, panic_window_s=6)
+    kept = trim_observations(steady(1, now=200, span=200), config, now=200.0)
+    assert kept and all(o.timestamp > 140 for o in kept)
+
+
+def test_from_spec_reads_the_crd_fields() -> None:
+    config = from_spec(
+        {
+            "minReplicas": 2,
+            "maxReplicas": 8,
+            "targetUtilization": 0.5,
+            "stableWindowSeconds": 30,
+            "panicWindowSeconds": 3,
+            "panicThreshold": 3,
+            "scaleUp": {"stabilizationWindowSeconds": 5, "maxPodsPerPeriod": 2, "periodSeconds": 10},
+            "scaleDown": {"stabilizationWindowSeconds": 20, "maxPercentPerPeriod": 25, "periodSeconds": 30},
+            "tolerance": 0.05,
+            "scaleToZero": True,
+        },
+        max_batch_requests=16,
+    )
+    assert (config.min_replicas, config.max_replicas, config.max_batch_requests) == (2, 8, 16)
+    assert config.target_per_replica == 8
+    assert (config.stable_window_s, config.panic_window_s, config.panic_threshold) == (30, 3, 3)
+    assert config.scale_up == ScalingRules(5, None, 2, 10)
+    assert config.scale_down == ScalingRules(20, 25, None, 30)
+    assert config.tolerance == 0.05 and config.scale_to_zero
+
+
+def test_from_spec_defaults_and_errors() -> None:
+    assert from_spec({}, 32) == AutoscalerConfig(max_batch_requests=32)
+    assert from_spec(None, 32).scale_up.max_pods == 4
+    with pytest.raises(ValueError, match=r"minReplicas \(5\) > maxReplicas \(2\)"):
+        from_spec({"minReplicas": 5, "maxReplicas": 2}, 32)
+    with pytest.raises(ValueError, match="targetUtilization"):
+        from_spec({"targetUtilization": 0}, 32)
+
+
+# ---------------------------------------------------------------- properties
+
+rules = st.builds(
+    ScalingRules,
+    stabilization_window_s=st.sampled_from([0.0, 10.0, 60.0]),
+    max_percent=st.one_of(st.none(), st.sampled_from([10.0, 50.0, 100.0, 200.0])),
+    max_pods=st.one_of(st.none(), st.integers(1, 5)),
+    period_s=st.sampled_from([5.0, 15.0, 60.0]),
+)
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> AutoscalerConfig:
+    lo = draw(st.integers(0, 5))
+    hi = draw(st.integers(max(lo, 1), 40))
+    stable = draw(st.sampled_from([10.0, 30.0, 60.0]))
+    return AutoscalerConfig(
+        min_replicas=lo,
+        max_replicas=hi,
+        max_batch_requests=draw(st.sampled_from([1, 8, 32, 64])),
+        target_utilization=draw(st.sampled_from([0.3, 0.5, 0.7, 1.0])),
+        stable_window_s=stable,
+        panic_window_s=draw(st.sampled_from([1.0, 3.0, stable])),
+        panic_threshold=draw(st.sampled_from([1.0, 2.0, 4.0])),
+        scale_up=draw(rules),
+        scale_down=draw(rules),
+        tolerance=draw(st.sampled_from([0.0, 0.1, 0.3])),
+        scale_to_zero=draw(st.booleans()),
+        scale_to_zero_grace_s=draw(st.sampled_from([0.0, 5.0, 30.0])),
+    )
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[AutoscalerConfig, list[Observation], History, float]:
+    config = draw(configs())
+    now = 1000.0
+    loads = draw(st.lists(st.integers(0, 3000), min_size=1, max_size=20))
+    gaps = draw(st.lists(st.sampled_from([0.5, 1.0, 3.0, 10.0]), min_size=len(loads), max_size=len(loads)))
+    t, obs = now, []
+    for load, gap in zip(reversed(loads), gaps, strict=True):
+        obs.append(Observation(t, float(load), 1))
+        t -= gap
+    obs.reverse()
+    current = draw(st.integers(config.floor, config.max_replicas))
+    recs = draw(st.lists(st.tuples(st.floats(now - 100, now - 1), st.integers(0, config.max_replicas)),
+                         max_size=4))
+    history = History(
+        current_replicas=current,
+        recommendations=tuple(Recommendation(a, r) for a, r in sorted(recs)),
+        panic_until=draw(st.sampled_from([None, now - 5, now + 5])),
+        last_active_at=draw(st.sampled_from([None, now - 100, now - 1])),
+    )
+    return config, obs, history, now
+
+
+PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPS
+@given(scenarios(), st.floats(1.0, 10.0))
+def test_monotone_in_load(s: tuple[AutoscalerConfig, list[Observation], History, float], k: float) -> None:
+    config, obs, history, now = s
+    more = [Observation(o.timestamp, o.in_flight * k, o.ready_pods) for o in obs]
+    low = desired_replicas(obs, config, history, now)
+    high = desired_replicas(more, config, history, now)
+    assert high.replicas >= low.replicas, (low.reason, high.reason)
+
+
+@PROPS
+@given(scenarios())
+def test_respects_bounds(s: tuple[AutoscalerConfig, list[Observation], History, float]) -> None:
+    config, obs, history, now = s
+    decision = desired_replicas(obs, config, history, now)
+    assert decision.replicas <= config.max_replicas
+    if decision.replicas == 0:
+        assert config.scale_to_zero, decision.reason
+        assert obs[-1].load == 0
+    else:
+        assert decision.replicas >= config.floor
+
+
+@PROPS
+@given(scenarios())
+def test_respects_rate_limits(s: tuple[AutoscalerConfig, list[Observation], History, float]) -> None:
+    config, obs, history, now = s
+    current = history.current_replicas
+    assert current is not None
+    decision = desired_replicas(obs, config, history, now)
+    up, down = config.scale_up, config.scale_down
+    if up.limited and decision.replicas > current:
+        allowed = max(
+            up.max_pods or 0,
+            math.ceil(current * (up.max_percent or 0) / 100.0),
+            1,
+        )
+        assert decision.replicas - current <= allowed, decision.reason
+    if down.limited and decision.replicas < current:
+        allowed = max(
+            down.max_pods or 0,
+            current - math.floor(current * (1 - (down.max_percent or 0) / 100.0)),
+        )
+        assert current - decision.replicas <= allowed, decision.reason
+
+
+@PROPS
+@given(scenarios())
+def test_never_below_in_flight_need(s: tuple[AutoscalerConfig, list[Observation], History, float]) -> None:
+    config, obs, history, now = s
+    current = history.current_replicas
+    assert current is not None
+    decision = desired_replicas(obs, config, history, now)
+    need = min(math.ceil(obs[-1].in_flight / config.max_batch_requests), config.max_replicas)
+    if decision.replicas < current:
+        assert decision.replicas >= need, decision.reason
+
+
+@PROPS
+@given(configs(), st.integers(0, 2000), st.integers(0, 40),
+       st.lists(st.sampled_from([1.0, 2.0, 5.0]), min_size=30, max_size=80))
+def test_no_flapping_on_a_constant_signal(
+    config: AutoscalerConfig, load: int, start: int, gaps: list[float]
+) -> None:
+    """Under a constant load the fleet moves in one direction, then stays put."""
+    current = min(max(start, config.floor), config.max_replicas)
+    history, obs, now, seen = History(current), [], 0.0, [current]
+    for gap in gaps:
+        now += gap
+        sample = Observation(now, float(load), history.current_replicas or 0)
+        obs = trim_observations([*obs, sample], config, now)
+        decision = desired_replicas(obs, config, history, now)
+        history = decision.history
+        seen.append(decision.replicas)
+    steps = [b - a for a, b in itertools.pairwise(seen) if b != a]
+    assert all(x > 0 for x in steps) or all(x < 0 for x in steps), seen
+
+
+@PROPS
+@given(scenarios())
+def test_is_pure(s: tuple[AutoscalerConfig, list[Observation], History, float]) -> None:
+    """Same inputs, same decision; the input history is left as it was."""
+    config, obs, history, now = s
+    before = History(**history.__dict__)
+    first = desired_replicas(obs, config, history, now)
+    second = desired_replicas(obs, config, history, now)
+    assert first == second
+    assert history == before

@@ -1,0 +1,335 @@
+"""`embedfleet cache pull` against a real local HTTP server, file:// sources and a kmock API server."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import kmock
+import kubernetes
+import pytest
+
+from embedfleet.operator.cache.digest import tree_digest
+from embedfleet.operator.cache.pull import entry_path, is_ready
+from embedfleet.runtime.cli import main as embedfleet
+
+REPO = Path(__file__).resolve().parents[2]
+WEIGHTS = b"\x00\x01fake-safetensors-bytes" * 1000
+CONFIG = b'{"hidden_size": 384}'
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class FileServer:
+    """A real HTTP server on 127.0.0.1 serving `files`; `corrupt[path]` = how many answers to spoil."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    corrupt: dict[str, int] = field(default_factory=dict)
+    fail_500: dict[str, int] = field(default_factory=dict)
+    requests: list[str] = field(default_factory=list)
+    url: str = ""
+
+
+@pytest.fixture
+def server() -> Iterator[FileServer]:
+    state = FileServer()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            state.requests.append(self.path)
+            if state.fail_500.get(self.path, 0) > 0:
+                state.fail_500[self.path] -= 1
+                self.send_error(500)
+                return
+            body = state.files.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            if state.corrupt.get(self.path, 0) > 0:
+                state.corrupt[self.path] -= 1
+                body = body[:-1] + bytes([body[-1] ^ 0xFF])
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def pull(*args: str) -> int:
+    return embedfleet(["cache", "pull", "--backoff", "0.01", *args])
+
+
+def leftovers(cache: Path) -> list[str]:
+    return [p.name for p in cache.iterdir() if p.name.startswith(".tmp-")] if cache.exists() else []
+
+
+# ---------------------------------------------------------------- digest definition
+
+
+def test_directory_digest_is_sha256_of_sorted_sha256sum_lines(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "model.safetensors").write_bytes(WEIGHTS)
+    (tmp_path / "config.json").write_bytes(CONFIG)
+    (tmp_path / "sub" / "B.txt").write_bytes(b"b")
+    (tmp_path / ".ready").write_text("ignored")
+    manifest = "".join(
+        f"{hashlib.sha256(data).hexdigest()}  {rel}\n"
+        for rel, data in sorted(
+            {"model.safetensors": WEIGHTS, "config.json": CONFIG, "sub/B.txt": b"b"}.items(),
+            key=lambda kv: kv[0].encode(),
+        )
+    )
+    assert tree_digest(tmp_path) == sha(manifest.encode())
+    assert tree_digest(tmp_path / "model.safetensors") == sha(WEIGHTS)
+
+
+def test_digest_command_and_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_bytes(CONFIG)
+    assert embedfleet(["cache", "digest", str(tmp_path), "--write-manifest"]) == 0
+    printed = capsys.readouterr().out.strip()
+    manifest = (tmp_path / "SHA256SUMS").read_bytes()
+    assert printed == sha(manifest) == tree_digest(tmp_path)  # the manifest does not change the digest
+    assert embedfleet(["cache", "digest", str(tmp_path / "missing")]) == 2
+
+
+# ---------------------------------------------------------------- http(s)
+
+
+def test_pull_single_file_over_http(server: FileServer, tmp_path: Path) -> None:
+    server.files["/m/model.safetensors"] = WEIGHTS
+    digest = sha(WEIGHTS)
+    cache = tmp_path / "cache"
+    source = server.url + "/m/model.safetensors"
+    assert pull("--source", source, "--digest", digest, "--cache-dir", str(cache)) == 0
+    entry = entry_path(cache, digest)
+    assert (entry / "model.safetensors").read_bytes() == WEIGHTS
+    assert (entry / ".ready").read_text().strip() == digest
+    assert is_ready(cache, digest)
+    # Idempotent: a ready entry is not fetched again.
+    assert pull("--source", source, "--digest", digest, "--cache-dir", str(cache)) == 0
+    assert server.requests == ["/m/model.safetensors"]
+    assert leftovers(cache) == []
+
+
+def test_pull_directory_with_manifest_over_http(server: FileServer, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "onnx").mkdir(parents=True)
+    (src / "model.safetensors").write_bytes(WEIGHTS)
+    (src / "config.json").write_bytes(CONFIG)
+    (src / "onnx" / "model.onnx").write_bytes(b"onnx")
+    assert embedfleet(["cache", "digest", str(src), "--write-manifest"]) == 0
+    for path in src.rglob("*"):
+        if path.is_file():
+            server.files["/repo/" + path.relative_to(src).as_posix()] = path.read_bytes()
+    digest = tree_digest(src)
+    cache = tmp_path / "cache"
+    assert pull("--source", server.url + "/repo/", "--digest", digest, "--cache-dir", str(cache)) == 0
+    entry = entry_path(cache, digest)
+    assert (entry / "onnx" / "model.onnx").read_bytes() == b"onnx"
+    assert tree_digest(entry) == digest
+    assert is_ready(cache, digest)
+
+
+def test_pull_archive_is_verified_then_unpacked(server: FileServer, tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in {"model.safetensors": WEIGHTS, "config.json": CONFIG}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    server.files["/w.tar.gz"] = buf.getvalue()
+    digest = sha(buf.getvalue())
+    cache = tmp_path / "cache"
+    assert pull("--source", server.url + "/w.tar.gz", "--digest", digest, "--cache-dir", str(cache)) == 0
+    entry = entry_path(cache, digest)
+    assert sorted(p.name for p in entry.iterdir()) == [".ready", "config.json", "model.safetensors"]
+
+
+def test_corrupt_download_is_retried_then_succeeds(server: FileServer, tmp_path: Path) -> None:
+    server.files["/model.bin"] = WEIGHTS
+    server.corrupt["/model.bin"] = 2
+    server.fail_500["/model.bin"] = 1
+    cache = tmp_path / "cache"
+    rc = pull("--source", server.url + "/model.bin", "--digest", sha(WEIGHTS), "--cache-dir", str(cache),
+              "--retries", "3")
+    assert rc == 0
+    assert len(server.requests) == 4  # one 500, two corrupt, one good
+    assert (entry_path(cache, sha(WEIGHTS)) / "model.bin").read_bytes() == WEIGHTS
+
+
+def test_always_corrupt_download_is_refused_and_never_ready(
+    server: FileServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.files["/model.bin"] = WEIGHTS
+    server.corrupt["/model.bin"] = 100
+    cache = tmp_path / "cache"
+    rc = pull("--source", server.url + "/model.bin", "--digest", sha(WEIGHTS), "--cache-dir", str(cache),
+              "--retries", "2")
+    assert rc == 1
+    assert len(server.requests) == 3
+    assert "digest mismatch" in capsys.readouterr().err
+    assert not is_ready(cache, sha(WEIGHTS))
+    assert not entry_path(cache, sha(WEIGHTS)).exists()
+    assert leftovers(cache) == []
+
+
+def test_tampered_file_in_a_manifest_directory_is_refused(server: FileServer, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(CONFIG)
+    embedfleet(["cache", "digest", str(src), "--write-manifest"])
+    server.files["/d/SHA256SUMS"] = (src / "SHA256SUMS").read_bytes()
+    server.files["/d/config.json"] = b'{"hidden_size": 999}'
+    cache = tmp_path / "cache"
+    assert pull("--source", server.url + "/d/", "--digest", tree_digest(src), "--cache-dir", str(cache),
+                "--retries", "1") == 1
+    assert not is_ready(cache, tree_digest(src))
+
+
+def test_missing_file_is_a_clear_permanent_error(server: FileServer, tmp_path: Path) -> None:
+    rc = pull("--source", server.url + "/nope.bin", "--digest", sha(b"x"), "--cache-dir", str(tmp_path))
+    assert rc == 2
+    assert server.requests == ["/nope.bin"]  # a 404 is not retried
+
+
+# ---------------------------------------------------------------- file:// and refusals
+
+
+def test_pull_file_directory_and_file(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(WEIGHTS)
+    (src / "config.json").write_bytes(CONFIG)
+    cache = tmp_path / "cache"
+    digest = tree_digest(src)
+    assert pull("--source", f"file://{src}", "--digest", digest, "--cache-dir", str(cache)) == 0
+    assert tree_digest(entry_path(cache, digest)) == digest
+    one_file = f"file://{src}/config.json"
+    assert pull("--source", one_file, "--digest", sha(CONFIG), "--cache-dir", str(cache)) == 0
+    assert (entry_path(cache, sha(CONFIG)) / "config.json").read_bytes() == CONFIG
+
+
+def test_digest_mismatch_is_never_marked_ready(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(CONFIG)
+    wrong = sha(b"something else")
+    cache = tmp_path / "cache"
+    rc = pull("--source", f"file://{src}", "--digest", wrong, "--cache-dir", str(cache), "--retries", "1")
+    assert rc == 1
+    assert "not marked ready" in capsys.readouterr().err
+    assert not entry_path(cache, wrong).exists()
+    assert leftovers(cache) == []
+
+
+def test_unverified_leftover_is_replaced(tmp_path: Path) -> None:
+    src = tmp_path / "w.bin"
+    src.write_bytes(WEIGHTS)
+    cache = tmp_path / "cache"
+    stale = entry_path(cache, sha(WEIGHTS))
+    stale.mkdir(parents=True)
+    (stale / "w.bin").write_bytes(b"half a download")
+    assert pull("--source", f"file://{src}", "--digest", sha(WEIGHTS), "--cache-dir", str(cache)) == 0
+    assert (stale / "w.bin").read_bytes() == WEIGHTS and is_ready(cache, sha(WEIGHTS))
+
+
+@pytest.mark.parametrize(
+    ("source", "hint"),
+    [
+        ("hf://sentence-transformers/all-MiniLM-L6-v2", "huggingface_hub"),
+        ("s3://bucket/models/minilm", "AWS"),
+        ("gs://bucket/models/minilm", "gsutil"),
+        ("pvc://claim/models", "mount the claim"),
+        ("ftp://host/x", "unsupported source scheme"),
+    ],
+)
+def test_unfetchable_schemes_say_what_is_needed(
+    source: str, hint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert pull("--source", source, "--digest", sha(b"x"), "--cache-dir", str(tmp_path)) == 2
+    assert hint in capsys.readouterr().err
+
+
+def test_bad_digest_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert pull("--source", "file:///x", "--digest", "md5:abc", "--cache-dir", str(tmp_path)) == 2
+    assert "sha256:<64 lowercase hex>" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- node label (kmock API server)
+
+
+@pytest.fixture
+def kube_api(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A kmock Kubernetes emulator on 127.0.0.1 in a background thread, and a kubeconfig for it."""
+    started, stop, box = threading.Event(), threading.Event(), {}
+
+    def serve() -> None:
+        async def main() -> None:
+            async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as srv:
+                box["url"] = f"http://127.0.0.1:{srv.port}"
+                started.set()
+                await asyncio.to_thread(stop.wait)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: kmock\n"
+        f"clusters: [{{name: kmock, cluster: {{server: '{box['url']}'}}}}]\n"
+        "users: [{name: kmock, user: {token: test}}]\n"
+        "contexts: [{name: kmock, context: {cluster: kmock, user: kmock}}]\n"
+    )
+    yield box["url"], kubeconfig
+    stop.set()
+    thread.join(10)
+
+
+def test_label_node_after_verified_pull(kube_api: tuple[str, Path], tmp_path: Path) -> None:
+    url, kubeconfig = kube_api
+    cfg = kubernetes.client.Configuration()
+    cfg.host = url
+    core = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(cfg))
+    core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1",
+                                                                       "labels": {"pool": "gpu"}}})
+    src = tmp_path / "w.bin"
+    src.write_bytes(WEIGHTS)
+    digest = sha(WEIGHTS)
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "NODE_NAME": "gpu-node-1",
+           "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("runtime", "operator", "client"))}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    args = [sys.executable, "-m", "embedfleet.runtime.cli", "cache", "pull", "--source", f"file://{src}",
+            "--cache-dir", str(tmp_path / "cache"), "--label-node", "--backoff", "0.01"]
+    bad = subprocess.run([*args, "--digest", sha(b"other"), "--retries", "0"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1, bad.stderr
+    assert core.read_node("gpu-node-1").metadata.labels == {"pool": "gpu"}  # mismatch: never labelled
+    good = subprocess.run([*args, "--digest", digest], env=env, capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0, good.stderr
+    labels = core.read_node("gpu-node-1").metadata.labels
+    assert labels == {"pool": "gpu", f"cache.embedfleet.dev/sha256-{digest[7:23]}": "ready"}
