@@ -12,7 +12,6 @@ import statistics
 import time
 
 from _common import corpus
-
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.engines.torch_engine import TorchEngine
 from embedfleet.runtime.models.spec import load_spec

@@ -13,6 +13,7 @@ import json
 import time
 
 import httpx
+
 from _common import Server, corpus, percentiles
 
 
