@@ -259,7 +259,7 @@ def test_unverified_leftover_is_replaced(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("source", "hint"),
     [
-        ("hf://sentence-transformers/all-MiniLM-L6-v2", "huggingface_hub"),
+        ("hf://not-a-repo-id", "hf://ORG/NAME"),
         ("s3://bucket/models/minilm", "AWS"),
         ("gs://bucket/models/minilm", "gsutil"),
         ("pvc://claim/models", "mount the claim"),
@@ -271,6 +271,38 @@ def test_unfetchable_schemes_say_what_is_needed(
 ) -> None:
     assert pull("--source", source, "--digest", sha(b"x"), "--cache-dir", str(tmp_path)) == 2
     assert hint in capsys.readouterr().err
+
+
+def test_hf_source_over_the_hub_http_api(server: FileServer, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """hf://org/name@rev lists the revision's files and resolves each; extra weight formats are skipped."""
+    import json
+
+    files = {"config.json": CONFIG, "model.safetensors": WEIGHTS, "tokenizer.json": b"{}",
+             "1_Pooling/config.json": b'{"pooling_mode_mean_tokens": true}'}
+    skipped = {"onnx/model.onnx": b"onnx", "pytorch_model.bin": b"bin", "README.md": b"# card"}
+    server.files["/api/models/org/minilm/revision/v1"] = json.dumps(
+        {"sha": "abc123", "siblings": [{"rfilename": n} for n in [*files, *skipped]]}).encode()
+    for name, body in {**files, **skipped}.items():
+        server.files[f"/org/minilm/resolve/abc123/{name}"] = body
+    reference = tmp_path / "reference"
+    for name, body in files.items():
+        (reference / name).parent.mkdir(parents=True, exist_ok=True)
+        (reference / name).write_bytes(body)
+    digest = tree_digest(reference)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    cache = tmp_path / "cache"
+    server.corrupt["/org/minilm/resolve/abc123/model.safetensors"] = 1  # first try is spoiled, then retried
+    assert pull("--source", "hf://org/minilm@v1", "--digest", digest, "--cache-dir", str(cache),
+                "--retries", "3") == 0
+    entry = entry_path(cache, digest)
+    assert is_ready(cache, digest)
+    assert sorted(str(p.relative_to(entry)) for p in entry.rglob("*") if p.is_file()
+                  and not p.name.startswith(".")) == sorted(files)
+    assert not any("onnx" in r or "pytorch_model.bin" in r for r in server.requests)
+    wrong = pull("--source", "hf://org/minilm@v1", "--digest", sha(b"other"), "--cache-dir", str(tmp_path / "c2"),
+                 "--retries", "1")
+    assert wrong == 1 and not is_ready(tmp_path / "c2", sha(b"other"))
 
 
 def test_bad_digest_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -241,7 +241,7 @@ def _pull_args(model: ModelSource, cache_dir: str) -> list[str]:
         "cache",
         "pull",
         "--source",
-        model.source,
+        f"{model.source}@{model.revision}" if model.source.startswith("hf://") and model.revision else model.source,
         "--digest",
         model.digest,
         "--cache-dir",

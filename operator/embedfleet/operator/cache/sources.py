@@ -8,6 +8,7 @@ cannot help: unknown scheme, missing tool or credentials, malformed manifest).
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -37,9 +38,6 @@ class UnsupportedSource(Exception):
 
 
 _NEEDS = {
-    "hf": "hf:// needs the Hugging Face Hub client (pip install huggingface_hub) and network access to "
-    "huggingface.co (plus HF_TOKEN for gated models); this puller speaks plain HTTP only: publish the files "
-    "over http(s) with a SHA256SUMS manifest (`embedfleet cache digest DIR --write-manifest`) or use file://",
     "s3": "s3:// needs the AWS CLI or boto3 and credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an "
     "IRSA role); use a presigned https:// URL to a .tar archive, or an http(s) directory with a SHA256SUMS "
     "manifest, instead",
@@ -57,6 +55,8 @@ def fetch(source: str, dest: Path, expected_hex: str, timeout: float = 60.0) -> 
         return _fetch_http(source, dest, expected_hex, timeout)
     if scheme == "file":
         return _fetch_file(Path(unquote(urlparse(source).path)), dest, expected_hex)
+    if scheme == "hf":
+        return _fetch_hf(source, dest, expected_hex, timeout)
     if scheme in _NEEDS:
         raise UnsupportedSource(_NEEDS[scheme])
     raise UnsupportedSource(f"unsupported source scheme {scheme!r} in {source!r}; use http(s):// or file://")
@@ -146,3 +146,54 @@ def _fetch_http_directory(client: httpx.Client, url: str, dest: Path, expected_h
         _check(_download(client, url + quote(rel), dest / rel), sha, url + rel)
     _check(tree_digest(dest).removeprefix("sha256:"), expected_hex, f"directory {url}")
     return f"directory {url} ({len(entries)} files)"
+
+
+# Files a runtime needs from a Hub repository; other weights formats (onnx/, openvino/, *.bin when
+# safetensors exist, TF/Flax/Rust) are skipped so the cache holds one copy of the weights.
+HF_KEEP_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".py")
+HF_SKIP_DIRS = ("onnx/", "openvino/", "coreml/", "tf_model", "flax_model", "rust_model")
+
+
+def hf_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def parse_hf(source: str) -> tuple[str, str]:
+    """`hf://org/name[@revision]` -> (repo id, revision)."""
+    rest = source.removeprefix("hf://")
+    repo, _, revision = rest.partition("@")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise UnsupportedSource(f"hf:// source must be hf://ORG/NAME[@REVISION], got {source!r}")
+    return repo, revision or "main"
+
+
+def hf_files(siblings: list[str]) -> list[str]:
+    files = [f for f in siblings if f.endswith(HF_KEEP_SUFFIXES) and not f.startswith(HF_SKIP_DIRS)]
+    if not any(f.endswith(".safetensors") for f in files):
+        files += [f for f in siblings if f == "pytorch_model.bin" or f.startswith("pytorch_model-")]
+    return sorted(set(files))
+
+
+def _fetch_hf(source: str, dest: Path, expected_hex: str, timeout: float) -> str:
+    """The Hub's public HTTP API: list the revision's files, then resolve each one (HF_TOKEN if set)."""
+    repo, revision = parse_hf(source)
+    headers = {"authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
+    base = hf_endpoint()
+    with httpx.Client(timeout=timeout, follow_redirects=True, headers=headers) as client:
+        try:
+            info = client.get(f"{base}/api/models/{repo}/revision/{quote(revision, safe='')}")
+        except httpx.HTTPError as exc:
+            raise FetchError(f"listing {repo}@{revision}: {type(exc).__name__}: {exc}") from exc
+        if info.status_code in (401, 403, 404):
+            raise UnsupportedSource(f"{repo}@{revision}: HTTP {info.status_code} (missing, gated or private: "
+                                    "set HF_TOKEN)")
+        if info.status_code != 200:
+            raise FetchError(f"listing {repo}@{revision}: HTTP {info.status_code}")
+        commit = info.json().get("sha") or revision
+        files = hf_files([s["rfilename"] for s in info.json().get("siblings", [])])
+        if "config.json" not in files:
+            raise UnsupportedSource(f"{repo}@{revision} has no config.json: not a model repository")
+        for rel in files:
+            _download(client, f"{base}/{repo}/resolve/{commit}/{quote(rel)}", dest / rel)
+    _check(tree_digest(dest).removeprefix("sha256:"), expected_hex, f"{repo}@{revision}")
+    return f"hf {repo}@{commit} ({len(files)} files)"
