@@ -212,8 +212,12 @@ class AsyncClient:
         batch_size: int | None = None,
         max_concurrent_requests: int | None = None,
         deadline: float | None = None,
+        on_batch: Callable[[int], None] | None = None,
     ) -> EmbedResult:
-        """Like `embed`, plus this call's usage, request counts and per-batch timings."""
+        """Like `embed`, plus this call's usage, request counts and per-batch timings.
+
+        `on_batch(n)` is called on the event loop as each batch of `n` inputs completes (progress bars).
+        """
         lengths = check_texts(texts)
         fmt = encoding_format or self.encoding_format
         if fmt not in ("base64", "float"):
@@ -236,7 +240,7 @@ class AsyncClient:
 
         ranges = plan_batches(lengths, batch_size or self.batch_size, self.max_chars_per_request)
         parts, stats = await self._run(
-            _Op(build, parse), ranges, len(lengths), deadline, max_concurrent_requests
+            _Op(build, parse), ranges, len(lengths), deadline, max_concurrent_requests, on_batch
         )
         dims = {p.shape[1] for p in parts}
         if len(dims) > 1:
@@ -327,6 +331,7 @@ class AsyncClient:
         total: int,
         deadline: float | None,
         concurrency: int | None,
+        on_batch: Callable[[int], None] | None = None,
     ) -> tuple[list[T], CallStats]:
         """Run every batch with at most `concurrency` in flight; all results, or one error naming failures."""
         await self._maybe_probe()
@@ -345,6 +350,8 @@ class AsyncClient:
                 try:
                     results[i] = await self._batch(op, start, stop, stats, budget, end)
                     done_flags[i] = True
+                    if on_batch is not None:
+                        on_batch(stop - start)
                 except ClientError as exc:
                     failures.append(FailedBatch(start, stop, exc))
 
