@@ -314,7 +314,8 @@ class AsyncClient:
             return parse_classify(doc, stop - start), Usage()
 
         def fallback(e: Endpoint, err: ServerError) -> bool:
-            if err.status in (404, 405) and e.extra.get("classify") != "predict":
+            # Concurrent batches may all hit /classify before the first 404 switches the route.
+            if err.status in (404, 405) and err.url.endswith("/classify"):
                 e.extra["classify"] = "predict"
                 return True
             return False
