@@ -177,6 +177,7 @@ async def run_backfill(
     manifest_lock = asyncio.Lock()
     slots = asyncio.Semaphore(max(1, cfg.shards_in_flight))
     tasks: set[asyncio.Task[None]] = set()
+    writes: set[asyncio.Future[None]] = set()
     failure: list[BaseException] = []
     t0 = time.perf_counter()
 
@@ -194,7 +195,9 @@ async def run_backfill(
                 )
                 raise BatchFailedError([FailedBatch(start, start + len(texts), err)], total)
             # Writing is shielded: once vectors are here, Ctrl-C still lets the shard land and be recorded.
-            await asyncio.shield(asyncio.ensure_future(record(number, start, vectors)))
+            write = asyncio.ensure_future(record(number, start, vectors))
+            writes.add(write)
+            await asyncio.shield(write)
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 failure.append(exc)
@@ -242,6 +245,10 @@ async def run_backfill(
         for task in list(tasks):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # Shards whose vectors arrived are always written and recorded, even when stopping.
+        for outcome in await asyncio.gather(*writes, return_exceptions=True):
+            if isinstance(outcome, Exception) and outcome not in failure:
+                failure.append(outcome)
         await client.close()
         summary.seconds = time.perf_counter() - t0
         summary.requests = client.stats.requests

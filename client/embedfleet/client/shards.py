@@ -167,3 +167,28 @@ def remove_temp_files(directory: str) -> None:
         if name.startswith(".part-") or name.startswith(f".{MANIFEST}.tmp-"):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
+
+
+def read_shard(path: str) -> np.ndarray:
+    """One shard file (.npy or .parquet) as a `(rows, dim)` float32 array."""
+    if path.endswith(".npy"):
+        return np.load(path, allow_pickle=False)
+    import pyarrow.parquet as pq
+
+    column = pq.read_table(path, columns=["embedding"]).column("embedding").combine_chunks()
+    dim = column.type.list_size
+    return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32, copy=False)
+
+
+def read_output(directory: str) -> np.ndarray:
+    """All vectors of a finished backfill, rows in input order (raises if the run is incomplete)."""
+    manifest = load_manifest(directory)
+    if manifest is None:
+        raise InputError(f"{directory} has no {MANIFEST}")
+    if not manifest.complete:
+        raise InputError(f"{directory} holds an unfinished backfill; rerun it with --resume")
+    parts = [
+        read_shard(os.path.join(directory, manifest.shards[str(i)]["file"]))
+        for i in range(manifest.shard_count())
+    ]
+    return np.concatenate(parts)
