@@ -8,6 +8,7 @@ overhead is the whole point of this module.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -235,23 +236,28 @@ class AsyncClient:
                 payload["dimensions"] = dimensions
             return "/v1/embeddings", orjson.dumps(payload)
 
-        def parse(body: bytes, start: int, stop: int) -> tuple[np.ndarray, Usage]:
-            return decode_embeddings(body, stop - start, dimensions)
+        total = len(lengths)
+        sink: list[np.ndarray] = []  # the output, allocated once the first batch reveals the dimension
+        sink_lock = threading.Lock()  # parse may run in a worker thread for large bodies
+
+        def parse(body: bytes, start: int, stop: int) -> tuple[None, Usage]:
+            rows, usage = decode_embeddings(body, stop - start, dimensions)
+            with sink_lock:
+                if not sink:
+                    sink.append(np.empty((total, rows.shape[1]), dtype=np.float32))
+            out = sink[0]
+            if rows.shape[1] != out.shape[1]:
+                raise ResponseMismatchError(
+                    f"dimension {rows.shape[1]} differs from earlier batches' {out.shape[1]}"
+                )
+            out[start:stop] = rows  # straight from the decoded bytes into the caller's array
+            return None, usage
 
         ranges = plan_batches(lengths, batch_size or self.batch_size, self.max_chars_per_request)
-        parts, stats = await self._run(
-            _Op(build, parse), ranges, len(lengths), deadline, max_concurrent_requests, on_batch
+        _, stats = await self._run(
+            _Op(build, parse), ranges, total, deadline, max_concurrent_requests, on_batch
         )
-        dims = {p.shape[1] for p in parts}
-        if len(dims) > 1:
-            first = parts[0].shape[1]
-            failures = [
-                FailedBatch(s, e, ResponseMismatchError(f"dimension {p.shape[1]} differs from {first}"))
-                for (s, e), p in zip(ranges, parts, strict=True)
-                if p.shape[1] != first
-            ]
-            raise BatchFailedError(failures, len(lengths))
-        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        out = sink[0]
         return EmbedResult(out, stats)
 
     async def rerank(
