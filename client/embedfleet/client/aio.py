@@ -112,6 +112,7 @@ class AsyncClient:
         self.encoding_format = encoding_format
         self.offload_bytes = offload_bytes
         self.stats = CallStats()
+        self.request_errors = 0  # failed requests so far (retried or not), live, for progress displays
         self._headers = dict(_JSON)
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -485,6 +486,7 @@ class AsyncClient:
                 status = resp.status
                 retry_after = resp.headers.get("Retry-After")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self.request_errors += 1
             self.pool.failure(endpoint, hard=not isinstance(exc, TimeoutError))
             err = TransportError(f"{url}: {type(exc).__name__}: {exc}".rstrip(": "))
             err.url = url  # type: ignore[attr-defined]
@@ -493,6 +495,7 @@ class AsyncClient:
             self.pool.finished(endpoint)
         latency = time.perf_counter() - t0
         if status >= 400:
+            self.request_errors += 1
             message, error_type, code = error_details(raw)
             err2 = ServerError(
                 status,

@@ -147,10 +147,12 @@ def open_backfill(cfg: BackfillConfig) -> tuple[str, str, int, Manifest]:
 async def run_backfill(
     cfg: BackfillConfig,
     stop: asyncio.Event | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
     on_total: Callable[[int, int], None] | None = None,
 ) -> BackfillSummary:
     """Embed `cfg.input` into `cfg.out`. `stop` set -> finish writing what is done and return early.
+
+    `progress(rows, failed_requests_so_far)` is called as each batch lands.
 
     Raises `InputError` for bad input/output settings and `BatchFailedError` (rows named in global
     input numbering) when the servers fail a batch; shards already written stay valid for --resume.
@@ -181,10 +183,14 @@ async def run_backfill(
     failure: list[BaseException] = []
     t0 = time.perf_counter()
 
+    def on_batch(rows: int) -> None:
+        if progress is not None:
+            progress(rows, client.request_errors)
+
     async def do_shard(number: int, start: int, texts: list[str]) -> None:
         try:
             try:
-                result = await client.embed_detailed(texts, dimensions=cfg.dimensions, on_batch=progress)
+                result = await client.embed_detailed(texts, dimensions=cfg.dimensions, on_batch=on_batch)
             except BatchFailedError as exc:
                 shifted = [FailedBatch(f.start + start, f.stop + start, f.error) for f in exc.failures]
                 raise type(exc)(shifted, total) from None
@@ -198,11 +204,9 @@ async def run_backfill(
             write = asyncio.ensure_future(record(number, start, vectors))
             writes.add(write)
             await asyncio.shield(write)
-        except BaseException as exc:
-            if not isinstance(exc, asyncio.CancelledError):
-                failure.append(exc)
-                stop.set()
-            raise
+        except (ClientError, OSError) as exc:  # reported by run_backfill once in-flight work has settled
+            failure.append(exc)
+            stop.set()
         finally:
             slots.release()
 

@@ -51,12 +51,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _progress_bar(enabled: bool) -> Any:
-    if not enabled:
-        return None
+def _progress_bar(total: int, done: int) -> Any:
     from tqdm import tqdm
 
-    return tqdm(unit="emb", unit_scale=True, dynamic_ncols=True, file=sys.stderr, smoothing=0.1)
+    return tqdm(
+        total=total,
+        initial=done,
+        unit="emb",
+        unit_scale=True,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        smoothing=0.1,
+    )
 
 
 async def _main(cfg: BackfillConfig, show_progress: bool) -> tuple[BackfillSummary | None, int]:
@@ -72,15 +78,17 @@ async def _main(cfg: BackfillConfig, show_progress: bool) -> tuple[BackfillSumma
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    bar = _progress_bar(show_progress)
+    bar: Any = None
 
     def on_total(total: int, done: int) -> None:
-        if bar is not None:
-            bar.reset(total=total)
-            bar.update(done)
+        nonlocal bar
+        if show_progress:
+            bar = _progress_bar(total, done)
 
-    def on_batch(n: int) -> None:
+    def on_batch(n: int, errors: int) -> None:
         if bar is not None:
+            if errors:
+                bar.set_postfix(errors=errors, refresh=False)
             bar.update(n)
 
     try:
