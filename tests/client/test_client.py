@@ -249,3 +249,12 @@ def test_bad_input_is_refused_before_sending(stub):
             c.embed(["a", None])  # type: ignore[list-item]
         assert c.embed([]).shape[0] == 0
     assert stub.count == 0
+
+
+def test_async_client_survives_a_new_event_loop(stub):
+    client = AsyncClient(stub.url)
+    first = asyncio.run(client.embed(texts(3)))
+    second = asyncio.run(client.embed(texts(3)))
+    asyncio.run(client.close())
+    np.testing.assert_array_equal(first, second)
+    assert client.stats.requests == 2

@@ -117,12 +117,18 @@ class AsyncClient:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
         self._last_probe: float | None = None
         self._probe_task: asyncio.Task[Any] | None = None
 
     # ----------------------------------------------------------------- session and health
     def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is not None and self._session_loop is not loop:
+            # Used from a new event loop (e.g. a second asyncio.run): the old pool belongs to a dead loop.
+            self._session = None
         if self._session is None or self._session.closed:
+            self._session_loop = loop
             connector = aiohttp.TCPConnector(
                 limit=max(self.max_concurrent_requests * 2, 16), limit_per_host=0, ttl_dns_cache=300
             )
@@ -360,7 +366,7 @@ class AsyncClient:
                     done_flags[i] = True
                     if on_batch is not None:
                         on_batch(stop - start)
-                except ClientError as exc:
+                except Exception as exc:  # any failure is reported by range, never dropped silently
                     failures.append(FailedBatch(start, stop, exc))
 
         n_workers = min(concurrency or self.max_concurrent_requests, len(ranges))
@@ -384,6 +390,13 @@ class AsyncClient:
             raise DeadlineExceeded(failures, total)
         if failures:
             raise BatchFailedError(failures, total)
+        missing = [
+            FailedBatch(s, e, ClientError("batch did not complete"))
+            for (s, e), ok in zip(ranges, done_flags, strict=True)
+            if not ok
+        ]
+        if missing:
+            raise BatchFailedError(missing, total)
         return cast(list[T], results), stats
 
     async def _batch(
