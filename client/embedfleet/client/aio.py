@@ -416,16 +416,16 @@ class AsyncClient:
                     op, start, stop, stats, budget, remaining, exclude
                 )
             except (TransportError, ServerError) as exc:
-                url = getattr(exc, "url", "")
+                base = getattr(exc, "endpoint_url", None)
+                endpoint = next((e for e in self.pool.endpoints if e.url == base), None)
                 if isinstance(exc, ServerError):
-                    endpoint = next((e for e in self.pool.endpoints if url.startswith(e.url)), None)
                     if op.fallback is not None and endpoint is not None and op.fallback(endpoint, exc):
                         continue
                     if not exc.retryable:
                         raise
                 if attempt >= self.retry.max_retries:
                     raise
-                exclude = [e.url for e in self.pool.endpoints if url.startswith(e.url)]
+                exclude = [endpoint.url] if endpoint is not None else []
                 others = [e for e in self.pool.endpoints if e.url not in exclude and e.healthy]
                 retry_after = exc.retry_after if isinstance(exc, ServerError) else None
                 # Failing over to another healthy endpoint needs no pause: backoff protects the failed one.
@@ -503,6 +503,7 @@ class AsyncClient:
             self.pool.failure(endpoint, hard=not isinstance(exc, TimeoutError))
             err = TransportError(f"{url}: {type(exc).__name__}: {exc}".rstrip(": "))
             err.url = url  # type: ignore[attr-defined]
+            err.endpoint_url = endpoint.url  # type: ignore[attr-defined]
             raise err from exc
         finally:
             self.pool.finished(endpoint)
@@ -518,6 +519,7 @@ class AsyncClient:
                 retry_after=parse_retry_after(retry_after),
                 url=url,
             )
+            err2.endpoint_url = endpoint.url  # type: ignore[attr-defined]
             if err2.retryable:
                 self.pool.failure(endpoint, hard=False)
             raise err2
