@@ -215,3 +215,20 @@ def test_ctrl_c_keeps_completed_shards(stub, tmp_path):
     stub.control(reset=True)
     assert embed(str(src), "--url", stub.url, "--out", str(out), "--shard-size", "50", "--resume") == 0
     np.testing.assert_array_equal(read_output(str(out)), expected(items))
+
+
+def test_bad_text_and_parquet_inputs_are_named(stub, tmp_path, capsys):
+    txt = tmp_path / "in.txt"
+    txt.write_bytes(b"one\n\nthree\n")
+    assert embed(str(txt), "--url", stub.url, "--out", str(tmp_path / "a")) == 2
+    assert "line 2 is empty" in capsys.readouterr().err
+    txt.write_bytes(b"one\n\xff\xfe\n")
+    assert embed(str(txt), "--url", stub.url, "--out", str(tmp_path / "b")) == 2
+    assert "line 2 is not valid UTF-8" in capsys.readouterr().err
+    pq.write_table(pa.table({"body": ["a", None]}), tmp_path / "in.parquet")
+    assert embed(str(tmp_path / "in.parquet"), "--url", stub.url, "--out", str(tmp_path / "c")) == 2
+    assert "no column 'text' (columns: body)" in capsys.readouterr().err
+    args = ["--url", stub.url, "--out", str(tmp_path / "d"), "--text-field", "body"]
+    assert embed(str(tmp_path / "in.parquet"), *args) == 2
+    assert "row 1 column 'body' is null" in capsys.readouterr().err
+    assert stub.count == 0
