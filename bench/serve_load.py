@@ -17,7 +17,8 @@ import httpx
 from _common import Server, corpus, percentiles
 
 
-async def backfill(url: str, model: str, texts: list[str], n_per_request: int, concurrency: int) -> dict:
+async def backfill(url: str, model: str, texts: list[str], n_per_request: int, concurrency: int,
+                   path: str = "/v1/embeddings") -> dict:
     chunks = [texts[i:i + n_per_request] for i in range(0, len(texts), n_per_request)]
     queue: asyncio.Queue = asyncio.Queue()
     for chunk in chunks:
@@ -29,7 +30,7 @@ async def backfill(url: str, model: str, texts: list[str], n_per_request: int, c
             nonlocal done
             while not queue.empty():
                 chunk = queue.get_nowait()
-                resp = await client.post("/v1/embeddings", json={"model": model, "input": chunk,
+                resp = await client.post(path, json={"model": model, "input": chunk,
                                                                  "encoding_format": "base64"})
                 resp.raise_for_status()
                 assert len(resp.json()["data"]) == len(chunk)
@@ -42,18 +43,18 @@ async def backfill(url: str, model: str, texts: list[str], n_per_request: int, c
             "inputs_per_request": n_per_request, "concurrency": concurrency}
 
 
-async def online(url: str, model: str, concurrency: int, requests: int) -> dict:
+async def online(url: str, model: str, concurrency: int, requests: int, path: str = "/v1/embeddings") -> dict:
     samples: list[float] = []
     queries = [f"how do I reset my password {i}" for i in range(requests)]
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         for q in queries[:10]:  # warm the connection pool and the server
-            await client.post("/v1/embeddings", json={"model": model, "input": q})
+            await client.post(path, json={"model": model, "input": q})
         sem = asyncio.Semaphore(concurrency)
 
         async def one(q: str) -> None:
             async with sem:
                 t0 = time.perf_counter()
-                resp = await client.post("/v1/embeddings", json={"model": model, "input": q})
+                resp = await client.post(path, json={"model": model, "input": q})
                 samples.append(time.perf_counter() - t0)
                 resp.raise_for_status()
 
@@ -61,15 +62,16 @@ async def online(url: str, model: str, concurrency: int, requests: int) -> dict:
     return {"concurrency": concurrency, **percentiles(samples)}
 
 
-def measure(url: str | None, model: str, n: int, per_request: int, concurrency: int, flags: list[str]) -> dict:
+def measure(url: str | None, model: str, n: int, per_request: int, concurrency: int, flags: list[str],
+            path: str = "/v1/embeddings") -> dict:
     server = Server(*flags) if url is None else None
     url = url or server.url
     try:
         texts = corpus(n)
         result = {"figure": "serve_load", "url": url, "model": model,
-                  "backfill": asyncio.run(backfill(url, model, texts, per_request, concurrency)),
-                  "online_c1": asyncio.run(online(url, model, 1, 300)),
-                  "online_c16": asyncio.run(online(url, model, 16, 600))}
+                  "backfill": asyncio.run(backfill(url, model, texts, per_request, concurrency, path)),
+                  "online_c1": asyncio.run(online(url, model, 1, 300, path)),
+                  "online_c16": asyncio.run(online(url, model, 16, 600, path))}
     finally:
         if server:
             server.stop()
@@ -83,9 +85,10 @@ def main() -> None:
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--inputs-per-request", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--path", default="/v1/embeddings", help="embeddings route (Infinity: /embeddings)")
     p.add_argument("--server-flag", action="append", default=[], help="extra flag for `embedfleet serve`")
     a = p.parse_args()
-    print(json.dumps(measure(a.url, a.model, a.n, a.inputs_per_request, a.concurrency, a.server_flag)))
+    print(json.dumps(measure(a.url, a.model, a.n, a.inputs_per_request, a.concurrency, a.server_flag, a.path)))
 
 
 if __name__ == "__main__":
