@@ -207,32 +207,33 @@ def create_app(models: Models, gate_state: GateState,
             return svc.spec.prompts[prompt_name]
         return instruction or ""
 
+    async def embed(svc: ModelService, body: OpenAIEmbeddingRequest | TEIEmbedRequest, raw_inputs,
+                    normalize: bool, request: Request):
+        """The one embedding path both shapes share: dimensions, prompt, tokenize, run, finish."""
+        check_dimensions(svc, body.dimensions)
+        prefix = prompt_prefix(svc, body.prompt_name, body.instruction)
+        tokenized = await tokenize(svc, raw_inputs, body.truncate, body.truncation_direction, prefix)
+        result = await run(svc, tokenized, request)
+        return finish(result.rows, normalize=normalize, dimensions=body.dimensions), result.tokens
+
     @app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, tags=["OpenAI"],
               openapi_extra=body_of(OpenAIEmbeddingRequest))
     async def openai_embeddings(request: Request):
         """OpenAI-compatible embeddings; vectors are unit length (as OpenAI's are)."""
         body = await parse(request, OpenAIEmbeddingRequest)
         svc = service_for(body.model, "/v1/embeddings")
-        check_dimensions(svc, body.dimensions)
-        prefix = prompt_prefix(svc, body.prompt_name, body.instruction)
-        tokenized = await tokenize(svc, body.input, body.truncate, body.truncation_direction, prefix)
-        result = await run(svc, tokenized, request)
-        vectors = finish(result.rows, normalize=True, dimensions=body.dimensions)
+        vectors, tokens = await embed(svc, body, body.input, True, request)
         encode = to_base64 if body.encoding_format == "base64" else (lambda v: v)
         data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)]
         return JSON({"object": "list", "data": data, "model": svc.name,
-                     "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})
+                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     @app.post("/embed", response_model=list[list[float]], tags=["TEI"], openapi_extra=body_of(TEIEmbedRequest))
     async def tei_embed(request: Request):
         """Text Embeddings Inference's /embed: a list of vectors in input order."""
         body = await parse(request, TEIEmbedRequest)
-        svc = service_for(body.model, "/embed")
-        check_dimensions(svc, body.dimensions)
-        prefix = prompt_prefix(svc, body.prompt_name, body.instruction)
-        tokenized = await tokenize(svc, body.inputs, body.truncate, body.truncation_direction, prefix)
-        result = await run(svc, tokenized, request)
-        return JSON(finish(result.rows, normalize=body.normalize, dimensions=body.dimensions))
+        vectors, _ = await embed(service_for(body.model, "/embed"), body, body.inputs, body.normalize, request)
+        return JSON(vectors)
 
     async def rerank_scores(svc: ModelService, query: str, docs: list[str], truncate: bool | None,
                             direction: str, raw: bool, request: Request):
