@@ -9,7 +9,6 @@ the handler returns normally so kopf does not retry a spec only a user can fix.
 from __future__ import annotations
 
 import os
-from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -17,6 +16,8 @@ import kopf
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.handlers import status as st
+from embedfleet.operator.handlers.common import now as _now
+from embedfleet.operator.handlers.common import reject, write_status
 from embedfleet.operator.kube import Kube, KubeError
 from embedfleet.operator.render import effective_replicas, render, selector_string
 from embedfleet.operator.validate import check
@@ -26,10 +27,6 @@ RESOURCE = (naming.GROUP, naming.VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL)
 KIND = naming.EMBEDDING_DEPLOYMENT_KIND
 #: Seconds between status refreshes (ready replicas, cache progress); short in tests.
 STATUS_INTERVAL = float(os.environ.get("EMBEDFLEET_STATUS_INTERVAL", "15"))
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _autoscaler_desired(status: Any) -> int | None:
@@ -51,12 +48,6 @@ def _observe(
             "DaemonSet", namespace, {naming.INSTANCE_LABEL: name, naming.COMPONENT_LABEL: "prepull"}
         )
     return deployment, daemonsets
-
-
-def _write_status(patch: kopf.Patch, current: Any, wanted: dict[str, Any]) -> None:
-    changes = st.status_patch(current, wanted)
-    for key, value in changes.items():
-        patch.status[key] = value
 
 
 def _wanted_status(
@@ -104,12 +95,7 @@ def reconcile(
     generation = meta.get("generation")
     parsed, problems = check(name, dict(spec))
     if parsed is None:
-        message = "; ".join(problems)
-        logger.warning("spec rejected: %s", message)
-        kopf.warn(body, reason="InvalidSpec", message=message[:1000])
-        rejected = st.condition("Accepted", False, "InvalidSpec", message, generation)
-        conditions = st.merge_conditions(status.get("conditions"), [rejected], _now())
-        _write_status(patch, status, {"observedGeneration": generation, "conditions": conditions})
+        reject(body, patch, status, problems, generation, logger)
         return
 
     uid = meta.get("uid")
@@ -144,7 +130,7 @@ def reconcile(
         if pruned:
             summary += (", " if summary else "") + "deleted " + ", ".join(pruned)
         kopf.info(body, reason="Applied", message=summary[:1000])
-    _write_status(patch, status, _wanted_status(name, namespace, parsed, status, generation, desired))
+    write_status(patch, status, _wanted_status(name, namespace, parsed, status, generation, desired))
 
 
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL)
@@ -162,7 +148,7 @@ def refresh_status(
     if parsed is None:
         return  # reconcile already reported it; nothing we render is running for this spec
     desired = effective_replicas(parsed, _autoscaler_desired(status))
-    _write_status(
+    write_status(
         patch, status, _wanted_status(name, namespace, parsed, status, meta.get("generation"), desired)
     )
 

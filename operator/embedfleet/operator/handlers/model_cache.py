@@ -8,7 +8,9 @@ import kopf
 
 from embedfleet.operator.crd import naming
 from embedfleet.operator.handlers import status as st
-from embedfleet.operator.handlers.embedding import KUBE, STATUS_INTERVAL, _now
+from embedfleet.operator.handlers.common import now as _now
+from embedfleet.operator.handlers.common import reject, write_status
+from embedfleet.operator.handlers.embedding import KUBE, STATUS_INTERVAL
 from embedfleet.operator.kube import KubeError
 from embedfleet.operator.render import render_model_cache
 from embedfleet.operator.validate import check_model_cache
@@ -64,17 +66,7 @@ def reconcile_cache(
     generation = meta.get("generation")
     parsed, problems = check_model_cache(name, dict(spec))
     if parsed is None:
-        message = "; ".join(problems)
-        kopf.warn(body, reason="InvalidSpec", message=message[:1000])
-        conditions = st.merge_conditions(
-            status.get("conditions"),
-            [st.condition("Accepted", False, "InvalidSpec", message, generation)],
-            _now(),
-        )
-        for key, value in st.status_patch(
-            status, {"observedGeneration": generation, "conditions": conditions}
-        ).items():
-            patch.status[key] = value
+        reject(body, patch, status, problems, generation)
         return
     uid = meta.get("uid")
     if not uid:
@@ -86,8 +78,7 @@ def reconcile_cache(
         KUBE.prune(KIND, name, uid, namespace, manifests, kinds=PULLER_KINDS)
     except KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=10) from exc
-    for key, value in st.status_patch(status, _cache_status(name, namespace, status, generation)).items():
-        patch.status[key] = value
+    write_status(patch, status, _cache_status(name, namespace, status, generation))
 
 
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL)
@@ -102,10 +93,7 @@ def refresh_cache_status(
 ) -> None:
     if check_model_cache(name, dict(spec))[0] is None:
         return
-    for key, value in st.status_patch(
-        status, _cache_status(name, namespace, status, meta.get("generation"))
-    ).items():
-        patch.status[key] = value
+    write_status(patch, status, _cache_status(name, namespace, status, meta.get("generation")))
 
 
 @kopf.on.delete(*RESOURCE)

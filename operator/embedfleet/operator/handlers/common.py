@@ -1,0 +1,34 @@
+"""What every kopf handler here does the same way: write only changed status, report a rejected spec."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from embedfleet.operator.handlers import status as st
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_status(patch: kopf.Patch, current: Any, wanted: dict[str, Any]) -> None:
+    """Patch only the status fields whose value changed, so an idle reconcile writes nothing."""
+    for key, value in st.status_patch(current, wanted).items():
+        patch.status[key] = value
+
+
+def reject(body: kopf.Body, patch: kopf.Patch, status: Any, problems: Iterable[str],
+           generation: int | None, logger: kopf.Logger | None = None) -> None:
+    """A spec the schema let through but we cannot run: Accepted=False listing every problem, an
+    InvalidSpec event, and nothing created."""
+    message = "; ".join(problems)
+    if logger is not None:
+        logger.warning("spec rejected: %s", message)
+    kopf.warn(body, reason="InvalidSpec", message=message[:1000])
+    rejected = st.condition("Accepted", False, "InvalidSpec", message, generation)
+    conditions = st.merge_conditions(status.get("conditions"), [rejected], now())
+    write_status(patch, status, {"observedGeneration": generation, "conditions": conditions})
