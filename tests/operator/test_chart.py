@@ -243,8 +243,11 @@ def test_role_and_region_reach_the_operator() -> None:
     assert "--role=spoke" in args and "--region=eu-west-1" in args and "--cloud=aws" in args
     assert "--namespace=embeddings" in args and "--namespace=search" in args
     # Namespaced rules are bound only in the watched namespaces.
-    bindings = by_kind(objects, "RoleBinding")
+    bindings = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["name"].endswith("-namespaced")]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["embeddings", "search"]
+    # A spoke also renews its heartbeat Lease, in its own namespace only.
+    (heartbeat,) = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["name"].endswith("-heartbeat")]
+    assert heartbeat["roleRef"]["kind"] == "Role"
     cluster_bindings = by_kind(objects, "ClusterRoleBinding")
     assert all(not b["metadata"]["name"].endswith("-namespaced") for b in cluster_bindings)
 

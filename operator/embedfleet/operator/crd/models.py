@@ -244,15 +244,55 @@ class ClusterWeight(CamelModel):
     weight: int = Field(ge=0, le=1000)
 
 
-class PlacementSpec(CamelModel):
-    """Multi-cluster placement, stored now and used by the hub's scheduler."""
+class ClusterLimit(CamelModel):
+    cluster: str = Field(min_length=1, max_length=253)
+    min_replicas: int = Field(default=0, ge=0, le=10000)
+    max_replicas: int | None = Field(default=None, ge=0, le=10000)
 
-    regions: list[str] = Field(default_factory=list)
-    policy: Literal["Duplicated", "Divided"] = "Duplicated"
-    weights: list[ClusterWeight] = Field(default_factory=list)
+
+class ClusterToleration(CamelModel):
+    """Tolerates a FleetCluster taint (same matching rules as a pod toleration)."""
+
+    key: str | None = Field(default=None, max_length=253)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str = Field(default="", max_length=63)
+    effect: Literal["NoSchedule", "NoExecute"] | None = None
+
+
+PlacementMode = Literal["ActiveActive", "RegionLocked", "ActivePassive"]
+
+
+class PlacementSpec(CamelModel):
+    """Multi-cluster placement, used by the hub's scheduler (embedfleet.operator.scheduling); a standalone or
+    spoke operator ignores it. Semantics in docs/hub.md."""
+
+    mode: PlacementMode | None = Field(
+        default=None,
+        description="RegionLocked: only `regions`/`residency`, even during failover. ActiveActive: spread "
+        "over at least `minRegions` regions. ActivePassive: `primaryRegions` first, one standby region on "
+        "loss. Unset: the PlacementPolicy's mode, else ActiveActive.",
+    )
+    regions: list[str] = Field(default_factory=list, description="Allowed regions (empty: any).")
+    policy: Literal["Duplicated", "Divided"] | None = Field(
+        default=None,
+        description="Duplicated: every chosen cluster runs the whole replica count. Divided: the count is "
+        "split by weight. Unset: the PlacementPolicy's division, else Divided.",
+    )
+    weights: list[ClusterWeight] = Field(
+        default_factory=list, description="Static weights per cluster; empty: even. Unlisted clusters get 0."
+    )
     residency: list[str] = Field(
         default_factory=list, description="Data-residency labels a cluster must carry."
     )
+    min_regions: int | None = Field(default=None, ge=1, le=64, description="ActiveActive: regions to spread over.")
+    primary_regions: list[str] = Field(default_factory=list, description="ActivePassive: the active regions.")
+    gpu_types: list[str] = Field(
+        default_factory=list, description="Acceptable GPU types in preference order; default runtime.gpu.type."
+    )
+    cluster_limits: list[ClusterLimit] = Field(default_factory=list, description="Per-cluster min/max replicas.")
+    max_replicas_per_cluster: int | None = Field(default=None, ge=1, le=10000)
+    max_clusters: int | None = Field(default=None, ge=1, le=1000, description="Use at most this many clusters.")
+    tolerations: list[ClusterToleration] = Field(default_factory=list, description="FleetCluster taints tolerated.")
 
 
 class MonitoringSpec(CamelModel):
@@ -307,6 +347,21 @@ class ScaleDecision(CamelModel):
     reason: str = ""
 
 
+class ClusterRow(CamelModel):
+    """One spoke's share of a hub EmbeddingDeployment, as the hub last decided and observed it."""
+
+    name: str
+    region: str = ""
+    min: int = 0
+    desired: int = 0
+    max: int = 0
+    ready: int | None = None
+    inflight: float | None = None
+    cache: str | None = Field(default=None, description="The spoke's CacheReady reason, or cached/total nodes.")
+    last_seen: str | None = None
+    reasons: list[str] = Field(default_factory=list)
+
+
 class EmbeddingDeploymentStatus(CamelModel):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
@@ -316,6 +371,10 @@ class EmbeddingDeploymentStatus(CamelModel):
     total_nodes: int | None = None
     selector: str | None = Field(default=None, description="Pod label selector (scale subresource).")
     last_scale_decision: ScaleDecision | None = None
+    clusters: list[ClusterRow] | None = Field(
+        default=None, description="Hub only: per-spoke shares and what each spoke reports."
+    )
+    target_replicas: int | None = Field(default=None, description="Hub only: the fleet-wide replica target.")
 
 
 class ModelCacheSpec(CamelModel):

@@ -215,7 +215,9 @@ def model_cache_crd() -> dict[str, Any]:
 
 def all_crds() -> dict[str, dict[str, Any]]:
     """File name in crds/ -> CRD document."""
-    docs = [embedding_deployment_crd(), model_cache_crd()]
+    from embedfleet.operator.crd.fleet import fleet_crds  # the hub's kinds (they reuse this module's helpers)
+
+    docs = [embedding_deployment_crd(), model_cache_crd(), *fleet_crds()]
     return {f"{doc['metadata']['name']}.yaml": doc for doc in docs}
 
 

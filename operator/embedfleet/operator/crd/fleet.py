@@ -1,0 +1,163 @@
+"""FleetCluster and PlacementPolicy: the hub's cluster-scoped resources, defined once as pydantic models.
+
+FleetCluster is the hub's inventory entry for one spoke: where it is (provider, region, zones, residency
+labels), what it offers (CPU replica slots, GPU types with counts and hourly prices), how the hub reaches
+it (a kubeconfig in a Secret on the hub) and how long its heartbeat lease may lapse. PlacementPolicy is
+what a platform team owns: placement constraints and defaults for every EmbeddingDeployment in the
+namespaces its selector matches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from embedfleet.operator.crd.models import (
+    DNS_LABEL_PATTERN,
+    CamelModel,
+    ClusterLimit,
+    ClusterToleration,
+    ClusterWeight,
+    Condition,
+    PlacementMode,
+)
+
+FLEET_CLUSTER_KIND = "FleetCluster"
+FLEET_CLUSTER_PLURAL = "fleetclusters"
+PLACEMENT_POLICY_KIND = "PlacementPolicy"
+PLACEMENT_POLICY_PLURAL = "placementpolicies"
+
+
+class GPUCapacitySpec(CamelModel):
+    type: str = Field(min_length=1, max_length=63, description="GPU type, e.g. nvidia-h100 (crd/gpus.py).")
+    count: int = Field(ge=0, le=1_000_000)
+    hourly_price: float = Field(default=0.0, ge=0, description="Price per GPU hour; cheaper scores higher.")
+
+
+class CapacitySpec(CamelModel):
+    cpu_replicas: int = Field(default=0, ge=0, le=1_000_000, description="CPU-only runtime replicas it can run.")
+    cpu_hourly_price: float = Field(default=0.0, ge=0)
+    gpus: list[GPUCapacitySpec] = Field(default_factory=list)
+
+
+class SecretReference(CamelModel):
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
+    namespace: str = Field(default="embedfleet-system", pattern=DNS_LABEL_PATTERN, max_length=63)
+    key: str = Field(default="kubeconfig", min_length=1, max_length=253)
+
+
+class ConnectionSpec(CamelModel):
+    """The hub pulls: it reaches each spoke's API server with this kubeconfig (see docs/hub.md for why)."""
+
+    kubeconfig_secret: SecretReference
+    namespace: str = Field(
+        default="embedfleet-system",
+        pattern=DNS_LABEL_PATTERN,
+        max_length=63,
+        description="Namespace on the spoke holding the spoke operator's heartbeat Lease.",
+    )
+
+
+class LeaseSpec(CamelModel):
+    duration_seconds: float = Field(
+        default=30, gt=0, le=3600, description="How long one heartbeat is valid (the spoke renews well within)."
+    )
+    grace_seconds: float = Field(
+        default=60, ge=0, le=86400, description="Further time an expired lease is tolerated before failover."
+    )
+
+
+class TaintSpec(CamelModel):
+    key: str = Field(min_length=1, max_length=253)
+    value: str = Field(default="", max_length=63)
+    effect: Literal["NoSchedule", "NoExecute"] = "NoSchedule"
+
+
+class FleetClusterSpec(CamelModel):
+    provider: str = Field(default="", max_length=63, description="aws, gcp, azure, onprem, ...")
+    region: str = Field(min_length=1, max_length=63)
+    zones: list[str] = Field(default_factory=list)
+    residency: list[str] = Field(default_factory=list, description="Data-residency labels, e.g. eu-gdpr.")
+    capacity: CapacitySpec = Field(default_factory=CapacitySpec)
+    connection: ConnectionSpec
+    lease: LeaseSpec = Field(default_factory=LeaseSpec)
+    taints: list[TaintSpec] = Field(default_factory=list)
+
+
+class FleetClusterStatus(CamelModel):
+    conditions: list[Condition] = Field(default_factory=list)
+    last_heartbeat: str | None = Field(default=None, description="Hub time the spoke's lease was last seen renewed.")
+    renew_time: str | None = Field(default=None, description="The lease's renewTime as the spoke wrote it.")
+    available_since: str | None = None
+    allocatable: CapacitySpec | None = None
+    cached_models: list[str] = Field(default_factory=list, description="Digest keys cached on the spoke's nodes.")
+    spoke_version: str | None = None
+
+
+class NamespaceSelector(CamelModel):
+    match_labels: dict[str, str] = Field(default_factory=dict, description="Empty: every namespace.")
+
+
+class PlacementPolicySpec(CamelModel):
+    """Constraints and defaults; an EmbeddingDeployment's inline placement may narrow them, never widen."""
+
+    namespace_selector: NamespaceSelector = Field(default_factory=NamespaceSelector)
+    priority: int = Field(default=0, ge=-1000, le=1000, description="Highest matching priority applies.")
+    mode: PlacementMode | None = None
+    regions: list[str] = Field(default_factory=list)
+    residency: list[str] = Field(default_factory=list)
+    min_regions: int | None = Field(default=None, ge=1, le=64)
+    primary_regions: list[str] = Field(default_factory=list)
+    gpu_types: list[str] = Field(default_factory=list)
+    division: Literal["Duplicated", "Divided"] | None = None
+    weights: list[ClusterWeight] = Field(default_factory=list)
+    cluster_limits: list[ClusterLimit] = Field(default_factory=list)
+    max_replicas_per_cluster: int | None = Field(default=None, ge=1, le=10000)
+    tolerations: list[ClusterToleration] = Field(default_factory=list)
+
+
+class PlacementPolicyStatus(CamelModel):
+    conditions: list[Condition] = Field(default_factory=list)
+    matched_deployments: int | None = None
+
+
+def fleet_crds() -> list[dict[str, Any]]:
+    from embedfleet.operator.crd.schema import _condition_column, _crd, _root_schema
+
+    return [
+        _crd(
+            kind=FLEET_CLUSTER_KIND,
+            plural=FLEET_CLUSTER_PLURAL,
+            singular="fleetcluster",
+            short_names=("fc",),
+            scope="Cluster",
+            schema=_root_schema(FleetClusterSpec, FleetClusterStatus),
+            columns=[
+                {"name": "Region", "type": "string", "jsonPath": ".spec.region"},
+                {"name": "Provider", "type": "string", "jsonPath": ".spec.provider"},
+                _condition_column("Joined", 0),
+                _condition_column("Available", 0),
+                {"name": "Heartbeat", "type": "date", "jsonPath": ".status.lastHeartbeat"},
+                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+            ],
+            subresources={"status": {}},
+        ),
+        _crd(
+            kind=PLACEMENT_POLICY_KIND,
+            plural=PLACEMENT_POLICY_PLURAL,
+            singular="placementpolicy",
+            short_names=("pp",),
+            scope="Cluster",
+            schema=_root_schema(PlacementPolicySpec, PlacementPolicyStatus),
+            columns=[
+                {"name": "Priority", "type": "integer", "jsonPath": ".spec.priority"},
+                {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
+                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+            ],
+            subresources={"status": {}},
+        ),
+    ]
+
+
+__all__ = ["FleetClusterSpec", "FleetClusterStatus", "PlacementPolicySpec", "PlacementPolicyStatus", "fleet_crds"]

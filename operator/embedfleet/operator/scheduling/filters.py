@@ -1,0 +1,86 @@
+"""Filter plugins: can this cluster run this deployment at all? Each returns None or the reason it can't.
+
+Filters never look at free capacity (that changes as other deployments are placed; ``place`` turns it
+into caps), so their verdict depends only on (rules, resource needs, cluster) and is cached per rules.
+A NoSchedule taint is not a filter: the cluster keeps what it runs but receives nothing new (see
+``place``); only NoExecute and unavailability make a cluster lose its replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from embedfleet.operator.scheduling.model import CPU, Cluster
+from embedfleet.operator.scheduling.policy import Rules
+
+Filter = Callable[[Rules, bool, Cluster], str | None]
+
+
+def health(rules: Rules, gpu: bool, cluster: Cluster) -> str | None:
+    return None if cluster.available else "unavailable: lease expired beyond its grace period"
+
+
+def region_lock(rules: Rules, gpu: bool, cluster: Cluster) -> str | None:
+    if rules.regions and cluster.region not in rules.regions:
+        return f"region {cluster.region} not in {sorted(rules.regions)}"
+    return None
+
+
+def residency(rules: Rules, gpu: bool, cluster: Cluster) -> str | None:
+    missing = rules.residency - cluster.residency
+    return f"missing residency labels {sorted(missing)}" if missing else None
+
+
+def gpu_type(rules: Rules, gpu: bool, cluster: Cluster) -> str | None:
+    if not gpu:
+        return None if cluster.cpu_replicas > 0 else "no CPU replica capacity"
+    wanted = rules.gpu_types or tuple(sorted({g.type for g in cluster.gpus}))
+    if any(cluster.capacity(t) > 0 for t in wanted):
+        return None
+    return f"no GPUs of type {list(wanted)}" if rules.gpu_types else "no GPUs"
+
+
+def taints(rules: Rules, gpu: bool, cluster: Cluster) -> str | None:
+    for taint in cluster.taints:
+        if taint.effect == "NoExecute" and not any(t.tolerates(taint) for t in rules.tolerations):
+            return f"taint {taint.key}={taint.value}:NoExecute not tolerated"
+    return None
+
+
+#: Order matters only for which reason is reported: the cheapest and most fundamental first.
+FILTERS: tuple[Filter, ...] = (region_lock, residency, gpu_type, taints, health)
+
+
+def run_filters(rules: Rules, gpu: bool, clusters: tuple[Cluster, ...]) -> tuple[list[Cluster], dict[str, str]]:
+    """(clusters passing every filter, {cluster: first failing filter's reason})."""
+    passed: list[Cluster] = []
+    rejected: dict[str, str] = {}
+    for cluster in clusters:
+        for check in FILTERS:
+            reason = check(rules, gpu, cluster)
+            if reason is not None:
+                rejected[cluster.name] = reason
+                break
+        else:
+            passed.append(cluster)
+    return passed, rejected
+
+
+def no_schedule(rules: Rules, cluster: Cluster) -> bool:
+    """True when an untolerated NoSchedule taint lets the cluster keep, but not gain, replicas."""
+    return any(
+        t.effect == "NoSchedule" and not any(tol.tolerates(t) for tol in rules.tolerations) for t in cluster.taints
+    )
+
+
+def resource_for(rules: Rules, gpus_per_replica: int, cluster: Cluster, free: dict[str, int]) -> str:
+    """Which capacity pool a replica draws from here: the first allowed GPU type with room, else the first
+    allowed type present, or CPU."""
+    if gpus_per_replica <= 0:
+        return CPU
+    types = rules.gpu_types or tuple(sorted({g.type for g in cluster.gpus}))
+    present = [t for t in types if cluster.capacity(t) > 0]
+    for t in present:
+        if free.get(t, 0) >= gpus_per_replica:
+            return t
+    return present[0] if present else CPU
