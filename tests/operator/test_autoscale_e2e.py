@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import kmock
 import pytest
-from conftest import EMBEDDING, KmockCluster, wait_for
 from schema_helpers import cr_errors, k8s_model_problems
 
+from conftest import EMBEDDING, KmockCluster, wait_for
 from embedfleet.operator.crd import naming
 from embedfleet.operator.render import selector_labels
 

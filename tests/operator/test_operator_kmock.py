@@ -13,9 +13,9 @@ import sys
 import time
 from typing import Any
 
-from conftest import EMBEDDING, KmockCluster, wait_for
 from schema_helpers import cr_errors, k8s_model_problems
 
+from conftest import EMBEDDING, KmockCluster, wait_for
 from embedfleet.operator.crd import naming
 
 NS = "ml"
