@@ -50,6 +50,7 @@ class EmbeddingService:
         self.tokenizer: TokenizerPool | None = None
         self.batcher: BatchManager | None = None
         self.load_error: str | None = None
+        self.vector_cache = None  # set by embedfleet.runtime.asyncq when --cache-enabled
         self.created = int(time.time())
 
     @property
@@ -102,14 +103,28 @@ class EmbeddingService:
             return await self.tokenizer.encode(list(inputs), self.input_limit, truncate, direction)
         return TokenizerPool.from_ids(list(inputs), self.input_limit, truncate, direction)
 
-    async def embed(self, tokenized: list[Tokenized], disconnected: Awaitable[None] | None = None) -> EmbedResult:
-        """Run tokenized inputs through the batch manager; give up (and free the queue) if the client goes."""
+    async def embed(self, tokenized: list[Tokenized], disconnected: Awaitable[None] | None = None,
+                    urgent: bool | None = None) -> EmbedResult:
+        """Run tokenized inputs through the batch manager; give up (and free the queue) if the client goes.
+
+        `urgent=False` is how async jobs yield to sync traffic; None decides by request size.
+        """
         assert self.batcher is not None
         truncated = sum(t.truncated for t in tokenized)
         if truncated:
             self.metrics.truncated.inc(truncated)
-        job = self.batcher.submit([t.ids for t in tokenized],
-                                  urgent=len(tokenized) <= self.settings.urgent_max_inputs)
+        if urgent is None:
+            urgent = len(tokenized) <= self.settings.urgent_max_inputs
+        if self.vector_cache is not None:  # asyncq.cache: rows it already knows skip the engine
+            vectors = await self.vector_cache.through(
+                self.spec.digest, tokenized, lambda todo: self._rows(todo, urgent, disconnected))
+        else:
+            vectors = await self._rows(tokenized, urgent, disconnected)
+        return EmbedResult(vectors, sum(len(t.ids) for t in tokenized))
+
+    async def _rows(self, tokenized: list[Tokenized], urgent: bool,
+                    disconnected: Awaitable[None] | None) -> np.ndarray:
+        job = self.batcher.submit([t.ids for t in tokenized], urgent=urgent)
         if disconnected is None:
             vectors = await job.future
         else:
@@ -122,7 +137,7 @@ class EmbeddingService:
                 self.batcher.cancel(job)
                 raise ClientGone()
             vectors = job.future.result()
-        return EmbedResult(vectors, sum(len(t.ids) for t in tokenized))
+        return vectors
 
 
 class ClientGone(Exception):

@@ -233,5 +233,10 @@ def create_app(service: EmbeddingService, gate_state: GateState,
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if settings.redis_url:  # async jobs, workers and embedding cache on Redis (asyncq/); reuses the checks above
+        from embedfleet.runtime.asyncq.routes import async_router
+
+        app.include_router(async_router(service, check_model, check_dimensions, tokenize))
+
     app.openapi = with_request_schemas(app)
     return app
