@@ -85,7 +85,8 @@ class WebhookSender:
             job = await self.store.job(entry.job_id)
             url = text(job.get("webhook_url", b"")) if job else ""
             if not job or not url:
-                await self.store.dead_letter(entry, url, "the job or its result expired before delivery")
+                await self.store.dead_letter(entry, url, "the job or its result expired before delivery",
+                                             job_exists=bool(job))
                 return
             error = await self._post(client, url, entry, job_document(entry.job_id, job))
             if error is None:

@@ -223,13 +223,14 @@ class JobStore:
             pipe.xdel(self.keys.webhooks, entry.entry_id)
             await pipe.execute()
 
-    async def dead_letter(self, entry: Entry, url: str, error: str) -> None:
+    async def dead_letter(self, entry: Entry, url: str, error: str, job_exists: bool = True) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.keys.dead_letters, {"id": entry.job_id, "webhook_url": url, "attempts": entry.attempt,
                                                "error": error, "failed_at": f"{time.time():.3f}"})
-            pipe.hset(self.keys.job(entry.job_id), mapping={"webhook_status": "dead",
-                                                             "webhook_attempts": entry.attempt,
-                                                             "webhook_error": error})
+            if job_exists:  # never recreate an expired job as a hash without a TTL
+                pipe.hset(self.keys.job(entry.job_id), mapping={"webhook_status": "dead",
+                                                                 "webhook_attempts": entry.attempt,
+                                                                 "webhook_error": error})
             pipe.xack(self.keys.webhooks, WEBHOOK_GROUP, entry.entry_id)
             pipe.xdel(self.keys.webhooks, entry.entry_id)
             await pipe.execute()
@@ -246,8 +247,10 @@ class JobStore:
 
     async def replay(self, dlq_id: str, job_id: str) -> None:
         """Give a dead letter a fresh round of delivery attempts; atomic, so it is never in neither place."""
+        exists = await self.redis.exists(self.keys.job(job_id))
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(self.keys.webhooks, {"id": job_id, "attempt": 1})
-            pipe.hset(self.keys.job(job_id), "webhook_status", "pending")
+            if exists:
+                pipe.hset(self.keys.job(job_id), "webhook_status", "pending")
             pipe.xdel(self.keys.dead_letters, dlq_id)
             await pipe.execute()
