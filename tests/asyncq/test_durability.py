@@ -8,6 +8,7 @@ import httpx
 
 from embedfleet.runtime.asyncq.keys import JOB_GROUP, Keys
 from tests.asyncq.procs import wait_for
+from tests.procs import free_port
 
 KEYS = Keys()
 
@@ -69,10 +70,13 @@ def test_queued_jobs_survive_a_redis_restart_with_aof(redis_server, runtime_fact
     again = asyncio.run(submit_many(api.url, tiny_jobs(5)))
     assert [x.status_code for x in again] == [202] * 5, (again[0].text, api.log()[-3000:])
     after = [x.json()["id"] for x in again]  # the replica reconnected
-    worker_factory(redis_server.url)
+    metrics_port = free_port()
+    worker_factory(redis_server.url, "--host", "127.0.0.1", "--metrics-port", str(metrics_port))
     wait_for(lambda: r.zcard(KEYS.unfinished) == 0, 180, "the queued jobs to finish")
     with api.client() as c:
         assert all(c.get(f"/async/jobs/{i}").json()["status"] == "succeeded" for i in before + after)
+    metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text  # the worker's own
+    assert "embedfleet_async_queue_depth" in metrics and "embedfleet_inputs_total" in metrics
 
 
 def test_queue_full_is_429_and_nothing_accepted_is_lost(redis_server, runtime_factory, worker_factory):
