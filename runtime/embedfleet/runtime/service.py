@@ -7,6 +7,7 @@ front-end (the async Redis worker) reuses the same path.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Sequence
@@ -118,6 +119,8 @@ class EmbeddingService:
         if self.vector_cache is not None:  # asyncq.cache: rows it already knows skip the engine
             vectors = await self.vector_cache.through(
                 self.spec.digest, tokenized, lambda todo: self._rows(todo, urgent, disconnected))
+            if inspect.iscoroutine(disconnected) and inspect.getcoroutinestate(disconnected) == "CORO_CREATED":
+                disconnected.close()  # all rows were cached: the disconnect watcher never ran
         else:
             vectors = await self._rows(tokenized, urgent, disconnected)
         return EmbedResult(vectors, sum(len(t.ids) for t in tokenized))
