@@ -45,6 +45,18 @@ class RuntimeMetrics:
             "embedfleet_truncated_inputs_total", "Inputs truncated to the model's limit", ["model"], registry=r)
         self.errors = Counter("embedfleet_errors_total", "Error responses by HTTP status", ["code"], registry=r)
         self.ready = Gauge("embedfleet_ready", "1 when the server accepts work", registry=r)
+        # async queue and embedding cache (embedfleet.runtime.asyncq)
+        self.async_queue_depth = Gauge(
+            "embedfleet_async_queue_depth", "Async jobs accepted and not yet finished (whole Redis queue)",
+            registry=r)
+        self.async_oldest_job = Gauge(
+            "embedfleet_async_oldest_job_seconds", "Age of the oldest unfinished async job", registry=r)
+        self.cache_hits = Counter("embedfleet_cache_hits_total", "Inputs answered from the embedding cache",
+                                  registry=r)
+        self.cache_misses = Counter("embedfleet_cache_misses_total", "Inputs the embedding cache did not have",
+                                    registry=r)
+        self.cache_hit_ratio = Gauge(
+            "embedfleet_cache_hit_ratio", "Cache hits / lookups since start", registry=r)
 
     def for_model(self, name: str) -> ModelMetrics:
         """The per-model series (label `model`), so each model's queue is visible on its own."""

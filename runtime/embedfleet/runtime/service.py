@@ -56,6 +56,7 @@ class ModelService:
         self.engine: Engine | None = None
         self.tokenizer: TokenizerPool | None = None
         self.batcher: BatchManager | None = None
+        self.vector_cache = None  # an asyncq.cache.VectorCache when --cache-enabled (embedding models only)
         self.created = int(time.time())
 
     @property
@@ -118,20 +119,27 @@ class ModelService:
             self.metrics.truncated.inc(truncated)
         if urgent is None:
             urgent = len(tokenized) <= self.settings.urgent_max_inputs
-        job = self.batcher.submit(tokenized, urgent=urgent)
-        if disconnected is None:
-            rows = await job.future
-        else:
-            watcher = asyncio.ensure_future(disconnected)
-            try:
-                done, _ = await asyncio.wait({job.future, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
+        watcher = asyncio.ensure_future(disconnected) if disconnected is not None else None
+        try:
+            if self.vector_cache is not None and self.task == "embed":
+                rows = await self.vector_cache.through(self.spec.digest, tokenized,
+                                                       lambda todo: self._rows(todo, urgent, watcher))
+            else:
+                rows = await self._rows(tokenized, urgent, watcher)
+        finally:
+            if watcher is not None:
                 watcher.cancel()
-            if job.future not in done:
-                self.batcher.cancel(job)
-                raise ClientGone()
-            rows = job.future.result()
         return RunResult(rows, sum(len(t) for t in tokenized))
+
+    async def _rows(self, tokenized: list[Tokenized], urgent: bool, watcher: asyncio.Future | None) -> np.ndarray:
+        job = self.batcher.submit(tokenized, urgent=urgent)
+        if watcher is None:
+            return await job.future
+        done, _ = await asyncio.wait({job.future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if job.future not in done:
+            self.batcher.cancel(job)
+            raise ClientGone()
+        return job.future.result()
 
 
 class Models:

@@ -80,6 +80,33 @@ class RuntimeSettings(BaseSettings):
         30.0, ge=0, description="seconds to let accepted requests finish after SIGTERM")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
+    # -- async queue, webhooks and embedding cache (embedfleet.runtime.asyncq) --------------
+    redis_url: str | None = Field(
+        None, description="Redis for the async API (/async/...), its workers and the embedding cache; unset: off")
+    async_enabled: bool = Field(
+        True, description="with --redis-url: serve POST /async/v1/embeddings and GET /async/jobs/ID")
+    async_worker: bool = Field(True, description="with --redis-url: also run an async worker inside this replica")
+    async_worker_concurrency: int = Field(
+        16, ge=1, description="async jobs one worker holds at once (they share the batch manager at low priority)")
+    async_max_queue_depth: int = Field(
+        100_000, ge=1, description="async jobs accepted and not finished; beyond it: 429 with Retry-After")
+    async_result_ttl: int = Field(86_400, ge=1, description="seconds a finished job and its result are kept")
+    async_visibility_timeout: float = Field(
+        60.0, gt=0, description="seconds a job may stay claimed by a silent worker before another takes it")
+    async_max_attempts: int = Field(
+        5, ge=1, description="times a job may be started (workers that die on it) before it ends failed")
+    webhook_secret: SecretStr | None = Field(
+        None, description="HMAC-SHA256 key that signs webhook deliveries; jobs with webhook_url need it")
+    webhook_allow_private: bool = Field(
+        False, description="allow webhook URLs that resolve to private, loopback or link-local addresses")
+    webhook_max_attempts: int = Field(
+        6, ge=1, description="webhook deliveries tried before the job goes to the dead-letter stream")
+    webhook_backoff: float = Field(1.0, gt=0, description="seconds before the first webhook retry; doubles each time")
+    webhook_timeout: float = Field(10.0, gt=0, description="seconds one webhook delivery may take")
+    cache_enabled: bool = Field(
+        False, description="with --redis-url: cache vectors keyed by model digest + token ids; a hit skips the engine")
+    cache_ttl: int = Field(7 * 86_400, ge=1, description="seconds a cached vector is kept")
+
     @model_validator(mode="after")
     def _check(self) -> RuntimeSettings:
         if self.max_batch_requests > self.max_batch_tokens:

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from embedfleet.runtime.api import errors
 from embedfleet.runtime.api.gate import Gate, GateState
 from embedfleet.runtime.api.inputs import as_batch
+from embedfleet.runtime.api.prepare import prepare_embedding, select, tokenize, tokenize_pairs
 from embedfleet.runtime.api.schemas import (
     ClassifyRequest,
     ClassifyResponse,
@@ -35,22 +36,17 @@ from embedfleet.runtime.api.schemas import (
     TEIEmbedRequest,
     TokenizeRequest,
 )
-from embedfleet.runtime.core.postprocess import finish, to_base64
+from embedfleet.runtime.core.openai_body import embeddings_body
+from embedfleet.runtime.core.postprocess import finish
 from embedfleet.runtime.core.scores import label_scores, relevance
-from embedfleet.runtime.core.tokenize import InputTooLong, Tokenized
-from embedfleet.runtime.models.spec import Task
+from embedfleet.runtime.core.tokenize import Tokenized
 from embedfleet.runtime.service import ClientGone, Models, ModelService
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 WORK_ROUTES = frozenset({"/v1/embeddings", "/embed", "/tokenize", "/rerank", "/v1/rerank", "/predict",
-                         "/classify"})
-ROUTE_TASKS: dict[str, tuple[Task, ...]] = {
-    "/v1/embeddings": ("embed",), "/embed": ("embed",), "/rerank": ("rerank",), "/v1/rerank": ("rerank",),
-    "/predict": ("rerank", "classify"), "/classify": ("classify",),
-}
-KIND = {"embed": "an embedding model", "rerank": "a reranker (cross-encoder)", "classify": "a classifier"}
+                         "/classify", "/async/v1/embeddings"})
 
 
 class JSON(Response):
@@ -145,53 +141,6 @@ def create_app(models: Models, gate_state: GateState,
         payload_limit=settings.payload_limit, max_concurrent=settings.max_concurrent_requests,
         state=gate_state, metrics=metrics, known_paths=WORK_ROUTES, queue_saturated=lambda: models.saturated)
 
-    def service_for(name: str | None, route: str) -> ModelService:
-        """The model a request names (or the first of the route's kind), loaded and of the right kind."""
-        tasks = ROUTE_TASKS[route]
-        svc = models.pick(name, tasks[0])
-        if svc is None:
-            raise errors.ApiError(404, f"model {name!r} is not served here; available: {models.names()}",
-                                  "model_not_found")
-        if not svc.loaded:
-            raise errors.ApiError(503, "the model is still loading; retry shortly", "loading", {"retry-after": "2"})
-        if svc.task not in tasks:
-            wanted = " or ".join(KIND[t] for t in tasks)
-            raise errors.ApiError(400, f"{route} needs {wanted}, but {svc.name!r} is {KIND[svc.task]}; "
-                                  f"models here: {models.names()}", "wrong_model_kind")
-        return svc
-
-    def check_dimensions(svc: ModelService, dimensions: int | None) -> None:
-        dim = svc.spec.hidden_size
-        if dimensions is not None and dimensions > dim:
-            raise errors.ApiError(422, f"dimensions={dimensions} is more than the model's {dim}",
-                                  "invalid_dimensions")
-
-    def truncation(truncate: bool | None) -> bool:
-        return settings.auto_truncate if truncate is None else truncate
-
-    async def tokenize(svc: ModelService, raw, truncate: bool | None, direction: str,
-                       prefix: str = "") -> list[Tokenized]:
-        batch = as_batch(raw, settings.max_client_batch_size, svc.tokenizer.tokenizer.get_vocab_size())
-        if prefix and isinstance(batch[0], str):
-            batch = [prefix + text for text in batch]
-        try:
-            return await svc.tokenize(batch, truncation(truncate), direction.lower())
-        except InputTooLong as exc:
-            raise errors.ApiError(413, str(exc), "input_too_long") from exc
-
-    async def tokenize_pairs(svc: ModelService, pairs: list[tuple[str, str]], truncate: bool | None,
-                             direction: str) -> list[Tokenized]:
-        if len(pairs) > settings.max_client_batch_size:
-            raise errors.ApiError(413, f"{len(pairs)} pairs is over the limit of {settings.max_client_batch_size} "
-                                  "per request (--max-client-batch-size); split it", "batch_too_large")
-        for i, (a, b) in enumerate(pairs):
-            if not a.strip() or not b.strip():
-                raise errors.ApiError(422, f"pair {i} has an empty text", "empty_input")
-        try:
-            return await svc.tokenize_pairs(pairs, truncation(truncate), direction.lower())
-        except InputTooLong as exc:
-            raise errors.ApiError(413, str(exc).replace("input", "pair", 1), "input_too_long") from exc
-
     async def run(svc: ModelService, tokenized: list[Tokenized], request: Request):
         try:
             return await svc.run(tokenized, wait_disconnect(request.receive))
@@ -199,41 +148,22 @@ def create_app(models: Models, gate_state: GateState,
             log.debug("client went away; its queued inputs were dropped")
             raise errors.ApiError(499, "client closed the request", "client_closed") from None
 
-    def prompt_prefix(svc: ModelService, prompt_name: str | None, instruction: str | None) -> str:
-        if prompt_name is not None:
-            if prompt_name not in svc.spec.prompts:
-                raise errors.ApiError(422, f"prompt_name {prompt_name!r} is not one of the model's prompts "
-                                      f"{sorted(svc.spec.prompts)}", "unknown_prompt")
-            return svc.spec.prompts[prompt_name]
-        return instruction or ""
-
-    async def embed(svc: ModelService, body: OpenAIEmbeddingRequest | TEIEmbedRequest, raw_inputs,
-                    normalize: bool, request: Request):
-        """The one embedding path both shapes share: dimensions, prompt, tokenize, run, finish."""
-        check_dimensions(svc, body.dimensions)
-        prefix = prompt_prefix(svc, body.prompt_name, body.instruction)
-        tokenized = await tokenize(svc, raw_inputs, body.truncate, body.truncation_direction, prefix)
-        result = await run(svc, tokenized, request)
-        return finish(result.rows, normalize=normalize, dimensions=body.dimensions), result.tokens
-
     @app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, tags=["OpenAI"],
               openapi_extra=body_of(OpenAIEmbeddingRequest))
     async def openai_embeddings(request: Request):
         """OpenAI-compatible embeddings; vectors are unit length (as OpenAI's are)."""
         body = await parse(request, OpenAIEmbeddingRequest)
-        svc = service_for(body.model, "/v1/embeddings")
-        vectors, tokens = await embed(svc, body, body.input, True, request)
-        encode = to_base64 if body.encoding_format == "base64" else (lambda v: v)
-        data = [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)]
-        return JSON({"object": "list", "data": data, "model": svc.name,
-                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        svc = select(models, body.model, "/v1/embeddings")
+        result = await run(svc, await prepare_embedding(svc, body, body.input), request)
+        return JSON(embeddings_body(svc.name, result.rows, result.tokens, body.dimensions, body.encoding_format))
 
     @app.post("/embed", response_model=list[list[float]], tags=["TEI"], openapi_extra=body_of(TEIEmbedRequest))
     async def tei_embed(request: Request):
         """Text Embeddings Inference's /embed: a list of vectors in input order."""
         body = await parse(request, TEIEmbedRequest)
-        vectors, _ = await embed(service_for(body.model, "/embed"), body, body.inputs, body.normalize, request)
-        return JSON(vectors)
+        svc = select(models, body.model, "/embed")
+        result = await run(svc, await prepare_embedding(svc, body, body.inputs), request)
+        return JSON(finish(result.rows, normalize=body.normalize, dimensions=body.dimensions))
 
     async def rerank_scores(svc: ModelService, query: str, docs: list[str], truncate: bool | None,
                             direction: str, raw: bool, request: Request):
@@ -251,7 +181,7 @@ def create_app(models: Models, gate_state: GateState,
         if "documents" in data:
             return await cohere_shape(validate(data, CohereRerankRequest), "/rerank", request)
         body = validate(data, RerankRequest)
-        svc = service_for(body.model, "/rerank")
+        svc = select(models, body.model, "/rerank")
         scores, order, _ = await rerank_scores(svc, body.query, body.texts, body.truncate,
                                                body.truncation_direction, body.raw_scores, request)
         return JSON([{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
@@ -264,7 +194,7 @@ def create_app(models: Models, gate_state: GateState,
         return await cohere_shape(await parse(request, CohereRerankRequest), "/v1/rerank", request)
 
     async def cohere_shape(body: CohereRerankRequest, route: str, request: Request):
-        svc = service_for(body.model, route)
+        svc = select(models, body.model, route)
         docs = [d if isinstance(d, str) else d.text for d in body.documents]
         scores, order, tokens = await rerank_scores(svc, body.query, docs, body.truncate,
                                                     body.truncation_direction, False, request)
@@ -286,7 +216,7 @@ def create_app(models: Models, gate_state: GateState,
     async def predict(request: Request):
         """TEI/BEI /predict: a text or a pair -> [{label, score}]; a list of them -> one list each."""
         body = await parse(request, PredictRequest)
-        svc = service_for(body.model, "/predict")
+        svc = select(models, body.model, "/predict")
         single = isinstance(body.inputs, str) or (len(body.inputs) == 2 and all(isinstance(x, str)
                                                                                  for x in body.inputs))
         items = [body.inputs] if single else list(body.inputs)
@@ -319,7 +249,7 @@ def create_app(models: Models, gate_state: GateState,
     async def classify(request: Request):
         """Label texts with the model's `id2label` names; scores are softmax (sigmoid if multi-label)."""
         body = await parse(request, ClassifyRequest)
-        svc = service_for(body.model, "/classify")
+        svc = select(models, body.model, "/classify")
         tokenized = await tokenize(svc, body.input, body.truncate, body.truncation_direction)
         result = await run(svc, tokenized, request)
         rows = labelled(svc, result.rows, body.raw_scores, body.top_k)
@@ -332,12 +262,7 @@ def create_app(models: Models, gate_state: GateState,
     async def tokenize_route(request: Request):
         """Tokens with their ids, text and character offsets, as the engine will see them."""
         body = await parse(request, TokenizeRequest)
-        svc = models.pick(body.model, "embed")
-        if svc is None:
-            raise errors.ApiError(404, f"model {body.model!r} is not served here; available: {models.names()}",
-                                  "model_not_found")
-        if not svc.loaded:
-            raise errors.ApiError(503, "the model is still loading; retry shortly", "loading", {"retry-after": "2"})
+        svc = select(models, body.model, "/tokenize")
         texts = as_batch(body.inputs, settings.max_client_batch_size, svc.tokenizer.tokenizer.get_vocab_size())
         return JSON(await svc.tokenizer.details(texts, body.add_special_tokens))
 
@@ -375,6 +300,11 @@ def create_app(models: Models, gate_state: GateState,
     @app.get("/metrics", tags=["probes"])
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if settings.redis_url:  # async jobs, workers and embedding cache on Redis (asyncq/); same checks as above
+        from embedfleet.runtime.asyncq.routes import async_router
+
+        app.include_router(async_router(models))
 
     app.openapi = with_request_schemas(app)
     return app

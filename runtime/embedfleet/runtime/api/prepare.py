@@ -1,0 +1,84 @@
+"""Request checks and preparation shared by every front-end (sync routes, async submission, async worker).
+
+Each function raises `ApiError` with the status and message the client should see, so a job that
+the async path accepts is exactly one the sync route would have run.
+"""
+
+from __future__ import annotations
+
+from embedfleet.runtime.api.errors import ApiError
+from embedfleet.runtime.api.inputs import as_batch
+from embedfleet.runtime.api.schemas import OpenAIEmbeddingRequest, TEIEmbedRequest
+from embedfleet.runtime.core.tokenize import InputTooLong, Tokenized
+from embedfleet.runtime.models.spec import Task
+from embedfleet.runtime.service import Models, ModelService
+
+ROUTE_TASKS: dict[str, tuple[Task, ...]] = {
+    "/v1/embeddings": ("embed",), "/embed": ("embed",), "/rerank": ("rerank",), "/v1/rerank": ("rerank",),
+    "/predict": ("rerank", "classify"), "/classify": ("classify",), "/tokenize": ("embed", "rerank", "classify"),
+}
+KIND = {"embed": "an embedding model", "rerank": "a reranker (cross-encoder)", "classify": "a classifier"}
+
+
+def select(models: Models, name: str | None, route: str) -> ModelService:
+    """The model a request names (or the first of the route's kind), loaded and of the right kind."""
+    tasks = ROUTE_TASKS[route]
+    svc = models.pick(name, tasks[0])
+    if svc is None:
+        raise ApiError(404, f"model {name!r} is not served here; available: {models.names()}", "model_not_found")
+    if not svc.loaded:
+        raise ApiError(503, "the model is still loading; retry shortly", "loading", {"retry-after": "2"})
+    if svc.task not in tasks:
+        wanted = " or ".join(KIND[t] for t in tasks)
+        raise ApiError(400, f"{route} needs {wanted}, but {svc.name!r} is {KIND[svc.task]}; "
+                       f"models here: {models.names()}", "wrong_model_kind")
+    return svc
+
+
+def truncation(svc: ModelService, truncate: bool | None) -> bool:
+    return svc.settings.auto_truncate if truncate is None else truncate
+
+
+async def tokenize(svc: ModelService, raw, truncate: bool | None, direction: str,
+                   prefix: str = "") -> list[Tokenized]:
+    batch = as_batch(raw, svc.settings.max_client_batch_size, svc.tokenizer.tokenizer.get_vocab_size())
+    if prefix and isinstance(batch[0], str):
+        batch = [prefix + text for text in batch]
+    try:
+        return await svc.tokenize(batch, truncation(svc, truncate), direction.lower())
+    except InputTooLong as exc:
+        raise ApiError(413, str(exc), "input_too_long") from exc
+
+
+async def tokenize_pairs(svc: ModelService, pairs: list[tuple[str, str]], truncate: bool | None,
+                         direction: str) -> list[Tokenized]:
+    limit = svc.settings.max_client_batch_size
+    if len(pairs) > limit:
+        raise ApiError(413, f"{len(pairs)} pairs is over the limit of {limit} per request "
+                       "(--max-client-batch-size); split it", "batch_too_large")
+    for i, (a, b) in enumerate(pairs):
+        if not a.strip() or not b.strip():
+            raise ApiError(422, f"pair {i} has an empty text", "empty_input")
+    try:
+        return await svc.tokenize_pairs(pairs, truncation(svc, truncate), direction.lower())
+    except InputTooLong as exc:
+        raise ApiError(413, str(exc).replace("input", "pair", 1), "input_too_long") from exc
+
+
+def prompt_prefix(svc: ModelService, prompt_name: str | None, instruction: str | None) -> str:
+    if prompt_name is not None:
+        if prompt_name not in svc.spec.prompts:
+            raise ApiError(422, f"prompt_name {prompt_name!r} is not one of the model's prompts "
+                           f"{sorted(svc.spec.prompts)}", "unknown_prompt")
+        return svc.spec.prompts[prompt_name]
+    return instruction or ""
+
+
+async def prepare_embedding(svc: ModelService, body: OpenAIEmbeddingRequest | TEIEmbedRequest,
+                            raw_inputs) -> list[Tokenized]:
+    """Dimensions, prompt prefix and tokenization: everything that can refuse an embedding request."""
+    dim = svc.spec.hidden_size
+    if body.dimensions is not None and body.dimensions > dim:
+        raise ApiError(422, f"dimensions={body.dimensions} is more than the model's {dim}", "invalid_dimensions")
+    prefix = prompt_prefix(svc, body.prompt_name, body.instruction)
+    return await tokenize(svc, raw_inputs, body.truncate, body.truncation_direction, prefix)
