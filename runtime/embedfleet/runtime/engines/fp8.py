@@ -97,6 +97,7 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
         # cuBLASLt's FP8 kernels need both GEMM dims of the weight to be multiples of 16
         self.kernel_shape_ok = self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self._use_kernel: bool | None = None  # decided on the first call, when the device is known
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, act_scaling: ActScaling = "token") -> Fp8Linear:
@@ -111,7 +112,9 @@ class Fp8Linear(nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         qa, scale_a = quantize_activation(flat, self.act_scaling)
-        if self.kernel_shape_ok and scaled_mm_supported(x.device):
+        if self._use_kernel is None:
+            self._use_kernel = self.kernel_shape_ok and scaled_mm_supported(x.device)
+        if self._use_kernel:
             y = scaled_mm_cuda(qa, scale_a, self.weight, self.weight_scale, x.dtype)
         else:
             y = scaled_mm_emulated(qa, scale_a, self.weight, self.weight_scale, x.dtype)
