@@ -57,6 +57,13 @@ class RuntimeMetrics:
                                     registry=r)
         self.cache_hit_ratio = Gauge(
             "embedfleet_cache_hit_ratio", "Cache hits / lookups since start", registry=r)
+        # exported only for models started with dtype fp8 (a 0 for the others would read as a failure)
+        self.fp8_min_cosine = Gauge(
+            "embedfleet_fp8_min_cosine", "FP8 quality gate: lowest cosine of a calibration output with bf16 "
+            "(rerankers: correlation of scores)", ["model"], registry=r)
+        self.fp8_accepted = Gauge(
+            "embedfleet_fp8_accepted", "FP8 quality gate: 1 when FP8 is served, 0 after a fall back to bf16",
+            ["model"], registry=r)
 
     def for_model(self, name: str) -> ModelMetrics:
         """The per-model series (label `model`), so each model's queue is visible on its own."""

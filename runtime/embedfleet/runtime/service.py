@@ -43,7 +43,10 @@ def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
     from embedfleet.runtime.engines.torch_engine import TorchEngine
 
     return TorchEngine(spec, device=settings.device, dtype=settings.dtype,
-                       num_threads=settings.num_threads or settings.cores())
+                       num_threads=settings.num_threads or settings.cores(),
+                       max_batch_tokens=settings.max_batch_tokens, fp8_min_cosine=settings.fp8_min_cosine,
+                       fp8_strict=settings.fp8_strict, fp8_activation_scaling=settings.fp8_activation_scaling,
+                       cuda_graphs=settings.cuda_graphs)
 
 
 class ModelService:
@@ -52,6 +55,7 @@ class ModelService:
         self.name = entry.name
         self.settings = settings
         self.metrics = metrics.for_model(entry.name)
+        self._runtime_metrics = metrics
         self.spec: ModelSpec | None = None
         self.engine: Engine | None = None
         self.tokenizer: TokenizerPool | None = None
@@ -69,6 +73,16 @@ class ModelService:
         return self.spec.task
 
     @property
+    def effective_dtype(self) -> str:
+        """The precision actually served: `fp8` may have fallen back to bfloat16 at the quality gate."""
+        return getattr(self.engine, "effective_dtype", self.settings.dtype)
+
+    @property
+    def fp8_min_cosine(self) -> float | None:
+        gate = getattr(self.engine, "fp8_gate", None)
+        return gate.min_cosine if gate is not None else None
+
+    @property
     def input_limit(self) -> int:
         assert self.spec is not None
         limit = self.spec.max_length
@@ -81,6 +95,10 @@ class ModelService:
         engine = await asyncio.to_thread(build_engine, self.settings, spec)
         await asyncio.to_thread(getattr(engine, "warmup", lambda: None))
         self.spec, self.engine = spec, engine
+        gate = getattr(engine, "fp8_gate", None)
+        if gate is not None:
+            self._runtime_metrics.fp8_min_cosine.labels(self.name).set(gate.min_cosine)
+            self._runtime_metrics.fp8_accepted.labels(self.name).set(1 if gate.passed else 0)
         self.tokenizer = TokenizerPool(spec.path / "tokenizer.json",
                                        self.settings.tokenizer_workers or self.settings.cores())
         run = engine.embed if spec.task == "embed" else engine.classify
@@ -90,7 +108,7 @@ class ModelService:
         self.batcher = batcher
         log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,
                  spec.model_type, ",".join(spec.architectures), spec.pooling, self.input_limit,
-                 self.settings.device, self.settings.dtype)
+                 self.settings.device, self.effective_dtype)
 
     async def close(self) -> None:
         if self.batcher:

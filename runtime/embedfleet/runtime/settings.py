@@ -79,6 +79,18 @@ class RuntimeSettings(BaseSettings):
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds to let accepted requests finish after SIGTERM")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    # GPU engine (docs/gpu.md)
+    fp8_min_cosine: float = Field(
+        0.999, gt=0, le=1, description="dtype fp8: keep FP8 only if every calibration embedding has at least "
+        "this cosine with bf16 (rerankers: ranking unchanged); else fall back to bfloat16")
+    fp8_strict: bool = Field(False, description="dtype fp8: refuse to start instead of falling back to bfloat16")
+    fp8_activation_scaling: Literal["token", "tensor"] = Field(
+        "token", description="dtype fp8: one activation scale per token (accurate) or per tensor")
+    cuda_graphs: bool = Field(
+        False, description="device cuda: bucket batch shapes to powers of two and replay them as CUDA graphs")
+    engine_cache_dir: Path | None = Field(
+        None, description="engine trtllm: where built engines are kept, keyed by model digest, GPU and dtype; "
+        "default: an `engines` folder next to the model directory (or ~/.cache/embedfleet/engines if read-only)")
 
     # -- async queue, webhooks and embedding cache (embedfleet.runtime.asyncq) --------------
     redis_url: str | None = Field(
@@ -109,6 +121,8 @@ class RuntimeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> RuntimeSettings:
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError("cuda_graphs: needs device cuda")
         if self.max_batch_requests > self.max_batch_tokens:
             raise ValueError("max_batch_requests cannot exceed max_batch_tokens (every input has a token)")
         entries = self.models()

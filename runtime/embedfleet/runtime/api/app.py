@@ -272,8 +272,10 @@ def create_app(models: Models, gate_state: GateState,
             raise errors.ApiError(503, "models are still loading; retry shortly", "loading", {"retry-after": "2"})
         cards = [ModelCard(id=s.name, created=s.created, task=s.task, max_input_tokens=s.input_limit,
                            dimensions=s.spec.hidden_size if s.task == "embed" else 0, labels=list(s.spec.labels),
-                           pooling=s.spec.pooling, dtype=settings.dtype, device=settings.device, digest=s.spec.digest,
-                           architecture=",".join(s.spec.architectures))
+                           pooling=s.spec.pooling, dtype=s.effective_dtype, device=settings.device,
+                           digest=s.spec.digest, architecture=",".join(s.spec.architectures),
+                           requested_dtype=settings.dtype if settings.dtype != s.effective_dtype else None,
+                           fp8_min_cosine=s.fp8_min_cosine)
                  for s in models.services.values()]
         return JSON(ModelList(data=cards).model_dump())
 

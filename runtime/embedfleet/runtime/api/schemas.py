@@ -86,9 +86,11 @@ class ModelCard(BaseModel):
     dimensions: int
     labels: list[str]
     pooling: str
-    dtype: str
+    dtype: str  # the precision served: "fp8" only if the quality gate accepted it
     device: str
     digest: str
+    requested_dtype: str | None = None  # set when it differs from dtype (fp8 fell back to bf16)
+    fp8_min_cosine: float | None = None  # the quality gate's measurement, for fp8 requests
 
 
 class ModelList(BaseModel):

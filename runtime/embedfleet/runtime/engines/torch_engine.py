@@ -1,6 +1,10 @@
 """PyTorch engine: transformers' model classes, SDPA attention, inference mode.
 
 Runs on one dedicated thread (the batch manager's), so torch's intra-op pool owns the cores.
+On CUDA (engines/cuda.py) batches are staged through pinned memory and padded on the device, the
+batch token budget is checked against free GPU memory at start-up, and shapes can be bucketed
+for CUDA graphs. `dtype="fp8"` loads bf16, then keeps FP8 linears (engines/fp8.py) only if the
+quality gate (engines/quality_gate.py) accepts them; on CPU the FP8 maths is emulated in fp32.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ import numpy as np
 import torch
 
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
+from embedfleet.runtime.engines.quality_gate import DEFAULT_MIN_COSINE, GateResult
 from embedfleet.runtime.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ENGINE_DTYPES = (*DTYPES, "fp8")  # fp8: bf16 model with FP8 linears in the transformer layers
 
 
 class EngineError(RuntimeError):
@@ -38,10 +44,12 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
 
 class TorchEngine:
     def __init__(self, spec: ModelSpec, device: str = "cpu", dtype: str = "float32",
-                 num_threads: int = 0) -> None:
+                 num_threads: int = 0, *, max_batch_tokens: int | None = None,
+                 fp8_min_cosine: float = DEFAULT_MIN_COSINE, fp8_strict: bool = False,
+                 fp8_activation_scaling: str = "token", cuda_graphs: bool = False) -> None:
         from transformers import AutoModel, AutoModelForSequenceClassification
 
-        if dtype not in DTYPES:
+        if dtype not in ENGINE_DTYPES:
             raise EngineError(f"dtype {dtype!r} is not supported by the torch engine on {device}")
         if device == "cuda" and not torch.cuda.is_available():
             raise EngineError("device 'cuda' requested but torch sees no CUDA device")
@@ -51,7 +59,10 @@ class TorchEngine:
             torch.set_num_threads(num_threads)
         self.spec = spec
         self.device = torch.device(device)
-        self.dtype = DTYPES[dtype]
+        base_dtype = "bfloat16" if dtype == "fp8" else dtype
+        self.dtype = DTYPES[base_dtype]
+        self.effective_dtype = base_dtype  # what actually runs; "fp8" once the gate accepts it
+        self.fp8_gate: GateResult | None = None
         loader = AutoModel if spec.task == "embed" else AutoModelForSequenceClassification
         self.model = loader.from_pretrained(
             str(spec.path), dtype=self.dtype, attn_implementation="sdpa", local_files_only=True,
@@ -61,13 +72,46 @@ class TorchEngine:
             self.model.config.pad_token_id = spec.pad_token_id
         self.capabilities = Capabilities(
             tasks=(spec.task,), pooling=spec.pooling, max_tokens=spec.max_length,
-            dtypes=tuple(DTYPES), device=device, dim=spec.hidden_size if spec.task == "embed" else len(spec.labels))
+            dtypes=ENGINE_DTYPES, device=device, dim=spec.hidden_size if spec.task == "embed" else len(spec.labels))
+        self._stage = None
+        self._forward = self.model
+        if dtype == "fp8":
+            self._enable_fp8(fp8_min_cosine, fp8_strict, fp8_activation_scaling)
+        if self.device.type == "cuda":
+            self._setup_cuda(max_batch_tokens, cuda_graphs)
+
+    def _enable_fp8(self, min_cosine: float, strict: bool, act_scaling: str) -> None:
+        from embedfleet.runtime.engines.fp8 import scaled_mm_supported
+        from embedfleet.runtime.engines.quality_gate import gate_fp8
+
+        if not scaled_mm_supported(self.device):
+            where = "on CPU" if self.device.type == "cpu" else f"on {torch.cuda.get_device_name(self.device)}"
+            log.warning("fp8 %s: no FP8 tensor cores (Hopper or newer), so FP8 GEMMs run as an fp32 "
+                        "emulation: the same numbers, slower than bfloat16", where)
+        self.fp8_gate = gate_fp8(self, self.spec, min_cosine, strict, act_scaling)  # type: ignore[arg-type]
+        self.effective_dtype = "fp8" if self.fp8_gate.passed else "bfloat16"
+
+    def _setup_cuda(self, max_batch_tokens: int | None, cuda_graphs: bool) -> None:
+        from embedfleet.runtime.engines.cuda import DeviceStager, check_cuda_memory
+
+        bucket_to = (max_batch_tokens or self.spec.max_length, self.spec.max_length) if cuda_graphs else None
+        self._stage = DeviceStager(self.device, self.spec.pad_token_id, bucket_to)
+        if max_batch_tokens:
+            # bucketing rounds both dimensions up to a power of two: up to 4x the padded tokens
+            check_cuda_memory(self.model.config, max_batch_tokens * (4 if cuda_graphs else 1),
+                              self.effective_dtype, self.device)
+        if cuda_graphs:
+            # reduce-overhead = CUDA graphs per static shape; bucketing keeps the shapes few
+            self._forward = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
+            log.info("cuda graphs on: shapes bucketed to powers of two (rows <= %d, width <= %d)", *bucket_to)
 
     def warmup(self) -> None:
         run = self.embed if self.spec.task == "embed" else self.classify
         run([[self.spec.pad_token_id + 1] * 8, [self.spec.pad_token_id + 1] * 3])
 
     def _inputs(self, batch: list) -> dict[str, torch.Tensor]:
+        if self._stage is not None:
+            return self._stage(batch)
         padded = pad_batch(batch, self.spec.pad_token_id)
         inputs = {"input_ids": torch.from_numpy(padded.ids).to(self.device, non_blocking=True),
                   "attention_mask": torch.from_numpy(padded.mask).to(self.device, non_blocking=True)}
@@ -78,9 +122,9 @@ class TorchEngine:
     @torch.inference_mode()
     def embed(self, batch: list) -> np.ndarray:
         inputs = self._inputs(batch)
-        hidden = self.model(**inputs).last_hidden_state
-        return pool(hidden, inputs["attention_mask"], self.spec.pooling).cpu().numpy()
+        hidden = self._forward(**inputs).last_hidden_state
+        return pool(hidden, inputs["attention_mask"], self.spec.pooling)[: len(batch)].cpu().numpy()
 
     @torch.inference_mode()
     def classify(self, batch: list) -> np.ndarray:
-        return self.model(**self._inputs(batch)).logits.float().cpu().numpy()
+        return self._forward(**self._inputs(batch)).logits[: len(batch)].float().cpu().numpy()

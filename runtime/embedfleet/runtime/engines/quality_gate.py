@@ -1,0 +1,224 @@
+"""The FP8 quality gate: measure FP8 against bf16 on a fixed calibration set before serving it.
+
+FP8 is ~1.5-2x faster on Hopper but some models lose too much in it (outlier activations).
+Rather than trusting a flag, the runtime embeds `calibration.json` (64 varied texts, 8 queries
+x 4 documents) once in bf16 and once in FP8 at start-up and keeps FP8 only when the outputs
+agree: every embedding's cosine with its bf16 twin at least `--fp8-min-cosine` (default 0.999);
+for rerankers, every query's document ranking unchanged; for classifiers, the cosine of the logit
+vectors and every predicted label. Otherwise it falls back to bf16 with a log line saying why
+(or refuses to start with `--fp8-strict`). The decision functions are pure; `gate_fp8` runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from embedfleet.runtime.engines.fp8 import ActScaling, quantize_model, restore_model
+from embedfleet.runtime.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
+DEFAULT_MIN_COSINE = 0.999
+# bf16 itself moves reranker logits by ~1e-3; documents closer than this are a tie, not an order
+RANK_TIE_TOLERANCE = 1e-3
+
+
+class Fp8Rejected(RuntimeError):
+    """FP8 failed the gate and the operator asked for strictness (`--fp8-strict`)."""
+
+
+@dataclass(frozen=True)
+class GateResult:
+    passed: bool
+    task: str
+    min_cosine: float  # for rerankers: Pearson correlation of all pair scores (informative)
+    mean_cosine: float
+    threshold: float
+    reason: str
+    order_preserved: bool | None = None  # rerank / classify only
+
+    def summary(self) -> str:
+        verdict = "accepted" if self.passed else "refused"
+        return (f"fp8 {verdict} for {self.task}: min cosine {self.min_cosine:.6f} "
+                f"(mean {self.mean_cosine:.6f}, threshold {self.threshold}); {self.reason}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    texts: list[str]
+    queries: list[str]
+    documents: list[list[str]]
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        return [(q, d) for q, docs in zip(self.queries, self.documents, strict=True) for d in docs]
+
+    @property
+    def groups(self) -> list[int]:
+        """The number of documents per query, in `pairs` order."""
+        return [len(d) for d in self.documents]
+
+
+def load_calibration(path: Path = CALIBRATION_FILE) -> Calibration:
+    data = json.loads(path.read_text())
+    return Calibration(list(data["texts"]), [p["query"] for p in data["pairs"]],
+                       [list(p["documents"]) for p in data["pairs"]])
+
+
+# -- pure decisions ---------------------------------------------------------------------------
+def row_cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """Cosine of each row with its twin; two all-zero rows agree (1.0), one zero row does not (0.0)."""
+    a = np.asarray(reference, dtype=np.float64)
+    b = np.asarray(candidate, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: reference {a.shape} vs candidate {b.shape}")
+    if a.ndim == 1:
+        a, b = a[:, None], b[:, None]
+    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    dot = (a * b).sum(axis=1)
+    both_zero = (na == 0) & (nb == 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = np.where(both_zero, 1.0, dot / (na * nb))
+    return np.nan_to_num(np.clip(cos, -1.0, 1.0), nan=0.0)
+
+
+def embedding_gate(reference: np.ndarray, candidate: np.ndarray, threshold: float,
+                   task: str = "embed") -> GateResult:
+    cos = row_cosines(reference, candidate)
+    worst = int(np.argmin(cos))
+    passed = bool(cos.min() >= threshold) and bool(np.isfinite(candidate).all())
+    reason = ("every calibration output within threshold" if passed else
+              f"calibration input {worst} has cosine {cos[worst]:.6f} < {threshold}")
+    return GateResult(passed, task, float(cos.min()), float(cos.mean()), threshold, reason)
+
+
+def rankings(scores: np.ndarray, groups: Sequence[int]) -> list[list[int]]:
+    """Each query's documents, best first (stable for equal scores)."""
+    out, start = [], 0
+    for n in groups:
+        out.append([int(i) for i in np.argsort(-scores[start:start + n], kind="stable")])
+        start += n
+    return out
+
+
+def ranking_preserved(reference: np.ndarray, candidate: np.ndarray, groups: Sequence[int],
+                      tie_tolerance: float = RANK_TIE_TOLERANCE) -> tuple[bool, str]:
+    """True when, within every query, each pair of documents the reference separates by more than
+    `tie_tolerance` keeps its order in the candidate."""
+    ref = np.asarray(reference, dtype=np.float64).reshape(-1)
+    cand = np.asarray(candidate, dtype=np.float64).reshape(-1)
+    if ref.shape != cand.shape or sum(groups) != ref.size:
+        raise ValueError(f"{ref.size} reference and {cand.size} candidate scores for groups summing to {sum(groups)}")
+    start = 0
+    for q, n in enumerate(groups):
+        r, c = ref[start:start + n], cand[start:start + n]
+        for i in range(n):
+            for j in range(n):
+                if r[i] - r[j] > tie_tolerance and not c[i] > c[j]:
+                    return False, (f"query {q}: documents {i} and {j} swap order "
+                                   f"(bf16 {r[i]:.4f} > {r[j]:.4f}, fp8 {c[i]:.4f} <= {c[j]:.4f})")
+        start += n
+    return True, "every query's document ranking unchanged"
+
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float:
+    a = np.asarray(a, dtype=np.float64).reshape(-1) - np.mean(a)
+    b = np.asarray(b, dtype=np.float64).reshape(-1) - np.mean(b)
+    return float(row_cosines(a[None], b[None])[0])
+
+
+def rerank_gate(reference: np.ndarray, candidate: np.ndarray, groups: Sequence[int], threshold: float,
+                tie_tolerance: float = RANK_TIE_TOLERANCE) -> GateResult:
+    """Rerankers pass on ranking order alone; the score correlation is reported, not gated."""
+    ok, reason = ranking_preserved(reference, candidate, groups, tie_tolerance)
+    ok = ok and bool(np.isfinite(candidate).all())
+    corr = _pearson(reference, candidate)
+    return GateResult(ok, "rerank", corr, corr, threshold, reason, order_preserved=ok)
+
+
+def classify_gate(reference: np.ndarray, candidate: np.ndarray, threshold: float) -> GateResult:
+    """Logit vectors close in cosine and no predicted label changed."""
+    base = embedding_gate(reference, candidate, threshold, task="classify")
+    same = np.argmax(reference, axis=1) == np.argmax(candidate, axis=1)
+    if not same.all():
+        i = int(np.argmin(same))
+        return GateResult(False, "classify", base.min_cosine, base.mean_cosine, threshold,
+                          f"calibration input {i} changes label {int(np.argmax(reference[i]))} -> "
+                          f"{int(np.argmax(candidate[i]))}", order_preserved=False)
+    return GateResult(base.passed, "classify", base.min_cosine, base.mean_cosine, threshold, base.reason,
+                      order_preserved=True)
+
+
+# -- runner -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairInput:
+    ids: list[int]
+    type_ids: list[int] | None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def calibration_batches(spec: ModelSpec, calibration: Calibration, batch_size: int = 16) -> list[list]:
+    """The calibration set tokenized for `spec` (texts for embedders/classifiers, pairs for rerankers)."""
+    tok = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(max_length=spec.max_length)
+    if spec.task == "rerank":
+        items: list = []
+        for enc in tok.encode_batch(calibration.pairs):
+            items.append(PairInput(list(enc.ids), list(enc.type_ids) if any(enc.type_ids) else None))
+    else:
+        items = [list(enc.ids) for enc in tok.encode_batch(calibration.texts)]
+    return [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+
+
+def run_calibration(fn: Callable[[list], np.ndarray], batches: list[list]) -> np.ndarray:
+    return np.concatenate([np.asarray(fn(b), dtype=np.float32) for b in batches])
+
+
+def decide(task: str, reference: np.ndarray, candidate: np.ndarray, calibration: Calibration,
+           threshold: float) -> GateResult:
+    if task == "rerank":
+        return rerank_gate(reference.reshape(-1), candidate.reshape(-1), calibration.groups, threshold)
+    if task == "classify":
+        return classify_gate(reference, candidate, threshold)
+    return embedding_gate(reference, candidate, threshold)
+
+
+def gate_fp8(engine, spec: ModelSpec, threshold: float = DEFAULT_MIN_COSINE, strict: bool = False,
+             act_scaling: ActScaling = "token", calibration: Calibration | None = None) -> GateResult:
+    """Quantise `engine.model` in place if FP8 passes the gate; leave it bf16 otherwise.
+
+    `engine` is a loaded bf16 engine with `.model` and `.embed`/`.classify`. The replaced bf16
+    linears are kept only until the verdict, so the gate needs no second copy of the model.
+    """
+    calibration = calibration or load_calibration()
+    batches = calibration_batches(spec, calibration)
+    fn = engine.embed if spec.task == "embed" else engine.classify
+    reference = run_calibration(fn, batches)
+    originals = quantize_model(engine.model, act_scaling)
+    try:
+        candidate = run_calibration(fn, batches)
+        result = decide(spec.task, reference, candidate, calibration, threshold)
+    except Exception:
+        restore_model(engine.model, originals)
+        raise
+    if result.passed:
+        log.info("%s: %s", spec.name, result.summary())
+        return result
+    restore_model(engine.model, originals)
+    if strict:
+        raise Fp8Rejected(f"{result.summary()}; --fp8-strict is set, so the server will not start "
+                          "(lower --fp8-min-cosine or serve --dtype bfloat16)")
+    log.warning("%s: %s; falling back to bfloat16 (set --fp8-strict to refuse to start instead)",
+                spec.name, result.summary())
+    return result

@@ -1,0 +1,258 @@
+"""TensorRT-LLM engine (`--engine trtllm`): an ahead-of-time TensorRT build of a BERT-family encoder.
+
+A TensorRT engine is specific to the weights, the GPU model, the precision, the TensorRT-LLM
+version and the shape limits it was built for, and building one takes minutes. So engines are
+built once per key into the node-local cache (`--engine-cache-dir`, by default an `engines`
+folder next to the model directory the operator's pre-pull fills) and reused on every restart;
+a file lock keeps two pods on one node from building the same engine twice, and the build lands
+in a temporary folder renamed into place, so a crash never leaves a half-written engine behind.
+
+Batches come from the same batch manager as the torch engine; inputs are packed without padding
+(TensorRT-LLM's `remove_input_padding`), and pooling runs on the packed hidden states.
+
+Where `tensorrt_llm` is not importable the engine refuses to start with what to install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from embedfleet.runtime.engines.base import Capabilities
+from embedfleet.runtime.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "--engine trtllm needs the `tensorrt_llm` package, which is not importable here: on an NVIDIA GPU image "
+    "run `pip install tensorrt_llm` (it needs CUDA and a matching TensorRT), or use the GPU runtime image "
+    "built from runtime/Dockerfile.gpu (NVIDIA's TensorRT-LLM release image); otherwise serve with "
+    "--engine torch")
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta"}
+TRTLLM_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "fp8": "bfloat16"}
+MANIFEST = "embedfleet-engine.json"
+
+
+class TrtLlmUnavailable(RuntimeError):
+    """`tensorrt_llm` cannot be imported, or cannot serve this model."""
+
+
+def require_tensorrt_llm() -> Any:
+    try:
+        import tensorrt_llm
+    except ImportError as exc:
+        raise TrtLlmUnavailable(f"{INSTALL_HINT} (import error: {exc})") from exc
+    return tensorrt_llm
+
+
+# -- cache keys and paths (pure) ---------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineKey:
+    """Everything a built engine depends on; a change in any field means a different engine."""
+
+    model_digest: str
+    gpu_name: str
+    dtype: str
+    trtllm_version: str
+    max_batch_tokens: int
+    max_seq_len: int
+
+    def hash(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def dirname(self) -> str:
+        """Readable and unique: `<gpu>-<dtype>-trtllm<version>-<hash of all fields>`."""
+        gpu = re.sub(r"[^a-z0-9]+", "-", self.gpu_name.lower()).strip("-") or "gpu"
+        version = re.sub(r"[^0-9a-z.]+", "", self.trtllm_version.lower()) or "unknown"
+        return f"{gpu}-{self.dtype}-trtllm{version}-{self.hash()}"
+
+
+def default_engine_cache_dir(model_dir: Path) -> Path:
+    """`engines/` beside the model (the node-local cache root), else the user's cache.
+
+    The operator mounts the weight cache read-only into runtime pods, so the fallback is what a
+    pod uses unless the cache's pre-pull built the engine already.
+    """
+    beside = model_dir.resolve().parent / "engines"
+    if _writable(beside) or (beside.is_dir() and any(beside.iterdir())):
+        return beside
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "embedfleet" / "engines"
+
+
+def _writable(path: Path) -> bool:
+    probe = path if path.exists() else path.parent
+    return probe.is_dir() and os.access(probe, os.W_OK)
+
+
+def engine_path(cache_root: Path, spec: ModelSpec, key: EngineKey) -> Path:
+    digest = key.model_digest.replace("sha256:", "")[:16] or "nodigest"
+    return cache_root / f"{spec.name}-{digest}" / key.dirname()
+
+
+def is_built(path: Path, key: EngineKey) -> bool:
+    """A finished build: the manifest exists and names exactly this key."""
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("key") == asdict(key)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_engine(path: Path, key: EngineKey, build: Callable[[Path], None]) -> bool:
+    """Build into `path` unless a finished build for `key` is there; True when it built.
+
+    `build(tmpdir)` writes the engine files; the manifest is written last and the folder renamed
+    into place, so readers see either nothing or a complete engine.
+    """
+    if is_built(path, key):
+        return False
+    with _build_lock(path):
+        if is_built(path, key):  # another process built it while we waited
+            return False
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            build(tmp)
+            (tmp / MANIFEST).write_text(json.dumps({"key": asdict(key)}, indent=1))
+            if path.exists():
+                shutil.rmtree(path)  # a stale or foreign build under our name
+            tmp.rename(path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return True
+
+
+# -- packed pooling (pure torch) --------------------------------------------------------------
+def pool_packed(hidden: torch.Tensor, lengths: torch.Tensor, how: str) -> torch.Tensor:
+    """Pool [tokens, hidden] states of concatenated inputs to one fp32 vector per input."""
+    hidden = hidden.float()
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths
+    if how == "cls":
+        return hidden[starts]
+    if how == "last":
+        return hidden[ends - 1]
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), lengths)
+    if how == "max":
+        out = torch.full((len(lengths), hidden.shape[1]), float("-inf"), device=hidden.device)
+        return out.scatter_reduce(0, row.unsqueeze(1).expand_as(hidden), hidden, reduce="amax")
+    sums = torch.zeros((len(lengths), hidden.shape[1]), device=hidden.device).index_add_(0, row, hidden)
+    return sums / lengths.clamp(min=1).unsqueeze(1).float()
+
+
+# -- the engine -------------------------------------------------------------------------------
+class TrtLlmEngine:
+    def __init__(self, spec: ModelSpec, settings: Any) -> None:
+        trtllm = require_tensorrt_llm()
+        if spec.model_type not in ENCODER_TYPES:
+            raise TrtLlmUnavailable(
+                f"--engine trtllm serves BERT-family encoders ({', '.join(sorted(ENCODER_TYPES))}); "
+                f"{spec.name} is {spec.model_type!r}: serve it with --engine torch")
+        if settings.device != "cuda" or not torch.cuda.is_available():
+            raise TrtLlmUnavailable("--engine trtllm needs --device cuda and a visible NVIDIA GPU")
+        self.spec = spec
+        self.trtllm = trtllm
+        self.device = torch.device("cuda")
+        self.dtype = TRTLLM_DTYPES[settings.dtype]
+        self.effective_dtype = self.dtype
+        self.max_seq_len = spec.max_length
+        self.max_batch_tokens = settings.max_batch_tokens
+        self.max_batch_size = settings.max_batch_requests
+        self.key = EngineKey(spec.digest, torch.cuda.get_device_name(), self.dtype, trtllm.__version__,
+                             self.max_batch_tokens, self.max_seq_len)
+        cache_root = Path(settings.engine_cache_dir or default_engine_cache_dir(spec.path))
+        self.path = engine_path(cache_root, spec, self.key)
+        if settings.dtype == "fp8":
+            log.warning("--engine trtllm builds bfloat16 engines; FP8 with its quality gate is in --engine torch")
+        built = ensure_engine(self.path, self.key, self._build)
+        log.info("%s TensorRT-LLM engine %s", "built" if built else "reusing", self.path)
+        self._load()
+        self.capabilities = Capabilities(
+            tasks=(spec.task,), pooling=spec.pooling, max_tokens=spec.max_length, dtypes=tuple(TRTLLM_DTYPES),
+            device="cuda", dim=spec.hidden_size if spec.task == "embed" else len(spec.labels))
+
+    def _build(self, out: Path) -> None:
+        from tensorrt_llm import BuildConfig, build
+        from tensorrt_llm.models import BertForSequenceClassification, BertModel
+
+        cls = BertModel if self.spec.task == "embed" else BertForSequenceClassification
+        model = cls.from_hugging_face(str(self.spec.path), dtype=self.dtype)
+        config = BuildConfig(max_batch_size=self.max_batch_size, max_input_len=self.max_seq_len,
+                             max_num_tokens=self.max_batch_tokens)
+        config.plugin_config.remove_input_padding = True
+        config.plugin_config.bert_attention_plugin = self.dtype
+        log.info("building TensorRT-LLM engine for %s (%s) into %s; this takes minutes once per node",
+                 self.spec.name, self.dtype, out)
+        build(model, config).save(str(out))
+
+    def _load(self) -> None:
+        from tensorrt_llm.runtime import Session
+
+        engine_file = next(self.path.glob("*.engine"))
+        self.session = Session.from_serialized_engine(engine_file.read_bytes())
+        self.stream = torch.cuda.Stream()
+        self.output_name = "hidden_states" if self.spec.task == "embed" else "logits"
+
+    def warmup(self) -> None:
+        run = self.embed if self.spec.task == "embed" else self.classify
+        run([[self.spec.pad_token_id + 1] * 8, [self.spec.pad_token_id + 1] * 3])
+
+    def _run(self, batch: list) -> tuple[torch.Tensor, torch.Tensor]:
+        from tensorrt_llm.runtime import TensorInfo
+
+        seqs = [getattr(x, "ids", x) for x in batch]
+        types = [getattr(x, "type_ids", None) or [0] * len(s) for x, s in zip(batch, seqs, strict=True)]
+        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
+        inputs = {
+            "input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+            "token_type_ids": torch.tensor([t for s in types for t in s], dtype=torch.int32),
+            "position_ids": torch.cat([torch.arange(int(n), dtype=torch.int32) for n in lengths]),
+            "input_lengths": lengths,
+            "max_input_length": torch.empty(int(lengths.max()), dtype=torch.int32),
+        }
+        inputs = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in inputs.items()}
+        infos = [TensorInfo(k, self.trtllm.torch_dtype_to_trt(v.dtype), tuple(v.shape)) for k, v in inputs.items()]
+        shapes = {i.name: i for i in self.session.infer_shapes(infos)}
+        out_info = shapes[self.output_name]
+        output = torch.empty(tuple(out_info.shape), dtype=self.trtllm.trt_dtype_to_torch(out_info.dtype),
+                             device=self.device)
+        if not self.session.run(inputs, {self.output_name: output}, self.stream.cuda_stream):
+            raise RuntimeError("TensorRT-LLM session failed to run the batch")
+        self.stream.synchronize()
+        return output, lengths.to(self.device)
+
+    @torch.inference_mode()
+    def embed(self, batch: list) -> np.ndarray:
+        hidden, lengths = self._run(batch)
+        return pool_packed(hidden, lengths, self.spec.pooling).cpu().numpy()
+
+    @torch.inference_mode()
+    def classify(self, batch: list) -> np.ndarray:
+        logits, _ = self._run(batch)
+        return logits.float().cpu().numpy()
