@@ -25,6 +25,8 @@ def test_plan_batch_invariants(queue, max_tokens, max_items):
     assert anchor in [queue[i] for i in chosen], "the oldest (urgent) item always goes first: no starvation"
     lengths = [queue[i].length for i in chosen]
     assert padded_cost(lengths) <= max_tokens or len(chosen) == 1
+    if anchor.urgent:
+        assert all(queue[i].urgent for i in chosen), "bulk work never rides in an urgent batch"
 
 
 
@@ -33,9 +35,24 @@ def test_lengths_are_grouped_to_cut_padding():
     queue = [Entry(i, length, False) for i, length in enumerate([10, 250, 12, 240, 11, 245, 9, 255])]
     chosen = plan_batch(queue, max_tokens=4 * 255, max_items=4)
     assert sorted(queue[i].length for i in chosen) == [9, 10, 11, 12]
-    queue.append(Entry(100, 248, True))
+    queue += [Entry(100, 248, True), Entry(101, 30, True), Entry(102, 247, True)]
     chosen = plan_batch(queue, max_tokens=4 * 255, max_items=4)
-    assert sorted(queue[i].length for i in chosen) == [240, 245, 248, 250], "urgent anchor leads the batch"
+    assert sorted(queue[i].length for i in chosen) == [247, 248], "the urgent anchor leads, with urgent peers only"
+
+
+def test_small_batches_when_padding_would_dominate():
+    """Twelve short items and twelve long ones: two tight batches beat one padded batch."""
+    queue = [Entry(i, 8 if i % 2 else 200, False) for i in range(24)]
+    chosen = plan_batch(queue, max_tokens=16384, max_items=32)
+    assert {queue[i].length for i in chosen} == {200}  # the anchor (seq 0) is long: only long ones join
+    assert len(chosen) == 12
+
+
+def test_overhead_makes_tiny_batches_grow():
+    """Lengths 8..15: padding a little is cheaper than paying the per-batch overhead again."""
+    queue = [Entry(i, 8 + i % 8, False) for i in range(32)]
+    assert len(plan_batch(queue, 16384, 32, overhead_tokens=48)) > 16
+    assert len(plan_batch(queue, 16384, 32, overhead_tokens=0)) <= 4
 
 
 def test_lone_query_goes_alone_immediately():

@@ -43,6 +43,9 @@ class RuntimeMetrics:
             "embedfleet_tokens_total", "Tokens run through the engine (unpadded)", ["model"], registry=r)
         self.truncated = Counter(
             "embedfleet_truncated_inputs_total", "Inputs truncated to the model's limit", ["model"], registry=r)
+        self.engine_busy = Counter(
+            "embedfleet_engine_busy_seconds_total", "Seconds the engine spent running batches (utilisation)",
+            ["model"], registry=r)
         self.errors = Counter("embedfleet_errors_total", "Error responses by HTTP status", ["code"], registry=r)
         self.ready = Gauge("embedfleet_ready", "1 when the server accepts work", registry=r)
         # async queue and embedding cache (embedfleet.runtime.asyncq)
@@ -82,3 +85,4 @@ class ModelMetrics:
     inputs: Counter
     tokens: Counter
     truncated: Counter
+    engine_busy: Counter

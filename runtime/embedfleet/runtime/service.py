@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,7 @@ class ModelService:
         self.engine: Engine | None = None
         self.tokenizer: TokenizerPool | None = None
         self.batcher: BatchManager | None = None
+        self.engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{entry.name}")
         self.vector_cache = None  # an asyncq.cache.VectorCache when --cache-enabled (embedding models only)
         self.created = int(time.time())
 
@@ -92,8 +94,11 @@ class ModelService:
 
     async def load(self) -> None:
         spec = await asyncio.to_thread(load_spec, self.entry.path, self.entry.name, self.entry.task)
-        engine = await asyncio.to_thread(build_engine, self.settings, spec)
-        await asyncio.to_thread(getattr(engine, "warmup", lambda: None))
+        # Load, warm up and run the model on one thread for the process' life: torch's OpenMP pools are
+        # per calling thread, and a model touched from several threads ran single queries 2x slower here.
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(self.engine_thread, build_engine, self.settings, spec)
+        await loop.run_in_executor(self.engine_thread, getattr(engine, "warmup", lambda: None))
         self.spec, self.engine = spec, engine
         gate = getattr(engine, "fp8_gate", None)
         if gate is not None:
@@ -103,7 +108,8 @@ class ModelService:
                                        self.settings.tokenizer_workers or self.settings.cores())
         run = engine.embed if spec.task == "embed" else engine.classify
         batcher = BatchManager(run, self.settings.max_batch_tokens, self.settings.max_batch_requests,
-                               self.settings.max_queue_tokens, self.metrics)
+                               self.settings.max_queue_tokens, self.metrics, self.engine_thread,
+                               self.settings.batch_overhead_tokens)
         batcher.start()
         self.batcher = batcher
         log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,
@@ -113,6 +119,7 @@ class ModelService:
     async def close(self) -> None:
         if self.batcher:
             await self.batcher.stop()
+        self.engine_thread.shutdown(wait=True)
         if self.tokenizer:
             self.tokenizer.close()
 

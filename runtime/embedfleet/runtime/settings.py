@@ -61,6 +61,9 @@ class RuntimeSettings(BaseSettings):
     max_batch_tokens: int = Field(
         16384, ge=1, description="token budget of one engine batch (padded: longest x count)")
     max_batch_requests: int = Field(32, ge=1, description="most inputs in one engine batch")
+    batch_overhead_tokens: int = Field(
+        48, ge=0, description="fixed cost of one engine call, in tokens, that the batch planner weighs against "
+        "padding (CPU engine: ~45; raise it on GPUs, where a call costs more than its tokens)")
     max_client_batch_size: int = Field(2048, ge=1, description="most inputs in one client request")
     max_concurrent_requests: int = Field(
         512, ge=1, description="requests accepted and not yet answered; beyond it: 429 with Retry-After")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from embedfleet.runtime.core.batching import Entry, plan_batch
+from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch
 from embedfleet.runtime.metrics import ModelMetrics
 
 log = logging.getLogger(__name__)
@@ -55,17 +55,19 @@ class Item:
 
 class BatchManager:
     def __init__(self, engine_fn: EngineFn, max_batch_tokens: int, max_batch_requests: int,
-                 max_queue_tokens: int, metrics: ModelMetrics) -> None:
+                 max_queue_tokens: int, metrics: ModelMetrics, engine_thread: ThreadPoolExecutor,
+                 overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS) -> None:
         self.engine_fn = engine_fn
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.max_queue_tokens = max_queue_tokens
+        self.overhead_tokens = overhead_tokens
         self.metrics = metrics
         self._queue: list[Item] = []
         self._queued_tokens = 0
         self._seq = 0
         self._wake = asyncio.Event()
-        self._engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._engine = engine_thread  # the one thread that ever touches the model (see ModelService.load)
         self._task: asyncio.Task | None = None
         self._tokens_per_s = 0.0
         metrics.max_batch_requests.set(max_batch_requests)
@@ -82,7 +84,6 @@ class BatchManager:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._engine.shutdown(wait=True)
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -136,7 +137,7 @@ class BatchManager:
 
     def _take_batch(self) -> list[Item]:
         entries = [Entry(item.seq, item.length, item.job.urgent) for item in self._queue]
-        chosen = set(plan_batch(entries, self.max_batch_tokens, self.max_batch_requests))
+        chosen = set(plan_batch(entries, self.max_batch_tokens, self.max_batch_requests, self.overhead_tokens))
         batch = [self._queue[i] for i in sorted(chosen)]
         self._queue = [item for i, item in enumerate(self._queue) if i not in chosen]
         self._queued_tokens -= sum(item.length for item in batch)
@@ -179,6 +180,7 @@ class BatchManager:
         self.metrics.batch_tokens.observe(max(len(x) for x in inputs) * len(inputs))
         self.metrics.inputs.inc(len(batch))
         self.metrics.tokens.inc(tokens)
+        self.metrics.engine_busy.inc(seconds)
         rate = tokens / seconds if seconds > 0 else 0.0
         self._tokens_per_s = rate if not self._tokens_per_s else 0.8 * self._tokens_per_s + 0.2 * rate
         self._update_gauges()

@@ -2,15 +2,19 @@
 
 Continuous batching: whenever the engine is free we plan a batch from whatever is queued, never
 waiting for a batch to fill (so a lone query takes the fast path). A batch is anchored on the oldest
-urgent item (or the oldest item), so nothing starves, then grows with the items closest in length,
-because padded cost is longest x count and mixing a 10-token query with a 256-token passage wastes
-most of the batch.
+urgent item (or, with none, the oldest item), so nothing starves. Urgent batches take only urgent
+items, so a query never waits for bulk work packed beside it. Around the anchor we pick the run of
+similar lengths that costs least per real token, with the engine's cost modelled as
+`overhead + longest x count`: padding is wasted work, and so is a forward pass too small to amortise
+its fixed overhead (measured on the CPU engine: ~4.5 ms, the time of ~45 tokens).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+DEFAULT_OVERHEAD_TOKENS = 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,39 +28,35 @@ def padded_cost(lengths: Sequence[int]) -> int:
     return max(lengths) * len(lengths) if lengths else 0
 
 
-def plan_batch(queue: Sequence[Entry], max_tokens: int, max_items: int) -> list[int]:
+def plan_batch(queue: Sequence[Entry], max_tokens: int, max_items: int,
+               overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS) -> list[int]:
     """Indices into `queue` of the next batch.
 
     Invariants (property-tested): non-empty when the queue is; contains the anchor; padded cost
-    within `max_tokens` unless the anchor alone exceeds it; at most `max_items` items.
+    within `max_tokens` unless the anchor alone exceeds it; at most `max_items` items; all urgent
+    when the anchor is.
     """
     if not queue:
         return []
     urgent = [i for i, e in enumerate(queue) if e.urgent]
-    pool = urgent or range(len(queue))
-    anchor = min(pool, key=lambda i: queue[i].seq)
-    order = sorted(range(len(queue)), key=lambda i: (queue[i].length, queue[i].seq))
+    candidates = urgent or list(range(len(queue)))
+    anchor = min(candidates, key=lambda i: queue[i].seq)
+    order = sorted(candidates, key=lambda i: (queue[i].length, queue[i].seq))
+    lengths = [queue[i].length for i in order]
+    prefix = [0]
+    for n in lengths:
+        prefix.append(prefix[-1] + n)
     pos = order.index(anchor)
-    lo = hi = pos  # inclusive window in length order; queue[order[hi]] is the longest
-    count = 1
-    while count < max_items:
-        longest = queue[order[hi]].length
-        can_left = lo > 0 and longest * (count + 1) <= max_tokens
-        right_len = queue[order[hi + 1]].length if hi + 1 < len(order) else None
-        can_right = right_len is not None and right_len * (count + 1) <= max_tokens
-        if not (can_left or can_right):
-            break
-        if can_left and can_right:
-            # take the side that wastes less padding: the left item pads up to `longest`,
-            # the right item forces every current item up to `right_len`.
-            left_waste = longest - queue[order[lo - 1]].length
-            right_waste = (right_len - longest) * count
-            take_left = left_waste <= right_waste
-        else:
-            take_left = can_left
-        if take_left:
-            lo -= 1
-        else:
-            hi += 1
-        count += 1
+    best: tuple[float, int, int, int] | None = None  # (cost per real token, -count, lo, hi)
+    for count in range(min(max_items, len(order)), 0, -1):
+        for lo in range(max(0, pos - count + 1), min(pos, len(order) - count) + 1):
+            hi = lo + count - 1
+            padded = lengths[hi] * count
+            if padded > max_tokens and count > 1:
+                continue
+            key = ((overhead_tokens + padded) / (prefix[hi + 1] - prefix[lo]), -count, lo, hi)
+            if best is None or key < best:
+                best = key
+    assert best is not None  # count == 1 always yields the anchor's own window
+    _, _, lo, hi = best
     return [order[k] for k in range(lo, hi + 1)]
