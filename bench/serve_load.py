@@ -12,9 +12,12 @@ import asyncio
 import json
 import time
 
-import httpx
+import aiohttp
+import orjson
 
 from _common import Server, corpus, percentiles
+
+HEADERS = {"content-type": "application/json"}
 
 
 async def backfill(url: str, model: str, texts: list[str], n_per_request: int, concurrency: int,
@@ -24,16 +27,16 @@ async def backfill(url: str, model: str, texts: list[str], n_per_request: int, c
     for chunk in chunks:
         queue.put_nowait(chunk)
     done = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(600)) as client:
         async def worker() -> None:
             nonlocal done
             while not queue.empty():
                 chunk = queue.get_nowait()
-                resp = await client.post(path, json={"model": model, "input": chunk,
-                                                                 "encoding_format": "base64"})
-                resp.raise_for_status()
-                assert len(resp.json()["data"]) == len(chunk)
+                body = orjson.dumps({"model": model, "input": chunk, "encoding_format": "base64"})
+                async with client.post(path, data=body, headers=HEADERS) as resp:
+                    resp.raise_for_status()
+                    assert len(orjson.loads(await resp.read())["data"]) == len(chunk)
                 done += len(chunk)
 
         start = time.perf_counter()
@@ -46,15 +49,19 @@ async def backfill(url: str, model: str, texts: list[str], n_per_request: int, c
 async def online(url: str, model: str, concurrency: int, requests: int, path: str = "/v1/embeddings") -> dict:
     samples: list[float] = []
     queries = [f"how do I reset my password {i}" for i in range(requests)]
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(60)) as client:
         for q in queries[:10]:  # warm the connection pool and the server
-            await client.post(path, json={"model": model, "input": q})
+            async with client.post(path, data=orjson.dumps({"model": model, "input": q}), headers=HEADERS) as r:
+                await r.read()
         sem = asyncio.Semaphore(concurrency)
 
         async def one(q: str) -> None:
+            body = orjson.dumps({"model": model, "input": q})
             async with sem:
                 t0 = time.perf_counter()
-                resp = await client.post(path, json={"model": model, "input": q})
+                async with client.post(path, data=body, headers=HEADERS) as resp:
+                    await resp.read()
                 samples.append(time.perf_counter() - t0)
                 resp.raise_for_status()
 
