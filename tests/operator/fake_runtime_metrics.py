@@ -1,7 +1,7 @@
 """A minimal real runtime stand-in: serves the runtime's metric contract over HTTP, nothing else.
 
 Used where a test needs pods whose load it controls exactly (the autoscaler end to end), which the
-real runtime only gives under real traffic. ``POST /set`` with ``{"in_flight": N}`` sets the gauge;
+real runtime only gives under real traffic. ``POST /set`` with ``{"in_flight": N}`` sets the gauge (and ``"async_depth"`` the async backlog);
 ``GET /metrics`` is prometheus_client's own exposition; ``/health`` and ``/ready`` answer 200.
 
     python tests/operator/fake_runtime_metrics.py --port 0   # prints "listening on PORT"
@@ -22,6 +22,7 @@ REGISTRY = CollectorRegistry()
 IN_FLIGHT = Gauge("embedfleet_requests_in_flight", "requests accepted, not answered", registry=REGISTRY)
 QUEUE = Gauge("embedfleet_queue_requests", "requests waiting for a batch", registry=REGISTRY)
 MAX_BATCH = Gauge("embedfleet_max_batch_requests", "configured batch size", registry=REGISTRY)
+ASYNC_DEPTH: list[Gauge] = []  # registered on first use: a runtime without Redis does not export it
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -49,6 +50,11 @@ class Handler(BaseHTTPRequestHandler):
             value = float(body["in_flight"])
             IN_FLIGHT.set(value)
             QUEUE.set(float(body.get("queue", 0)))
+            if "async_depth" in body:
+                if not ASYNC_DEPTH:
+                    ASYNC_DEPTH.append(Gauge("embedfleet_async_queue_depth", "unfinished async jobs",
+                                             registry=REGISTRY))
+                ASYNC_DEPTH[0].set(float(body["async_depth"]))
         except (ValueError, KeyError, TypeError) as exc:
             msg = json.dumps({"error": {"message": str(exc), "type": "invalid_request", "code": 400}})
             self._send(400, msg.encode())

@@ -43,8 +43,8 @@ class MetricsServer:
         self.port = int(line.split()[-1])
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def set(self, in_flight: float) -> None:
-        httpx.post(self.url + "/set", json={"in_flight": in_flight}, timeout=5).raise_for_status()
+    def set(self, in_flight: float, **extra: float) -> None:
+        httpx.post(self.url + "/set", json={"in_flight": in_flight, **extra}, timeout=5).raise_for_status()
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -132,6 +132,28 @@ def test_scrape_sums_pods(metrics_servers: Callable[[], MetricsServer]) -> None:
     assert reading == Reading(in_flight=50.0, source="pods", scraped=2)
     two.set(0)
     assert asyncio.run(scrape(targets)).in_flight == 20.0
+
+
+def test_async_backlog_is_the_max_over_pods(metrics_servers: Callable[[], MetricsServer]) -> None:
+    """Every replica reports the whole Redis queue: summing would count the backlog once per pod."""
+    one, two = metrics_servers(), metrics_servers()
+    one.set(3, async_depth=400)
+    two.set(4, async_depth=380)  # scraped a moment later, after 20 jobs finished
+    targets = [Target("one", one.url + "/metrics"), Target("two", two.url + "/metrics")]
+    reading = asyncio.run(scrape(targets))
+    assert reading.in_flight == 7.0 and reading.async_depth == 400.0
+
+
+def test_async_backlog_scales_like_waiting_requests() -> None:
+    """50 in flight + 200 queued jobs at batch 32: ceil(250 / 32) = 8 replicas wanted (the first step is
+    rate-limited), where 50 in flight alone keep 2."""
+    from embedfleet.operator.autoscale import AutoscalerConfig, History, Observation, desired_replicas
+
+    config = AutoscalerConfig(min_replicas=1, max_replicas=20, max_batch_requests=32, target_utilization=1.0)
+    without = desired_replicas([Observation(0.0, 50.0, 2)], config, History(), 0.0)
+    with_jobs = desired_replicas([Observation(0.0, 50.0, 2, 200.0)], config, History(), 0.0)
+    assert without.replicas == 2
+    assert with_jobs.replicas > 2 and "250" in with_jobs.reason and "needs 8" in with_jobs.reason
 
 
 def test_a_silent_pod_makes_the_total_unknown(metrics_servers: Callable[[], MetricsServer]) -> None:

@@ -132,8 +132,9 @@ class Observation:
     """One sample of the fleet.
 
     ``in_flight`` is the sum of ``embedfleet_requests_in_flight`` over pods (it already counts requests
-    queued inside a pod); ``queue_depth`` counts requests held *outside* any pod, e.g. by a gateway during
-    a cold start from zero, when there is no pod to report them.
+    queued inside a pod); ``queue_depth`` counts work held *outside* the pods' HTTP queues: the async
+    jobs waiting in Redis (``embedfleet_async_queue_depth``, KEDA-style: each job is one request's worth
+    of load), or requests a gateway holds during a cold start from zero.
     """
 
     timestamp: float

@@ -29,7 +29,10 @@ from prometheus_client.parser import text_string_to_metric_families
 log = logging.getLogger(__name__)
 
 IN_FLIGHT_METRIC = "embedfleet_requests_in_flight"
+ASYNC_DEPTH_METRIC = "embedfleet_async_queue_depth"
 DEFAULT_QUERY = 'sum(embedfleet_requests_in_flight{namespace="$namespace",service="$service"})'
+# Every replica reports the whole Redis queue, so the fleet's backlog is the max, not the sum.
+ASYNC_DEPTH_QUERY = 'max(embedfleet_async_queue_depth{namespace="$namespace",service="$service"})'
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Reading:
     source: str
     scraped: int = 0
     errors: tuple[str, ...] = field(default_factory=tuple)
+    async_depth: float | None = None  # unfinished async jobs in Redis; None when no replica runs asyncq
 
 
 # ---------------------------------------------------------------- direct scraping
@@ -80,19 +84,22 @@ def pod_targets(pods: Iterable[Mapping[str, Any]], default_port: int = 8080) -> 
     return sorted(targets, key=lambda t: t.pod)
 
 
+def _samples(text: str, metric: str) -> list[float]:
+    return [sample.value for family in text_string_to_metric_families(text) if family.name == metric
+            for sample in family.samples if sample.name == metric and math.isfinite(sample.value)]
+
+
 def parse_in_flight(text: str, metric: str = IN_FLIGHT_METRIC) -> float:
     """Sum of every sample of ``metric`` in one exposition; ValueError when the metric is absent."""
-    total, seen = 0.0, False
-    for family in text_string_to_metric_families(text):
-        if family.name != metric:
-            continue
-        for sample in family.samples:
-            if sample.name == metric and math.isfinite(sample.value):
-                total += sample.value
-                seen = True
-    if not seen:
+    values = _samples(text, metric)
+    if not values:
         raise ValueError(f"{metric} not exposed")
-    return total
+    return sum(values)
+
+
+def parse_async_depth(text: str) -> float | None:
+    values = _samples(text, ASYNC_DEPTH_METRIC)
+    return max(values) if values else None
 
 
 async def scrape(targets: Sequence[Target], timeout_s: float = 2.0) -> Reading:
@@ -100,11 +107,11 @@ async def scrape(targets: Sequence[Target], timeout_s: float = 2.0) -> Reading:
     if not targets:
         return Reading(in_flight=0.0, source="pods", scraped=0)
 
-    async def one(client: httpx.AsyncClient, target: Target) -> float | str:
+    async def one(client: httpx.AsyncClient, target: Target) -> tuple[float, float | None] | str:
         try:
             response = await client.get(target.url)
             response.raise_for_status()
-            return parse_in_flight(response.text)
+            return parse_in_flight(response.text), parse_async_depth(response.text)
         except (httpx.HTTPError, ValueError) as exc:
             return f"{target.pod}: {type(exc).__name__}: {exc}"
 
@@ -115,7 +122,9 @@ async def scrape(targets: Sequence[Target], timeout_s: float = 2.0) -> Reading:
     if errors:
         log.warning("scrape failed for %d of %d pods: %s", len(errors), len(targets), "; ".join(errors))
         return Reading(in_flight=None, source="pods", scraped=len(values), errors=errors)
-    return Reading(in_flight=float(sum(values)), source="pods", scraped=len(values))
+    depths = [d for _, d in values if d is not None]
+    return Reading(in_flight=float(sum(v for v, _ in values)), source="pods", scraped=len(values),
+                   async_depth=max(depths) if depths else None)
 
 
 # ---------------------------------------------------------------- Prometheus
@@ -136,10 +145,25 @@ def query_prometheus(url: str, query: str, timeout_s: float = 5.0) -> Reading:
         result = prom.custom_query(query, params={"timeout": f"{timeout_s:g}s"})
     except (PrometheusApiClientException, OSError, ValueError) as exc:  # requests' errors are OSErrors
         return Reading(in_flight=None, source="prometheus", errors=(f"{type(exc).__name__}: {exc}",))
+    return Reading(in_flight=_vector_sum(result), source="prometheus", scraped=len(result or []))
+
+
+def _vector_sum(result: list[dict[str, Any]] | None) -> float:
     total = 0.0
     for series in result or []:
-        value = series.get("value") or [None, "nan"]
-        number = float(value[1])
+        number = float((series.get("value") or [None, "nan"])[1])
         if math.isfinite(number):
             total += number
-    return Reading(in_flight=total, source="prometheus", scraped=len(result or []))
+    return total
+
+
+def query_async_depth(url: str, query: str, timeout_s: float = 5.0) -> float | None:
+    """The async backlog from Prometheus; None when unknown or when no replica exports it."""
+    from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+
+    try:
+        result = PrometheusConnect(url=url).custom_query(query, params={"timeout": f"{timeout_s:g}s"})
+    except (PrometheusApiClientException, OSError, ValueError) as exc:
+        log.warning("async queue depth unknown: %s", exc)
+        return None
+    return _vector_sum(result) if result else None

@@ -15,6 +15,7 @@ Ownership of status fields is documented in handlers/status.py: this daemon writ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -37,7 +38,15 @@ from embedfleet.operator.autoscale import (
 from embedfleet.operator.crd import naming
 from embedfleet.operator.kube import Kube, KubeError
 from embedfleet.operator.render import runtime_name, selector_labels
-from embedfleet.operator.signals import Reading, pod_targets, query_prometheus, render_query, scrape
+from embedfleet.operator.signals import (
+    ASYNC_DEPTH_QUERY,
+    Reading,
+    pod_targets,
+    query_async_depth,
+    query_prometheus,
+    render_query,
+    scrape,
+)
 from embedfleet.operator.validate import check
 
 log = logging.getLogger(__name__)
@@ -115,7 +124,9 @@ def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: in
     url = autoscaling.get("prometheusUrl") or os.environ.get(ENV_PROMETHEUS_URL)
     if url:
         query = render_query(autoscaling.get("query"), namespace, name, runtime_name(name))
-        return query_prometheus(url, query)
+        reading = query_prometheus(url, query)
+        depth = query_async_depth(url, render_query(ASYNC_DEPTH_QUERY, namespace, name, runtime_name(name)))
+        return dataclasses.replace(reading, async_depth=depth)
     try:
         pods = _runtime_pods(name, namespace)
     except (kubernetes.client.ApiException, OSError) as exc:
@@ -171,7 +182,7 @@ def tick(
     state.signal_ok = True
 
     state.observations = trim_observations(
-        [*state.observations, Observation(now, reading.in_flight, ready)], config, now
+        [*state.observations, Observation(now, reading.in_flight, ready, reading.async_depth)], config, now
     )
     decision = desired_replicas(state.observations, config, state.history.with_current(current), now)
     state.history = decision.history
