@@ -151,6 +151,18 @@ def test_return_ramps_gradually_and_keeps_others_until_then() -> None:
     assert steps == sorted(steps) and steps[0] == 0 and steps[1] in (2, 3) and steps[-1] == 4
 
 
+def test_a_spoke_back_from_a_partition_keeps_the_pods_it_still_runs() -> None:
+    """Its lease expired, its share moved, but its pods kept serving: they stay (up to its fair share),
+    and the others give back the same amount, so the total never exceeds the target."""
+    dep = Deployment("ml/a", 8, 16, Intent(mode="RegionLocked", regions=("eu-west-1",)))
+    back = replace(EU1, available_since=100.0)
+    d = Deployment(dep.key, 8, 16, dep.intent, previous={"eu-b": 8}, running={"eu-a": 3, "eu-b": 8})
+    result = one(d, [back, EU2], now=100.0)  # ramp fraction 0: without `running` eu-a would get 0
+    assert result.desired() == {"eu-a": 3, "eu-b": 5} and result.placed == 8
+    greedy = Deployment(dep.key, 8, 16, dep.intent, previous={"eu-b": 8}, running={"eu-a": 9})
+    assert one(greedy, [back, EU2], now=100.0).desired()["eu-a"] == 4  # never beyond its fair share
+
+
 def test_no_schedule_taint_keeps_but_does_not_grow() -> None:
     tainted = replace(EU1, taints=(Taint("maintenance", "", "NoSchedule"),))
     dep = Deployment("ml/a", 6, 12, Intent(mode="RegionLocked", regions=("eu-west-1",)), previous={"eu-a": 2})

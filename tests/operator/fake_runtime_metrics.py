@@ -1,7 +1,8 @@
 """A minimal real runtime stand-in: serves the runtime's metric contract over HTTP, nothing else.
 
 Used where a test needs pods whose load it controls exactly (the autoscaler end to end), which the
-real runtime only gives under real traffic. ``POST /set`` with ``{"in_flight": N}`` sets the gauge (and ``"async_depth"`` the async backlog);
+real runtime only gives under real traffic. ``POST /set`` with ``{"in_flight": N}`` sets the gauge
+(and ``"async_depth"`` the async backlog);
 ``GET /metrics`` is prometheus_client's own exposition; ``/health`` and ``/ready`` answer 200.
 
     python tests/operator/fake_runtime_metrics.py --port 0   # prints "listening on PORT"

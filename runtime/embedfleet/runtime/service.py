@@ -109,7 +109,7 @@ class ModelService:
         run = engine.embed if spec.task == "embed" else engine.classify
         batcher = BatchManager(run, self.settings.max_batch_tokens, self.settings.max_batch_requests,
                                self.settings.max_queue_tokens, self.metrics, self.engine_thread,
-                               self.settings.batch_overhead_tokens)
+                               self.settings.batch_overhead_tokens, self.settings.bulk_batch_seconds)
         batcher.start()
         self.batcher = batcher
         log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,

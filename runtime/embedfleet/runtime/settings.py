@@ -64,6 +64,9 @@ class RuntimeSettings(BaseSettings):
     batch_overhead_tokens: int = Field(
         48, ge=0, description="fixed cost of one engine call, in tokens, that the batch planner weighs against "
         "padding (CPU engine: ~45; raise it on GPUs, where a call costs more than its tokens)")
+    bulk_batch_seconds: float = Field(
+        0.1, ge=0, description="size batches of bulk (non-urgent) work to take about this long at the measured "
+        "speed, which bounds how long an urgent query waits behind one; 0: only --max-batch-tokens bounds them")
     max_client_batch_size: int = Field(2048, ge=1, description="most inputs in one client request")
     max_concurrent_requests: int = Field(
         512, ge=1, description="requests accepted and not yet answered; beyond it: 429 with Retry-After")

@@ -87,7 +87,7 @@ def digest_key(digest: str | None) -> str | None:
 
 def deployment_from(
     key: str, spec: EmbeddingDeploymentSpec, namespace_labels: Mapping[str, str], target: int,
-    previous: Mapping[str, int],
+    previous: Mapping[str, int], running: Mapping[str, int] | None = None,
 ) -> Deployment:
     return Deployment(
         key=key,
@@ -99,6 +99,7 @@ def deployment_from(
         gpus_per_replica=spec.runtime.gpu.count,
         digest=digest_key(spec.model.digest),
         previous=dict(previous),
+        running=dict(running or {}),
     )
 
 

@@ -212,9 +212,11 @@ class HubLoop:
             status = obj.get("status") or {}
             target = fleet_target(parsed, sum(reports) if reports else None, status.get("targetReplicas"))
             previous = {r["name"]: int(r.get("desired") or 0) for r in status.get("clusters") or []}
+            running = {r["name"]: int(r.get("ready") or 0) for r in status.get("clusters") or []}
             if meta["namespace"] not in ns_labels:
                 ns_labels[meta["namespace"]] = self._namespace_labels(meta["namespace"])
-            deployments.append(convert.deployment_from(key, parsed, ns_labels[meta["namespace"]], target, previous))
+            deployments.append(convert.deployment_from(key, parsed, ns_labels[meta["namespace"]], target, previous,
+                                                       running))
             info[key] = (obj, target)
 
         placements = place(deployments, clusters.values(), policies, now, ramp_seconds=self.ramp)

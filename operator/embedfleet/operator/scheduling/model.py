@@ -118,7 +118,9 @@ class Deployment:
 
     ``target`` is the total replicas wanted now (the hub's global autoscaler decides it), ``max_replicas``
     the ceiling spokes may autoscale to; ``previous`` is the last placement (cluster -> desired), which
-    keeps placements sticky and lets clusters drain instead of being emptied at once.
+    keeps placements sticky and lets clusters drain instead of being emptied at once; ``running`` is what
+    each spoke last reported ready, so a spoke that comes back from a partition with pods still serving
+    keeps them instead of being scaled to zero and ramped up again.
     """
 
     key: str
@@ -130,6 +132,7 @@ class Deployment:
     gpus_per_replica: int = 0
     digest: str | None = None
     previous: Mapping[str, int] = field(default_factory=dict)
+    running: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

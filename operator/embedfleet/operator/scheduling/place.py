@@ -241,7 +241,7 @@ def _place_one(
         fraction = _ramp_fraction(c.cluster, now, ramp_seconds)
         if fraction < 1.0:
             fair = target if rules.division == "Duplicated" else math.ceil(target * weight_of[c.name] / weight_sum)
-            ramp_cap = max(c.prev, math.ceil(fair * fraction))
+            ramp_cap = max(c.prev, min(d.running.get(c.name, 0), fair), math.ceil(fair * fraction))
             if ramp_cap < caps[c.name]:
                 caps[c.name] = ramp_cap
                 c.note(f"returning: ramp {fraction:.0%} of its share")

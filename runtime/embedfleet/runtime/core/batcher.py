@@ -21,6 +21,7 @@ from embedfleet.runtime.metrics import ModelMetrics
 
 log = logging.getLogger(__name__)
 
+MIN_BULK_TOKENS = 512
 EngineFn = Callable[[list], np.ndarray]  # a batch of inputs (anything with len()) -> rows
 
 
@@ -56,12 +57,13 @@ class Item:
 class BatchManager:
     def __init__(self, engine_fn: EngineFn, max_batch_tokens: int, max_batch_requests: int,
                  max_queue_tokens: int, metrics: ModelMetrics, engine_thread: ThreadPoolExecutor,
-                 overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS) -> None:
+                 overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, bulk_batch_seconds: float = 0.0) -> None:
         self.engine_fn = engine_fn
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.max_queue_tokens = max_queue_tokens
         self.overhead_tokens = overhead_tokens
+        self.bulk_batch_seconds = bulk_batch_seconds
         self.metrics = metrics
         self._queue: list[Item] = []
         self._queued_tokens = 0
@@ -135,9 +137,17 @@ class BatchManager:
         self.metrics.queue_requests.set(len({id(item.job) for item in self._queue}))
         self.metrics.expected_wait.set(self.expected_wait())
 
+    def _budget(self, entries: list[Entry]) -> int:
+        """Urgent batches may use the whole token budget; bulk ones are cut to `bulk_batch_seconds` of
+        measured engine time, so a query arriving mid-backfill never waits behind a long batch."""
+        if not self.bulk_batch_seconds or not self._tokens_per_s or any(e.urgent for e in entries):
+            return self.max_batch_tokens
+        floor = min(self.max_batch_tokens, MIN_BULK_TOKENS)  # never starve bulk work into tiny batches
+        return max(floor, min(self.max_batch_tokens, int(self.bulk_batch_seconds * self._tokens_per_s)))
+
     def _take_batch(self) -> list[Item]:
         entries = [Entry(item.seq, item.length, item.job.urgent) for item in self._queue]
-        chosen = set(plan_batch(entries, self.max_batch_tokens, self.max_batch_requests, self.overhead_tokens))
+        chosen = set(plan_batch(entries, self._budget(entries), self.max_batch_requests, self.overhead_tokens))
         batch = [self._queue[i] for i in sorted(chosen)]
         self._queue = [item for i, item in enumerate(self._queue) if i not in chosen]
         self._queued_tokens -= sum(item.length for item in batch)
