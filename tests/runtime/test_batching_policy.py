@@ -75,3 +75,24 @@ def test_truncation_keeps_special_tokens(body_mask, limit, direction):
         assert body == ids[1:1 + len(body)]
     else:
         assert body == ids[len(ids) - 1 - len(body):-1]
+
+
+def test_bulk_batches_are_sized_by_measured_speed():
+    """Bulk work gets ~bulk_batch_seconds of engine time per batch; a queued urgent item lifts the cap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from embedfleet.runtime.core.batcher import MIN_BULK_TOKENS, BatchManager
+    from embedfleet.runtime.metrics import RuntimeMetrics
+
+    with ThreadPoolExecutor(1) as pool:
+        bm = BatchManager(lambda batch: batch, 16384, 32, 10**6, RuntimeMetrics().for_model("m"), pool,
+                          bulk_batch_seconds=0.1)
+        bulk = [Entry(0, 10, False), Entry(1, 20, False)]
+        assert bm._budget(bulk) == 16384  # nothing measured yet: no cap
+        bm._tokens_per_s = 10_000.0
+        assert bm._budget(bulk) == 1000
+        assert bm._budget([*bulk, Entry(2, 5, True)]) == 16384
+        bm._tokens_per_s = 100.0
+        assert bm._budget(bulk) == MIN_BULK_TOKENS
+        bm.bulk_batch_seconds = 0
+        assert bm._budget(bulk) == 16384
