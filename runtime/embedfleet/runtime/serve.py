@@ -10,23 +10,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 
 import uvicorn
-from pydantic import ValidationError
 
 from embedfleet.runtime.api.app import create_app
 from embedfleet.runtime.api.gate import GateState
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.service import Models
-from embedfleet.runtime.settings import (
-    RuntimeSettings,
-    add_settings_arguments,
-    describe_error,
-    settings_from_args,
-)
+from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments, settings_or_exit_code
 
 log = logging.getLogger("embedfleet.serve")
 
@@ -66,14 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as exc:
-        print(f"embedfleet serve: {describe_error(exc)}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_or_exit_code(args, "serve")
+    if isinstance(settings, int):
+        return settings
     metrics = RuntimeMetrics()
     gate = GateState()
     models = Models(settings, metrics)

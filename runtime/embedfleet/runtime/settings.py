@@ -214,3 +214,20 @@ def describe_error(exc: ValidationError) -> str:
         loc = ".".join(str(p) for p in err["loc"]) or "settings"
         lines.append(f"  {loc} (--{loc.replace('_', '-')} / EMBEDFLEET_{loc.upper()}): {err['msg']}")
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+def settings_or_exit_code(args: argparse.Namespace, command: str) -> RuntimeSettings | int:
+    """What every runtime command does first: stay offline, validate, log; 2 (with the field named) on
+    a bad configuration."""
+    import logging
+    import sys
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"embedfleet {command}: {describe_error(exc)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return settings

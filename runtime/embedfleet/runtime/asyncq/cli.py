@@ -10,15 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 
 from prometheus_client import start_http_server
-from pydantic import ValidationError
 
 from embedfleet.runtime.metrics import RuntimeMetrics
-from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments, describe_error, settings_from_args
+from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments, settings_or_exit_code
 
 log = logging.getLogger("embedfleet.worker")
 
@@ -55,17 +53,12 @@ async def _main(settings: RuntimeSettings, metrics: RuntimeMetrics, name: str | 
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as exc:
-        print(f"embedfleet worker: {describe_error(exc)}", file=sys.stderr)
-        return 2
+    settings = settings_or_exit_code(args, "worker")
+    if isinstance(settings, int):
+        return settings
     if not settings.redis_url:
         print("embedfleet worker: --redis-url (or EMBEDFLEET_REDIS_URL) is required", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = RuntimeMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=settings.host, registry=metrics.registry)
