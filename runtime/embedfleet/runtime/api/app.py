@@ -1,10 +1,9 @@
-"""The FastAPI application: routes only. Work goes to `EmbeddingService`; limits to `Gate`."""
+"""The FastAPI application: routes only. Work goes to `ModelService`s; limits to `Gate`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -17,9 +16,18 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from embedfleet.runtime.api import errors
+from embedfleet.runtime.api.bodies import classify_body, cohere_body, embeddings_body, labelled, rerank_body
 from embedfleet.runtime.api.gate import Gate, GateState
 from embedfleet.runtime.api.inputs import as_batch
-from embedfleet.runtime.api.prepare import prepare_embedding, select, tokenize, tokenize_pairs
+from embedfleet.runtime.api.prepare import (
+    documents,
+    prepare_classify,
+    prepare_embedding,
+    prepare_rerank,
+    select,
+    tokenize,
+    tokenize_pairs,
+)
 from embedfleet.runtime.api.schemas import (
     ClassifyRequest,
     ClassifyResponse,
@@ -36,9 +44,7 @@ from embedfleet.runtime.api.schemas import (
     TEIEmbedRequest,
     TokenizeRequest,
 )
-from embedfleet.runtime.core.openai_body import embeddings_body
 from embedfleet.runtime.core.postprocess import finish
-from embedfleet.runtime.core.scores import label_scores, relevance
 from embedfleet.runtime.core.tokenize import Tokenized
 from embedfleet.runtime.service import ClientGone, Models, ModelService
 
@@ -46,7 +52,7 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 WORK_ROUTES = frozenset({"/v1/embeddings", "/embed", "/tokenize", "/rerank", "/v1/rerank", "/predict",
-                         "/classify", "/async/v1/embeddings"})
+                         "/classify", "/async/v1/embeddings", "/async/rerank", "/async/classify"})
 
 
 class JSON(Response):
@@ -165,14 +171,6 @@ def create_app(models: Models, gate_state: GateState,
         result = await run(svc, await prepare_embedding(svc, body, body.inputs), request)
         return JSON(finish(result.rows, normalize=body.normalize, dimensions=body.dimensions))
 
-    async def rerank_scores(svc: ModelService, query: str, docs: list[str], truncate: bool | None,
-                            direction: str, raw: bool, request: Request):
-        tokenized = await tokenize_pairs(svc, [(query, d) for d in docs], truncate, direction)
-        result = await run(svc, tokenized, request)
-        scores = relevance(result.rows, raw)
-        order = sorted(range(len(docs)), key=lambda i: (-scores[i], i))
-        return scores, order, result.tokens
-
     @app.post("/rerank", tags=["TEI", "Cohere"], openapi_extra=body_of(RerankRequest),
               response_model=list[RankTEI] | CohereRerankResponse)
     async def rerank(request: Request):
@@ -182,10 +180,8 @@ def create_app(models: Models, gate_state: GateState,
             return await cohere_shape(validate(data, CohereRerankRequest), "/rerank", request)
         body = validate(data, RerankRequest)
         svc = select(models, body.model, "/rerank")
-        scores, order, _ = await rerank_scores(svc, body.query, body.texts, body.truncate,
-                                               body.truncation_direction, body.raw_scores, request)
-        return JSON([{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
-                     for i in order])
+        result = await run(svc, await prepare_rerank(svc, body), request)
+        return JSON(rerank_body(body, result.rows))
 
     @app.post("/v1/rerank", response_model=CohereRerankResponse, tags=["Cohere"],
               openapi_extra=body_of(CohereRerankRequest))
@@ -195,22 +191,8 @@ def create_app(models: Models, gate_state: GateState,
 
     async def cohere_shape(body: CohereRerankRequest, route: str, request: Request):
         svc = select(models, body.model, route)
-        docs = [d if isinstance(d, str) else d.text for d in body.documents]
-        scores, order, tokens = await rerank_scores(svc, body.query, docs, body.truncate,
-                                                    body.truncation_direction, False, request)
-        results = [{"index": i, "relevance_score": float(scores[i]),
-                    **({"document": {"text": docs[i]}} if body.return_documents else {})}
-                   for i in order[: body.top_n]]
-        return JSON({"id": str(uuid.uuid4()), "model": svc.name, "results": results,
-                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
-    def labelled(svc: ModelService, rows, raw: bool, top_k: int | None = None) -> list[list[dict]]:
-        scores = label_scores(rows, raw, svc.spec.multi_label)
-        out = []
-        for row in scores:
-            order = sorted(range(len(row)), key=lambda k: -row[k])[:top_k]
-            out.append([{"label": svc.spec.labels[k], "score": float(row[k])} for k in order])
-        return out
+        result = await run(svc, await prepare_rerank(svc, body), request)
+        return JSON(cohere_body(svc, body, documents(body), result.rows, result.tokens))
 
     @app.post("/predict", tags=["TEI"], openapi_extra=body_of(PredictRequest))
     async def predict(request: Request):
@@ -250,12 +232,8 @@ def create_app(models: Models, gate_state: GateState,
         """Label texts with the model's `id2label` names; scores are softmax (sigmoid if multi-label)."""
         body = await parse(request, ClassifyRequest)
         svc = select(models, body.model, "/classify")
-        tokenized = await tokenize(svc, body.input, body.truncate, body.truncation_direction)
-        result = await run(svc, tokenized, request)
-        rows = labelled(svc, result.rows, body.raw_scores, body.top_k)
-        return JSON({"object": "list", "model": svc.name,
-                     "data": [{"index": i, "label": r[0]["label"], "labels": r} for i, r in enumerate(rows)],
-                     "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens}})
+        result = await run(svc, await prepare_classify(svc, body), request)
+        return JSON(classify_body(svc, body, result.rows, result.tokens))
 
     @app.post("/tokenize", response_model=list[list[SimpleToken]], tags=["TEI"],
               openapi_extra=body_of(TokenizeRequest))

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from embedfleet.runtime.api.errors import ApiError
 from embedfleet.runtime.api.inputs import as_batch
-from embedfleet.runtime.api.schemas import OpenAIEmbeddingRequest, TEIEmbedRequest
+from embedfleet.runtime.api.schemas import (
+    ClassifyRequest,
+    CohereRerankRequest,
+    OpenAIEmbeddingRequest,
+    RerankRequest,
+    TEIEmbedRequest,
+)
 from embedfleet.runtime.core.tokenize import InputTooLong, Tokenized
 from embedfleet.runtime.models.spec import Task
 from embedfleet.runtime.service import Models, ModelService
@@ -82,3 +88,17 @@ async def prepare_embedding(svc: ModelService, body: OpenAIEmbeddingRequest | TE
         raise ApiError(422, f"dimensions={body.dimensions} is more than the model's {dim}", "invalid_dimensions")
     prefix = prompt_prefix(svc, body.prompt_name, body.instruction)
     return await tokenize(svc, raw_inputs, body.truncate, body.truncation_direction, prefix)
+
+
+async def prepare_rerank(svc: ModelService, body: RerankRequest | CohereRerankRequest) -> list[Tokenized]:
+    """One (query, document) pair per document, each truncated on the document side first."""
+    docs = body.texts if isinstance(body, RerankRequest) else documents(body)
+    return await tokenize_pairs(svc, [(body.query, d) for d in docs], body.truncate, body.truncation_direction)
+
+
+def documents(body: CohereRerankRequest) -> list[str]:
+    return [d if isinstance(d, str) else d.text for d in body.documents]
+
+
+async def prepare_classify(svc: ModelService, body: ClassifyRequest) -> list[Tokenized]:
+    return await tokenize(svc, body.input, body.truncate, body.truncation_direction)

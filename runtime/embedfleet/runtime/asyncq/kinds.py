@@ -7,19 +7,29 @@ between `/v1/embeddings` and `/async/v1/embeddings` without a second parser.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import orjson
-from pydantic import Field
+from pydantic import BaseModel, Field
 
-from embedfleet.runtime.api.prepare import prepare_embedding, select
-from embedfleet.runtime.api.schemas import OpenAIEmbeddingRequest
-from embedfleet.runtime.core.openai_body import embeddings_body
-from embedfleet.runtime.service import Models
+from embedfleet.runtime.api.bodies import classify_body, embeddings_body, rerank_body
+from embedfleet.runtime.api.prepare import prepare_classify, prepare_embedding, prepare_rerank, select
+from embedfleet.runtime.api.schemas import ClassifyRequest, OpenAIEmbeddingRequest, RerankRequest
+from embedfleet.runtime.service import Models, ModelService
+
+WEBHOOK = Field(None, description="POSTed the finished job (signed, see docs/async.md); http(s) only")
 
 
 class AsyncEmbeddingRequest(OpenAIEmbeddingRequest):
-    webhook_url: str | None = Field(
-        None, description="POSTed the finished job (signed, see docs/async.md); http(s) only")
+    webhook_url: str | None = WEBHOOK
+
+
+class AsyncRerankRequest(RerankRequest):
+    webhook_url: str | None = WEBHOOK
+
+
+class AsyncClassifyRequest(ClassifyRequest):
+    webhook_url: str | None = WEBHOOK
 
 
 class JobFailed(Exception):
@@ -35,4 +45,33 @@ async def run_embeddings(models: Models, request: bytes) -> bytes:
                         option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-KINDS: dict[str, Callable[[Models, bytes], Awaitable[bytes]]] = {"embeddings": run_embeddings}
+async def run_rerank(models: Models, request: bytes) -> bytes:
+    body = AsyncRerankRequest.model_validate_json(request)
+    svc = select(models, body.model, "/rerank")
+    result = await svc.run(await prepare_rerank(svc, body), urgent=False)
+    return orjson.dumps(rerank_body(body, result.rows))
+
+
+async def run_classify(models: Models, request: bytes) -> bytes:
+    body = AsyncClassifyRequest.model_validate_json(request)
+    svc = select(models, body.model, "/classify")
+    result = await svc.run(await prepare_classify(svc, body), urgent=False)
+    return orjson.dumps(classify_body(svc, body, result.rows, result.tokens))
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One async job kind: its request body, the sync route whose checks it shares, how to run it."""
+
+    request: type[BaseModel]
+    route: str
+    prepare: Callable[[ModelService, BaseModel], Awaitable[object]]
+    run: Callable[[Models, bytes], Awaitable[bytes]]
+
+
+KINDS: dict[str, Kind] = {
+    "embeddings": Kind(AsyncEmbeddingRequest, "/v1/embeddings",
+                       lambda svc, body: prepare_embedding(svc, body, body.input), run_embeddings),
+    "rerank": Kind(AsyncRerankRequest, "/rerank", prepare_rerank, run_rerank),
+    "classify": Kind(AsyncClassifyRequest, "/classify", prepare_classify, run_classify),
+}

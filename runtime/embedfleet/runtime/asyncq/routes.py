@@ -17,8 +17,8 @@ from starlette.responses import Response
 
 from embedfleet.runtime.api import errors
 from embedfleet.runtime.api.app import JSON, body_of, parse
-from embedfleet.runtime.api.prepare import prepare_embedding, select
-from embedfleet.runtime.asyncq.kinds import AsyncEmbeddingRequest
+from embedfleet.runtime.api.prepare import select
+from embedfleet.runtime.asyncq.kinds import KINDS, AsyncClassifyRequest, AsyncEmbeddingRequest, AsyncRerankRequest
 from embedfleet.runtime.asyncq.runner import AsyncRuntime
 from embedfleet.runtime.asyncq.status import job_document
 from embedfleet.runtime.asyncq.webhooks import WebhookRefused, check_webhook_url
@@ -50,12 +50,12 @@ def async_router(models: Models) -> APIRouter:
     if not settings.async_enabled:
         return router
 
-    @router.post("/async/v1/embeddings", status_code=202, openapi_extra=body_of(AsyncEmbeddingRequest))
-    async def submit_embeddings(request: Request):
-        """Accept an OpenAI embeddings request as a durable job; the result is the sync route's body."""
-        body = await parse(request, AsyncEmbeddingRequest)
-        svc = select(models, body.model, "/v1/embeddings")
-        await prepare_embedding(svc, body, body.input)  # refuses now what the worker would refuse later
+    async def submit(kind: str, request: Request):
+        """Accept a request as a durable job after the sync route's own checks; the result is its body."""
+        spec = KINDS[kind]
+        body = await parse(request, spec.request)
+        svc = select(models, body.model, spec.route)
+        await spec.prepare(svc, body)  # refuses now what the worker would refuse later
         webhook_url = None
         if body.webhook_url is not None:
             if settings.webhook_secret is None:
@@ -67,7 +67,7 @@ def async_router(models: Models) -> APIRouter:
                 raise errors.ApiError(422, str(exc), "invalid_webhook_url") from None
         stored = body.model_dump_json(exclude={"webhook_url"}).encode()
         try:
-            job_id = await runtime.store.submit("embeddings", stored, webhook_url, settings.async_max_queue_depth)
+            job_id = await runtime.store.submit(kind, stored, webhook_url, settings.async_max_queue_depth)
         except RedisError as exc:
             raise store_unavailable(exc) from None
         if job_id is None:
@@ -77,6 +77,21 @@ def async_router(models: Models) -> APIRouter:
         location = f"/async/jobs/{job_id}"
         return JSON({"id": job_id, "object": "async_job", "status": "queued", "url": location}, status_code=202,
                     headers={"location": location})
+
+    @router.post("/async/v1/embeddings", status_code=202, openapi_extra=body_of(AsyncEmbeddingRequest))
+    async def submit_embeddings(request: Request):
+        """An OpenAI embeddings request as a job; the result is exactly /v1/embeddings' body."""
+        return await submit("embeddings", request)
+
+    @router.post("/async/rerank", status_code=202, openapi_extra=body_of(AsyncRerankRequest))
+    async def submit_rerank(request: Request):
+        """A TEI-shaped rerank request as a job; the result is exactly /rerank's body."""
+        return await submit("rerank", request)
+
+    @router.post("/async/classify", status_code=202, openapi_extra=body_of(AsyncClassifyRequest))
+    async def submit_classify(request: Request):
+        """A classify request as a job; the result is exactly /classify's body."""
+        return await submit("classify", request)
 
     @router.get("/async/jobs/{job_id}")
     async def get_job(job_id: str):

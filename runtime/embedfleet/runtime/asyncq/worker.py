@@ -159,11 +159,11 @@ class Worker:
             log.warning("job %s: Redis failed (%s); it will be retried", entry.job_id, exc)
 
     async def _execute(self, kind: str, request: bytes) -> tuple[str, bytes]:
-        run = KINDS.get(kind)
-        if run is None:
+        spec = KINDS.get(kind)
+        if spec is None:
             return "failed", f"unknown job kind {kind!r}".encode()
         try:
-            return "succeeded", await run(self.models, request)
+            return "succeeded", await spec.run(self.models, request)
         except PERMANENT as exc:
             return "failed", reason(exc).encode()
         except RedisError:
