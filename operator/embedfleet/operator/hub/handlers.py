@@ -6,11 +6,11 @@ EmbeddingDeployment is an intent that spokes run, never pods of its own.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import kopf
 
+from embedfleet.operator.handlers.common import start_background, stop_background
 from embedfleet.operator.hub.loop import HubLoop
 
 LOOP: dict[str, Any] = {}
@@ -19,15 +19,10 @@ LOOP: dict[str, Any] = {}
 @kopf.on.startup()
 def start_hub_loop(logger: kopf.Logger, **_: Any) -> None:
     loop = HubLoop()
-    thread = threading.Thread(target=loop.run_forever, name="embedfleet-hub", daemon=True)
-    LOOP.update(loop=loop, thread=thread)
-    thread.start()
+    start_background(LOOP, loop, "embedfleet-hub")
     logger.info("hub scheduling loop started (interval %.1fs, return ramp %.0fs)", loop.interval, loop.ramp)
 
 
 @kopf.on.cleanup()
 def stop_hub_loop(**_: Any) -> None:
-    loop: HubLoop | None = LOOP.get("loop")
-    if loop is not None:
-        loop.stop.set()
-        LOOP["thread"].join(timeout=30)
+    stop_background(LOOP, timeout=30)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import kopf
 
+from embedfleet.operator.handlers.common import start_background, stop_background
 from embedfleet.operator.spoke.heartbeat import Heartbeat
 
 BEAT: dict[str, Any] = {}
@@ -15,15 +15,10 @@ BEAT: dict[str, Any] = {}
 @kopf.on.startup()
 def start_heartbeat(logger: kopf.Logger, **_: Any) -> None:
     beat = Heartbeat()
-    thread = threading.Thread(target=beat.run_forever, name="embedfleet-heartbeat", daemon=True)
-    BEAT.update(beat=beat, thread=thread)
-    thread.start()
+    start_background(BEAT, beat, "embedfleet-heartbeat")
     logger.info("spoke heartbeat: lease %s/embedfleet-spoke every %.1fs", beat.namespace, beat.interval)
 
 
 @kopf.on.cleanup()
 def stop_heartbeat(**_: Any) -> None:
-    beat: Heartbeat | None = BEAT.get("beat")
-    if beat is not None:
-        beat.stop.set()
-        BEAT["thread"].join(timeout=10)
+    stop_background(BEAT, timeout=10)
