@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -13,6 +14,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from tests.procs import RuntimeServer, start_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.kube.fixtures"]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Before any test computes with torch in this process: make bf16 on CPU safe the way the runtime
+    does (engines/cpu_isa.py). On a CPU that faults on AMX this caps oneDNN's ISA, which it reads once,
+    at its first kernel; without it an in-process bf16 test kills pytest by SIGILL, with no summary."""
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("embedfleet.runtime"):
+        from embedfleet.runtime.engines.cpu_isa import ensure_cpu_bf16
+
+        ensure_cpu_bf16()
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +40,7 @@ def runtime_factory():
     """Start servers with custom flags; all are stopped at the end of the test."""
     started: list[RuntimeServer] = []
 
-    def start(*flags: str, env: dict[str, str] | None = None, wait_ready: bool = True) -> RuntimeServer:
+    def start(*flags: str, env: dict[str, str | None] | None = None, wait_ready: bool = True) -> RuntimeServer:
         srv = start_runtime(*flags, env=env, wait_ready=wait_ready)
         started.append(srv)
         return srv
@@ -36,3 +48,14 @@ def runtime_factory():
     yield start
     for srv in started:
         srv.stop()
+
+
+@pytest.fixture
+def cpu_bf16() -> None:
+    """For tests that run bf16 on CPU in this process: skipped where bf16 crashes this CPU even with
+    oneDNN's ISA capped (the runtime serves float32 there)."""
+    from embedfleet.runtime.engines.cpu_isa import ensure_cpu_bf16
+
+    decision = ensure_cpu_bf16()
+    if not decision.bf16:
+        pytest.skip(decision.message)

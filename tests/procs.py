@@ -1,7 +1,16 @@
-"""Real processes for tests: the runtime server, started exactly as a user would start it."""
+"""Real processes for tests: the runtime server, started exactly as a user would start it.
+
+Every child a test starts goes through `spawn`: its own session (so stopping it can take its whole
+process group, and a Ctrl-C at the terminal reaches pytest, which stops it in teardown) and, on
+Linux, PR_SET_PDEATHSIG so the kernel kills it when pytest dies, even by SIGKILL or SIGILL, when no
+teardown runs (the kernel watches the thread that started the child: start them from the main
+thread, as fixtures do). An atexit handler kills what is left on an ordinary exit, on any platform.
+"""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import signal
 import socket
@@ -16,6 +25,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_PATHS = [str(ROOT / "runtime"), str(ROOT / "operator"), str(ROOT / "client")]
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_SPAWNED: list[subprocess.Popen] = []
 
 
 def free_port() -> int:
@@ -24,12 +36,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(extra: dict[str, str | None] | None = None) -> dict[str, str]:
+    """This environment, the checkout on PYTHONPATH, offline; `extra` on top (None removes a name)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*SOURCE_PATHS, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.update(extra or {})
+    for name, value in (extra or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
+
+
+def _die_with(parent: int):
+    def preexec() -> None:  # in the child, between fork and exec: no locks, no imports
+        if _LIBC is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    return preexec
+
+
+def spawn(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
+    """subprocess.Popen in its own session, killed with pytest (see the module docstring)."""
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with(os.getpid()), **popen_kwargs)
+    _SPAWNED[:] = [p for p in _SPAWNED if p.poll() is None]
+    _SPAWNED.append(proc)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+    """Ask with `sig`, wait up to `timeout`, then SIGKILL; then kill whatever of its group is left."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # grandchildren; the group outlives its leader
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc in _SPAWNED:
+        _SPAWNED.remove(proc)
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for proc in list(_SPAWNED):
+        stop_process(proc, signal.SIGKILL, timeout=5)
 
 
 @dataclass
@@ -77,19 +134,13 @@ class RuntimeServer:
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()[-3000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGINT)
 
 
-def start_runtime(*flags: str, env: dict[str, str] | None = None, wait_ready: bool = True) -> RuntimeServer:
+def start_runtime(*flags: str, env: dict[str, str | None] | None = None, wait_ready: bool = True) -> RuntimeServer:
     port = free_port()
     log_file = tempfile.NamedTemporaryFile(prefix="embedfleet-serve-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
+    proc = spawn(
         [sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
          *flags],
         stdout=log_file, stderr=subprocess.STDOUT, env=child_env(env), cwd=ROOT,

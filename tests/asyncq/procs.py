@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from tests.procs import ROOT, child_env, free_port
+from tests.procs import ROOT, child_env, free_port, spawn, stop_process
 
 
 @dataclass
@@ -40,7 +40,7 @@ class RedisServer:
         cmd = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                "--dir", str(self.dir), "--save", "", "--appendonly", "yes" if self.appendonly else "no",
                "--logfile", str(self.dir / "redis.log")]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
@@ -52,9 +52,8 @@ class RedisServer:
 
     def stop(self) -> None:
         """Graceful: SIGTERM makes redis fsync its AOF before exiting, as a pod stop would."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
+        if self.proc:
+            stop_process(self.proc, signal.SIGTERM)
 
     def restart(self) -> None:
         self.stop()
@@ -88,22 +87,15 @@ class WorkerProcess:
         raise TimeoutError(f"worker did not start:\n{self.log()[-3000:]}")
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, signal.SIGKILL)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc, signal.SIGTERM)
 
 
 def start_worker(redis_url: str, *flags: str) -> WorkerProcess:
     log_file = tempfile.NamedTemporaryFile(prefix="embedfleet-worker-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
+    proc = spawn(
         [sys.executable, "-m", "embedfleet.runtime.cli", "worker", "--redis-url", redis_url, *flags],
         stdout=log_file, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
     return WorkerProcess(proc, Path(log_file.name))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,14 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.procs import free_port, spawn, stop_process
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Stub:
@@ -29,7 +24,7 @@ class Stub:
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [sys.executable, os.path.join(HERE, "stub_server.py"), "--port", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -59,11 +54,7 @@ class Stub:
         return int(self.stats()["count"])
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc, timeout=5)
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,17 +16,9 @@ import pytest
 
 from embedfleet.client.shards import MANIFEST, load_manifest, read_output
 from embedfleet.runtime.cli import main
+from tests.procs import child_env, spawn
 
 from .stub_server import vector_for
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(ROOT / p) for p in ("runtime", "operator", "client")]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
 
 
 def make_texts(n: int) -> list[str]:
@@ -153,7 +144,7 @@ def test_misbehaving_server_fails_cleanly(stub, tmp_path, capsys):
 def _start_cli(src: Path, out: Path, url: str, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "embedfleet.runtime.cli", "embed", str(src), "--url", url, "--out", str(out)]
     cmd += ["--shard-size", "50", "--batch-size", "25", "--no-progress", *extra]
-    return subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return spawn(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _wait_for_shards(out: Path, proc: subprocess.Popen, n: int) -> None:

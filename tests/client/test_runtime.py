@@ -2,14 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-import httpx
 import numpy as np
 import pytest
 
@@ -17,42 +9,11 @@ pytest.importorskip("embedfleet.runtime.serve")
 
 from embedfleet.client import Client
 
-from .conftest import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def runtime_url():
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    paths = [str(ROOT / p) for p in ("runtime", "operator", "client")]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    log = tempfile.NamedTemporaryFile(prefix="embedfleet-client-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "embedfleet.runtime.cli", "serve"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {Path(log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(Path(log.name).read_text()[-3000:])
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+@pytest.fixture
+def runtime_url(server) -> str:
+    """The session's default server (tests/conftest.py): a real `embedfleet serve` process."""
+    return server.url
 
 
 def test_embeds_against_real_runtime(runtime_url):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -13,6 +13,7 @@ from embedfleet.runtime.engines.quality_gate import (
     CALIBRATION_FILE,
     Fp8Rejected,
     classify_gate,
+    degenerate_rows,
     embedding_gate,
     load_calibration,
     ranking_preserved,
@@ -38,10 +39,47 @@ def test_calibration_set_is_shipped_and_varied():
 
 
 @settings(max_examples=50, deadline=None)
-@given(arrays(np.float32, (6, 8), elements=finite), st.floats(0.01, 100))
-def test_identical_or_rescaled_embeddings_always_pass(ref, factor):
-    result = embedding_gate(ref, ref * np.float32(factor), 0.999)
+@given(arrays(np.float32, (6, 8), elements=finite))
+@example(np.full((6, 8), 6e-45, dtype=np.float32))
+def test_identical_embeddings_always_pass(ref):
+    """Subnormal rows included: two identical degenerate rows agree like two zero rows."""
+    result = embedding_gate(ref, ref.copy(), 0.999)
     assert result.passed, result
+
+
+@settings(max_examples=50, deadline=None)
+@given(arrays(np.float32, (6, 8), elements=finite), st.floats(0.01, 100))
+@example(np.full((6, 8), 6e-45, dtype=np.float32), 0.125)
+def test_rescaled_embeddings_pass_unless_a_row_crosses_into_degenerate(ref, factor):
+    """A float32 rescale keeps each row's direction, except where it carries the row's norm across
+    float32's smallest normal number: there the gate rightly sees a real vector turned (almost) zero,
+    or the reverse (test_a_row_collapsing_to_zero_fails)."""
+    cand = ref * np.float32(factor)
+    assume((degenerate_rows(ref) == degenerate_rows(cand)).all())
+    result = embedding_gate(ref, cand, 0.999)
+    assert result.passed, result
+
+
+def test_subnormal_rows_are_degenerate_and_agree_with_zero():
+    """The counterexample hypothesis found: 6e-45 x 0.125 rounds to 0.0 in float32. Both rows are
+    below float32's smallest normal norm, so both are degenerate: they agree, as two zero rows do."""
+    ref = np.zeros((2, 8), dtype=np.float32)
+    ref[0, 3] = 6e-45
+    ref[1] = 1.0
+    cand = ref * np.float32(0.125)
+    assert cand[0].tolist() == [0.0] * 8
+    assert degenerate_rows(ref).tolist() == [True, False]
+    assert row_cosines(ref, cand) == pytest.approx([1.0, 1.0])
+    assert embedding_gate(ref, cand, 0.999).passed
+
+
+def test_a_row_collapsing_to_zero_fails():
+    ref = np.ones((3, 8), dtype=np.float32)
+    ref[1] *= np.float32(1e-30)  # tiny but normal: a real direction
+    cand = ref.copy()
+    cand[1] = 0.0
+    result = embedding_gate(ref, cand, 0.999)
+    assert not result.passed and "input 1 has cosine 0.000000" in result.reason
 
 
 def test_one_bad_embedding_fails_the_gate_and_is_named():
@@ -72,6 +110,7 @@ def test_nan_output_fails():
 def test_zero_rows():
     cos = row_cosines(np.array([[0.0, 0.0], [1.0, 0.0]]), np.array([[0.0, 0.0], [0.0, 0.0]]))
     assert cos.tolist() == [1.0, 0.0]
+    assert row_cosines(np.array([[1e-39, 0.0]]), np.array([[0.0, 1e-39]])).tolist() == [1.0]  # both degenerate
 
 
 def test_rankings_per_query():
@@ -119,6 +158,7 @@ def _count_fp8(engine: TorchEngine) -> int:
     return sum(isinstance(m, Fp8Linear) for m in engine.model.modules())
 
 
+@pytest.mark.usefixtures("cpu_bf16")
 @pytest.mark.parametrize("kind", ["bert-embed", "llama-embed", "bert-rerank", "bert-classify"])
 def test_fp8_engine_accepted_at_default_threshold(tiny, kind):
     engine = TorchEngine(load_spec(tiny[kind]), dtype="fp8", num_threads=2)
@@ -128,6 +168,7 @@ def test_fp8_engine_accepted_at_default_threshold(tiny, kind):
         assert engine.fp8_gate.min_cosine >= 0.999
 
 
+@pytest.mark.usefixtures("cpu_bf16")
 def test_gate_forced_high_falls_back_to_bf16(tiny, caplog):
     engine = TorchEngine(load_spec(tiny["bert-embed"]), dtype="fp8", num_threads=2, fp8_min_cosine=1.0)
     assert not engine.fp8_gate.passed and engine.effective_dtype == "bfloat16"
@@ -139,6 +180,7 @@ def test_gate_forced_high_falls_back_to_bf16(tiny, caplog):
     np.testing.assert_array_equal(engine.embed(batch), bf16.embed(batch))
 
 
+@pytest.mark.usefixtures("cpu_bf16")
 def test_gate_strict_refuses(tiny):
     with pytest.raises(Fp8Rejected, match="fp8-strict"):
         TorchEngine(load_spec(tiny["bert-embed"]), dtype="fp8", num_threads=2, fp8_min_cosine=1.0,

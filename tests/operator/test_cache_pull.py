@@ -1,8 +1,7 @@
-"""`embedfleet cache pull` against a real local HTTP server, file:// sources and a kmock API server."""
+"""`embedfleet cache pull` against a real local HTTP server, file:// sources and a real API server."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import os
@@ -15,7 +14,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import kmock
 import kubernetes
 import pytest
 
@@ -310,49 +308,18 @@ def test_bad_digest_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "sha256:<64 lowercase hex>" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- node label (kmock API server)
+# ---------------------------------------------------------------- node label (real API server)
 
 
-@pytest.fixture
-def kube_api(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A kmock Kubernetes emulator on 127.0.0.1 in a background thread, and a kubeconfig for it."""
-    started, stop, box = threading.Event(), threading.Event(), {}
-
-    def serve() -> None:
-        async def main() -> None:
-            async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as srv:
-                box["url"] = f"http://127.0.0.1:{srv.port}"
-                started.set()
-                await asyncio.to_thread(stop.wait)
-
-        asyncio.run(main())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert started.wait(30)
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: kmock\n"
-        f"clusters: [{{name: kmock, cluster: {{server: '{box['url']}'}}}}]\n"
-        "users: [{name: kmock, user: {token: test}}]\n"
-        "contexts: [{name: kmock, context: {cluster: kmock, user: kmock}}]\n"
-    )
-    yield box["url"], kubeconfig
-    stop.set()
-    thread.join(10)
-
-
-def test_label_node_after_verified_pull(kube_api: tuple[str, Path], tmp_path: Path) -> None:
-    url, kubeconfig = kube_api
-    cfg = kubernetes.client.Configuration()
-    cfg.host = url
-    core = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(cfg))
-    core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1",
-                                                                       "labels": {"pool": "gpu"}}})
+def test_label_node_after_verified_pull(kube_cluster, unique: str, tmp_path: Path) -> None:
+    kubeconfig = kube_cluster.kubeconfig
+    core = kubernetes.client.CoreV1Api(kube_cluster.api_client())
+    node = f"gpu-node-{unique}"
+    core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"pool": "gpu"}}})
     src = tmp_path / "w.bin"
     src.write_bytes(WEIGHTS)
     digest = sha(WEIGHTS)
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "NODE_NAME": "gpu-node-1",
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "NODE_NAME": node,
            "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("runtime", "operator", "client"))}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     args = [sys.executable, "-m", "embedfleet.runtime.cli", "cache", "pull", "--source", f"file://{src}",
@@ -360,8 +327,9 @@ def test_label_node_after_verified_pull(kube_api: tuple[str, Path], tmp_path: Pa
     bad = subprocess.run([*args, "--digest", sha(b"other"), "--retries", "0"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1, bad.stderr
-    assert core.read_node("gpu-node-1").metadata.labels == {"pool": "gpu"}  # mismatch: never labelled
+    assert core.read_node(node).metadata.labels == {"pool": "gpu"}  # mismatch: never labelled
     good = subprocess.run([*args, "--digest", digest], env=env, capture_output=True, text=True, timeout=120)
     assert good.returncode == 0, good.stderr
-    labels = core.read_node("gpu-node-1").metadata.labels
+    labels = core.read_node(node).metadata.labels
     assert labels == {"pool": "gpu", f"cache.embedfleet.dev/sha256-{digest[7:23]}": "ready"}
+    core.delete_node(node)

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-Mode = Literal["stable", "panic"]
+Mode = Literal["stable", "panic", "manual"]
 
 
 @dataclass(frozen=True)

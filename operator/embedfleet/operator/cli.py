@@ -29,9 +29,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="watch every namespace (the default when no --namespace is given)")
     run_p.add_argument("--liveness", metavar="URL",
                        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
-    run_p.add_argument("--peering", metavar="NAME",
-                       help="join this kopf peering so only one of several replicas is active")
-    run_p.add_argument("--priority", type=int, default=0, help="peering priority (highest wins)")
+    elect = run_p.add_argument_group("leader election (one acting replica; the others wait as standbys)")
+    elect.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
+                       help="hold a coordination.k8s.io Lease before acting (default: on)")
+    elect.add_argument("--leader-election-namespace", metavar="NS",
+                       help="namespace of the Lease (default: $POD_NAMESPACE, else default)")
+    elect.add_argument("--leader-election-id", default="embedfleet-operator", metavar="NAME",
+                       help="name of the Lease (default: embedfleet-operator)")
+    elect.add_argument("--lease-duration", type=float, default=15.0, metavar="S",
+                       help="seconds a standby waits after the last renewal before taking over (default 15)")
+    elect.add_argument("--renew-deadline", type=float, default=10.0, metavar="S",
+                       help="the leader exits when it could not renew for this long (default 10)")
+    elect.add_argument("--retry-period", type=float, default=2.0, metavar="S",
+                       help="seconds between renewals and between a standby's attempts (default 2)")
     run_p.add_argument("--prometheus-url", default=os.environ.get(ENV_PROMETHEUS_URL),
                        help="Prometheus for the autoscaler; unset: scrape each pod's /metrics")
     run_p.add_argument("--region", default=os.environ.get(ENV_REGION), help="this cluster's region")
@@ -47,15 +57,22 @@ def run(args: argparse.Namespace) -> int:
             os.environ[name] = value
         else:
             os.environ.pop(name, None)
-    from embedfleet.operator.main import run_operator  # imports kopf and the handlers: only when running
+    # imports kopf and the handlers: only when running
+    from embedfleet.operator.main import Election, run_operator
 
     try:
+        election = Election(
+            enabled=args.leader_elect, namespace=args.leader_election_namespace, name=args.leader_election_id,
+            lease_duration=args.lease_duration, renew_deadline=args.renew_deadline,
+            retry_period=args.retry_period,
+        )
+        if not election.retry_period < election.renew_deadline < election.lease_duration:
+            raise ValueError("need --retry-period < --renew-deadline < --lease-duration")
         return run_operator(
             role=args.role,
             namespaces=None if args.all_namespaces else args.namespaces,
             liveness_endpoint=args.liveness,
-            peering=args.peering,
-            priority=args.priority,
+            election=election,
             verbose=args.verbose,
             debug=args.debug,
         )

@@ -3,12 +3,13 @@
 One generic path for every kind (a small table maps kind -> URL) instead of one typed API per kind, so
 apply/diff/prune behave identically for ConfigMaps and DaemonSets alike.
 
-Apply is "read, compare, write only on change": the last manifest we applied is kept in the
-``embedfleet.dev/last-applied`` annotation (like ``kubectl apply``). When it equals the new manifest the
-object is left alone, so a reconcile of an unchanged spec issues no writes, and server-side defaulting
-(which makes live objects differ from what we sent) never causes churn. On change, the whole manifest
-is sent as a JSON merge patch, with explicit nulls for fields the previous manifest had and the new one
-drops, so removed settings really disappear.
+Apply converges from what is live, not from what we last wrote: an object is left alone only when the
+live object already *covers* the manifest (every field we set has our value; fields the server defaults
+or other controllers own are ignored; quantities compare by value, so ``1000m`` equals ``1``) **and** our
+``embedfleet.dev/last-applied`` annotation equals the manifest (so a field we stopped setting is removed).
+Anything else, a hand edit of the image included, is patched back. A reconcile of an unchanged spec on
+an untouched cluster therefore issues no writes. On change, the whole manifest is sent as a JSON merge
+patch, with explicit nulls for fields the previous manifest had and the new one drops.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import kubernetes
+from kubernetes.utils import parse_quantity
 
 from embedfleet.operator.crd import naming
 
@@ -32,8 +35,10 @@ log = logging.getLogger(__name__)
 LAST_APPLIED = "embedfleet.dev/last-applied"
 MERGE_PATCH = "application/merge-patch+json"
 TIMEOUT = (5, 30)
+DISCOVERY_TTL = 300.0
 
 ApplyResult = Literal["created", "patched", "unchanged"]
+_READ: Any = object()  # apply(): "read the live object yourself"
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ KINDS: dict[str, Kind] = {
     "ServiceAccount": Kind("v1", "serviceaccounts", True),
     "Event": Kind("v1", "events", True),
     "Node": Kind("v1", "nodes", False),
+    "Namespace": Kind("v1", "namespaces", False),
+    "Lease": Kind("coordination.k8s.io/v1", "leases", True),
     "Deployment": Kind("apps/v1", "deployments", True),
     "DaemonSet": Kind("apps/v1", "daemonsets", True),
     "PodDisruptionBudget": Kind("policy/v1", "poddisruptionbudgets", True),
@@ -103,6 +110,34 @@ def merge_patch_deletions(old: Any, new: Any) -> Any:
         if key not in new:
             out[key] = None
     return out
+
+
+def _same_scalar(want: Any, have: Any) -> bool:
+    if want == have:
+        return True
+    if isinstance(want, bool) or isinstance(have, bool):
+        return False
+    if isinstance(want, (str, int, float)) and isinstance(have, (str, int, float)):
+        try:  # the server canonicalises quantities: "1000m" -> "1", "4096Mi" -> "4Gi", 2 -> "2"
+            return parse_quantity(want) == parse_quantity(have)
+        except (ValueError, TypeError, ArithmeticError):
+            return False
+    return False
+
+
+def covers(live: Any, want: Any) -> bool:
+    """Whether ``live`` already has every field of ``want`` with its value (lists: same length, items
+    pairwise covered). Extra live fields (server defaults, status) do not matter."""
+    if isinstance(want, Mapping):
+        if not isinstance(live, Mapping):
+            return False
+        return all(
+            covers(live.get(key), value) for key, value in want.items() if value is not None or key in live
+        )
+    if isinstance(want, list):
+        return isinstance(live, list) and len(live) == len(want) and all(
+            covers(h, w) for h, w in zip(live, want, strict=True))
+    return _same_scalar(want, live)
 
 
 def _canonical(obj: Any) -> str:
@@ -151,6 +186,7 @@ class Kube:
     def __init__(self, api_client: kubernetes.client.ApiClient | None = None) -> None:
         self._client = api_client
         self._lock = threading.Lock()
+        self._discovery: dict[tuple[str, str], tuple[bool, float]] = {}
 
     @property
     def client(self) -> kubernetes.client.ApiClient:
@@ -207,25 +243,33 @@ class Kube:
         items = data.get("items", []) if data else []
         return [item for item in items if _selector_matches(selector, item.get("metadata", {}).get("labels"))]
 
-    def apply(self, manifest: Mapping[str, Any]) -> ApplyResult:
-        """Create, patch or leave alone; see the module docstring for why this issues no idle writes."""
+    def apply(self, manifest: Mapping[str, Any], live: Any = _READ) -> ApplyResult:
+        """Create, patch or leave alone; see the module docstring for why this issues no idle writes.
+
+        ``live`` may pass the object as just seen (a watch event), None when it is known to be gone, or
+        be left out to read it here."""
         kind = KINDS[manifest["kind"]]
         meta = manifest["metadata"]
         name, namespace = meta["name"], meta.get("namespace")
         desired = _with_last_applied(manifest)
-        live = self.get(manifest["kind"], name, namespace)
+        if live is _READ:
+            live = self.get(manifest["kind"], name, namespace)
         if live is None:
             self._request("POST", kind.path(namespace), body=desired)
             log.info("created %s %s/%s", manifest["kind"], namespace or "-", name)
             return "created"
         previous_text = (live.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
-        if previous_text == desired["metadata"]["annotations"][LAST_APPLIED]:
+        if previous_text == desired["metadata"]["annotations"][LAST_APPLIED] and covers(live, desired):
             return "unchanged"
         previous = json.loads(previous_text) if previous_text else {}
         patch = merge_patch_deletions(previous, desired)
         self._request("PATCH", kind.path(namespace, name), body=patch, content_type=MERGE_PATCH)
         log.info("patched %s %s/%s", manifest["kind"], namespace or "-", name)
         return "patched"
+
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        meta = manifest["metadata"]
+        return self._request("POST", KINDS[manifest["kind"]].path(meta.get("namespace")), body=dict(manifest))
 
     def delete(self, kind: str, name: str, namespace: str | None = None) -> bool:
         """True when something was deleted; a missing object is already the desired state."""
@@ -254,13 +298,23 @@ class Kube:
         self.patch_merge(kind, name, namespace, {"status": dict(status)}, subresource="status")
 
     def has_resource(self, api_version: str, plural: str) -> bool:
-        """Whether the server serves a resource (e.g. ServiceMonitor only where its CRD is installed)."""
+        """Whether the server serves a resource (e.g. ServiceMonitor only where its CRD is installed).
+
+        Discovery is cached for DISCOVERY_TTL seconds: reconciles do not probe (or 404 on) a kind
+        that is absent every time, and a CRD installed later is noticed within the TTL."""
+        key = (api_version, plural)
+        now = time.monotonic()
+        cached = self._discovery.get(key)
+        if cached is not None and now - cached[1] < DISCOVERY_TTL:
+            return cached[0]
         path = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
         try:
             data = self._request("GET", path, allow_404=True)
         except KubeError:
             return False
-        return bool(data) and any(r.get("name") == plural for r in data.get("resources", []))
+        served = bool(data) and any(r.get("name") == plural for r in data.get("resources", []))
+        self._discovery[key] = (served, now)
+        return served
 
     def event(self, involved: Mapping[str, Any], reason: str, message: str, type_: str = "Normal") -> None:
         """A core/v1 Event about an object, for callers outside a kopf handler (kopf has its own)."""
@@ -302,6 +356,8 @@ class Kube:
         found: list[tuple[str, dict[str, Any]]] = []
         for kind in kinds:
             info = KINDS[kind]
+            if "." in info.api_version.split("/")[0] and not self.has_resource(info.api_version, info.plural):
+                continue  # an optional kind (e.g. ServiceMonitor) whose CRD is not installed here
             selector = {naming.INSTANCE_LABEL: owner_name, naming.MANAGED_BY_LABEL: naming.MANAGED_BY}
             if not info.namespaced:
                 selector[naming.OWNER_NAMESPACE_LABEL] = namespace

@@ -2,20 +2,41 @@
 
 A thin wrapper over ``kopf.run`` so the CLI, the Helm chart's container command and tests all start the
 same thing: every handler registered (``embedfleet.operator.handlers``), cluster-wide or limited to some
-namespaces, with a liveness endpoint for the kubelet and kopf peering for HA (several replicas, one
-active; the highest priority wins).
+namespaces, with a liveness endpoint for the kubelet. With leader election (the default) the process
+first waits to hold the operator Lease (leader.py) and only then starts kopf, so of several replicas
+exactly one acts; the others are warm standbys.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import kopf
 
 ROLES = ("standalone", "spoke", "hub")
+ENV_POD_NAMESPACE = "POD_NAMESPACE"
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Election:
+    """Leader-election settings (client-go's names and defaults)."""
+
+    enabled: bool = True
+    namespace: str | None = None
+    name: str = "embedfleet-operator"
+    lease_duration: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+
+
+def lease_namespace(election: Election) -> str:
+    """Where the Lease lives: the flag, else the operator's own namespace (the chart's), else default."""
+    return election.namespace or os.environ.get(ENV_POD_NAMESPACE) or "default"
 
 
 def run_operator(
@@ -23,34 +44,49 @@ def run_operator(
     namespaces: Sequence[str] | None = None,
     *,
     liveness_endpoint: str | None = None,
-    peering: str | None = None,
-    priority: int = 0,
+    election: Election | None = None,
     verbose: bool = False,
     debug: bool = False,
 ) -> int:
     """Block until the operator stops; returns a process exit code.
 
-    ``namespaces=None`` (or empty) watches all namespaces. ``peering=None`` runs standalone (no peering
-    objects needed); a name joins that KopfPeering (cluster-wide) / ClusterKopfPeering, installed by the
-    chart, so only one replica handles events at a time. ``role`` is exported as EMBEDFLEET_ROLE for
-    handlers that differ between a hub and a spoke; today both run the same reconcile handlers.
+    ``namespaces=None`` (or empty) watches all namespaces. ``role`` is exported as EMBEDFLEET_ROLE for
+    the handler package, which registers the hub's or the local cluster's handlers.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    election = election or Election()
     os.environ["EMBEDFLEET_ROLE"] = role
     kopf.configure(verbose=verbose, debug=debug)
     import embedfleet.operator.handlers  # noqa: F401  (registers the handlers)
 
     watched = [ns for ns in (namespaces or []) if ns]
-    log.info(
-        "embedfleet operator: role=%s namespaces=%s peering=%s", role, watched or "all", peering or "none"
-    )
-    kopf.run(
-        clusterwide=not watched,
-        namespaces=watched,
-        standalone=peering is None,
-        peering_name=peering,
-        priority=priority,
-        liveness_endpoint=liveness_endpoint,
-    )
+    log.info("embedfleet operator: role=%s namespaces=%s leader-election=%s", role, watched or "all",
+             "on" if election.enabled else "off")
+    elector = None
+    if election.enabled:
+        from embedfleet.operator.kube import Kube
+        from embedfleet.operator.leader import LeaderElector
+
+        elector = LeaderElector(
+            Kube(), lease_namespace(election), election.name, lease_duration=election.lease_duration,
+            renew_deadline=election.renew_deadline, retry_period=election.retry_period,
+        )
+        stop = threading.Event()
+        try:
+            if not elector.acquire(stop):
+                return 0
+        except KeyboardInterrupt:
+            return 0
+        log.info("embedfleet operator: acquired leadership, starting handlers")
+    try:
+        kopf.run(
+            clusterwide=not watched,
+            namespaces=watched,
+            standalone=True,
+            liveness_endpoint=liveness_endpoint,
+        )
+    finally:
+        if elector is not None:
+            elector.release()
     return 0

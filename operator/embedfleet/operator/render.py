@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import urllib.parse
 from typing import Any
 
@@ -42,7 +43,9 @@ PRESTOP_SLEEP_SECONDS = 5
 GRACE_MARGIN_SECONDS = 10
 SERVICE_PORT = 80
 CONFIG_HASH_ANNOTATION = "embedfleet.dev/config-hash"
-PULLER_CLUSTER_ROLE = "embedfleet-cache-puller"
+#: The chart's ClusterRole for node labelling, named per release (two releases never collide); the chart
+#: passes its name to the operator.
+PULLER_CLUSTER_ROLE = os.environ.get("EMBEDFLEET_PULLER_CLUSTER_ROLE", "embedfleet-cache-puller")
 
 
 # ---------------------------------------------------------------- small helpers
@@ -299,6 +302,19 @@ def _resources(spec: EmbeddingDeploymentSpec) -> dict[str, Any]:
     return out
 
 
+def rollout_strategy(spec: EmbeddingDeploymentSpec) -> dict[str, Any]:
+    """Surge when pods are cheap; replace in place when they hold GPUs.
+
+    A surge pod for a GPU runtime needs a spare GPU, and with ``maxUnavailable: 0`` a cluster with
+    exactly enough GPUs deadlocks the rollout for ever (the new pod stays Pending, no old pod is
+    removed). So GPU runtimes roll one pod at a time with no surge: capacity dips by one replica during
+    a rollout instead of never finishing it.
+    """
+    if spec.runtime.gpu.count > 0:
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}}
+
+
 def render_deployment(
     name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec, replicas: int, config_hash: str
 ) -> Manifest:
@@ -385,7 +401,7 @@ def render_deployment(
             "replicas": replicas,
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector_labels(name, "runtime")},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}},
+            "strategy": rollout_strategy(spec),
             "template": {
                 "metadata": {
                     "labels": labels(name, "runtime"),

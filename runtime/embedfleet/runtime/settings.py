@@ -55,7 +55,9 @@ class RuntimeSettings(BaseSettings):
     host: str = Field("0.0.0.0", description="address to bind")
     port: int = Field(8080, ge=1, le=65535, description="port to bind")
     device: Device = Field("cpu", description="where the engine runs")
-    dtype: DType = Field("float32", description="engine precision (bfloat16 is ~2x faster on AVX512-BF16 CPUs)")
+    dtype: DType = Field(
+        "float32", description="engine precision (bfloat16 is ~2x faster on AVX512-BF16 CPUs; on CPU it is probed "
+        "at start-up, and float32 is served where bf16 crashes the CPU)")
     engine: EngineName = Field("torch", description="inference engine")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = all cores")
     max_batch_tokens: int = Field(

@@ -69,7 +69,14 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out[key] = value
 
     if node.get("x-kubernetes-int-or-string"):
-        out["anyOf"] = node["anyOf"]
+        # The API server's one allowed typed anyOf is exactly [integer, string] beside
+        # x-kubernetes-int-or-string (what controller-gen emits for resource.Quantity); anything more in a
+        # branch (a pattern) makes the schema non-structural, so string constraints move onto the node.
+        for branch in node.get("anyOf", []):
+            for key, value in branch.items():
+                if key != "type":
+                    out[key] = value
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
         out.pop("type", None)
     extra = node.get("additionalProperties")
     if isinstance(extra, dict):

@@ -66,6 +66,10 @@ class LoopState:
     history: History = field(default_factory=History)
     signal_ok: bool = True
     last_mode: str | None = None
+    #: spec.replicas as last seen: a change is a `kubectl scale` to adopt (None until the first tick).
+    seen_spec_replicas: int | bool | None = False
+    #: monotonic time status.inFlight was last written (it is throttled, see _status_update).
+    in_flight_written_at: float = float("-inf")
 
 
 def _now_iso() -> str:
@@ -134,12 +138,18 @@ def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: in
     return asyncio.run(scrape(pod_targets(pods, port)))
 
 
-def _status_update(decision: Decision, status: dict[str, Any], record: bool) -> dict[str, Any]:
+#: status.inFlight is an observation, not a decision: refresh it at most this often (seconds), and only
+#: when it moved, so a fleet under steady traffic does not rewrite every object every tick.
+IN_FLIGHT_REFRESH_S = 30.0
+
+
+def _status_update(decision: Decision, status: dict[str, Any], record: bool, refresh_in_flight: bool
+                   ) -> dict[str, Any]:
     """Only the fields that differ from what status already says (no idle writes)."""
     update: dict[str, Any] = {}
     if (status.get("replicas") or {}).get("desired") != decision.replicas:
         update["replicas"] = {"desired": decision.replicas}
-    if status.get("inFlight") != decision.in_flight:
+    if (record or refresh_in_flight) and status.get("inFlight") != decision.in_flight:
         update["inFlight"] = decision.in_flight
     if record:
         update["lastScaleDecision"] = {
@@ -151,6 +161,19 @@ def _status_update(decision: Decision, status: dict[str, Any], record: bool) -> 
             "reason": decision.reason[:1024],
         }
     return update
+
+
+def manual_scale(body: dict[str, Any], config: AutoscalerConfig, state: LoopState) -> int | None:
+    """The replicas a `kubectl scale` (a change of spec.replicas through the scale subresource) asks
+    for, clamped to [minReplicas, maxReplicas]; None when spec.replicas did not change since the last
+    tick. With autoscaling on, the scale subresource means what it means for an HPA-managed Deployment:
+    the fleet is resized now, and the autoscaler goes on from that size."""
+    replicas = (body.get("spec") or {}).get("replicas")
+    previous, state.seen_spec_replicas = state.seen_spec_replicas, replicas
+    if previous is False or replicas is None or replicas == previous:
+        return None
+    floor = 0 if config.scale_to_zero else config.min_replicas
+    return max(floor, min(config.max_replicas, int(replicas)))
 
 
 def tick(
@@ -170,6 +193,19 @@ def tick(
     current = int((deployment.get("spec") or {}).get("replicas") or 0)
     ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
 
+    status = dict(body.get("status") or {})
+    manual = manual_scale(body, config, state)
+    if manual is not None:
+        # A person's resize needs no signal: apply it now; decisions go on from the new size.
+        history = state.history.with_current(manual)
+        decision = Decision(
+            replicas=manual, mode="manual", current=current, stable_desired=manual, panic_desired=manual,
+            reason=f"spec.replicas set to {manual} (kubectl scale): {current} -> {manual}",
+            in_flight=float(status.get("inFlight") or 0.0), history=history,
+        )
+        state.history = history
+        return _apply(name, namespace, body, decision, state, now, record=True)
+
     reading = read_signal(name, namespace, autoscaling, port)
     if reading.in_flight is None:
         if state.signal_ok:
@@ -186,14 +222,23 @@ def tick(
     )
     decision = desired_replicas(state.observations, config, state.history.with_current(current), now)
     state.history = decision.history
-
-    status = dict(body.get("status") or {})
     first = not status.get("lastScaleDecision")
-    record = decision.changed or first or decision.mode != state.last_mode
+    return _apply(name, namespace, body, decision, state, now,
+                  record=decision.changed or first or decision.mode != state.last_mode)
+
+
+def _apply(name: str, namespace: str, body: dict[str, Any], decision: Decision, state: LoopState,
+           now: float, record: bool) -> Decision:
+    """Write what changed: status first (so a reconcile in between renders the new size), then the
+    Deployment's replicas, then an Event explaining the change."""
+    status = dict(body.get("status") or {})
     state.last_mode = decision.mode
-    update = _status_update(decision, status, record)
+    refresh = now - state.in_flight_written_at >= IN_FLIGHT_REFRESH_S
+    update = _status_update(decision, status, record, refresh)
     if update:
         KUBE.patch_status(KIND, name, namespace, update)
+        if "inFlight" in update:
+            state.in_flight_written_at = now
     if decision.changed:
         scale = {"spec": {"replicas": decision.replicas}}
         KUBE.patch_merge("Deployment", runtime_name(name), namespace, scale)
@@ -202,7 +247,7 @@ def tick(
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
-def autoscale(
+async def autoscale(
     stopped: kopf.DaemonStopped,
     name: str,
     namespace: str,
@@ -210,14 +255,19 @@ def autoscale(
     logger: kopf.Logger,
     **_: Any,
 ) -> None:
-    """Runs for as long as the EmbeddingDeployment exists; ``body`` is kopf's live view of it."""
+    """Runs for as long as the EmbeddingDeployment exists; ``body`` is kopf's live view of it.
+
+    Async on purpose: between ticks it holds nothing but a timer, and each tick's blocking I/O runs on a
+    worker thread only for the tick's length. (A synchronous daemon holds one of kopf's few executor
+    threads for the object's whole life: on 2 cores six deployments starved every other handler.)
+    """
     state = LoopState()
     config_key: Any = None
     while not stopped:
         spec = dict(body.get("spec") or {})
         parsed, _ = check(name, spec)
         if parsed is None or not parsed.autoscaling.enabled:
-            stopped.wait(IDLE_RECHECK_S)
+            await stopped.wait(IDLE_RECHECK_S)
             continue
         autoscaling = parsed.autoscaling.model_dump(by_alias=True, exclude_none=True)
         config = from_spec(autoscaling, parsed.runtime.max_batch_requests)
@@ -227,10 +277,12 @@ def autoscale(
                 state = LoopState()
             config_key = config
         try:
-            decision = tick(name, namespace, dict(body), config, autoscaling, parsed.runtime.port, state,
-                            time.monotonic())
+            decision = await asyncio.to_thread(
+                tick, name, namespace, dict(body), config, autoscaling, parsed.runtime.port, state,
+                time.monotonic(),
+            )
             if decision is not None and decision.changed:
                 logger.info("%s", decision.reason)
         except (KubeError, kubernetes.client.ApiException, OSError) as exc:
             logger.warning("autoscaler tick failed, retrying next interval: %s", exc)
-        stopped.wait(parsed.autoscaling.interval_seconds)
+        await stopped.wait(parsed.autoscaling.interval_seconds)

@@ -1,14 +1,23 @@
-"""kopf handlers for EmbeddingDeployment: validate -> render -> apply -> status. Nothing else.
+"""kopf handlers for EmbeddingDeployment: converge the live objects to ``render(spec)``, and the status to
+what is live. Nothing else.
 
-Every step is idempotent: the same spec renders the same manifests, `Kube.apply` skips unchanged
-objects and the status is written only when it differs, so kopf may re-run a handler (resume after a
-restart, retries) at no cost. An invalid spec is reported in ``Accepted=False`` and creates nothing;
-the handler returns normally so kopf does not retry a spec only a user can fix.
+Two kinds of trigger, one path (`converge`):
+- the EmbeddingDeployment itself is created, changed or found at start-up (``resume``);
+- an object it owns (Deployment, Service, ConfigMap, PDB, pre-pull DaemonSet) is changed or deleted,
+  by a person or a controller: the watch on that kind brings the event, the owner is re-read and
+  converged. A hand edit of the image or a deleted Service is reverted within one reconcile; a
+  Deployment's pods becoming ready update ``Available`` as it happens (no polling timer).
+
+Every step is idempotent: the same spec renders the same manifests, `Kube.apply` compares against the
+live object and writes only differences, and the status is written only when it differs, so a converge
+of a deployment in steady state issues reads only. An invalid spec is reported in ``Accepted=False`` and
+creates nothing; the handler returns normally so kopf does not retry a spec only a user can fix.
 """
 
 from __future__ import annotations
 
-import os
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -19,14 +28,41 @@ from embedfleet.operator.handlers import status as st
 from embedfleet.operator.handlers.common import now as _now
 from embedfleet.operator.handlers.common import reject, write_status
 from embedfleet.operator.kube import Kube, KubeError
-from embedfleet.operator.render import effective_replicas, render, selector_string
+from embedfleet.operator.render import effective_replicas, render, runtime_name, selector_string
 from embedfleet.operator.validate import check
 
 KUBE = Kube()
 RESOURCE = (naming.GROUP, naming.VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL)
 KIND = naming.EMBEDDING_DEPLOYMENT_KIND
-#: Seconds between status refreshes (ready replicas, cache progress); short in tests.
-STATUS_INTERVAL = float(os.environ.get("EMBEDFLEET_STATUS_INTERVAL", "15"))
+#: Kinds whose changes re-converge their owner: (group, version, plural).
+OWNED_WATCHES = (
+    ("apps", "v1", "deployments"),
+    ("apps", "v1", "daemonsets"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("policy", "v1", "poddisruptionbudgets"),
+)
+MANAGED = {naming.MANAGED_BY_LABEL: naming.MANAGED_BY}
+
+
+class _Locks:
+    """One lock per EmbeddingDeployment: a spec event and an owned-object event never converge the same
+    owner at once (they would race to create the same objects)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+
+    def __call__(self, namespace: str, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._guard:
+            self._locks.pop((namespace, name), None)
+
+
+LOCKS = _Locks()
 
 
 def _autoscaler_desired(status: Any) -> int | None:
@@ -38,27 +74,22 @@ def _autoscaler_desired(status: Any) -> int | None:
     return int(desired) if desired is not None else None
 
 
-def _observe(
-    name: str, namespace: str, spec: EmbeddingDeploymentSpec
-) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    deployment = KUBE.get("Deployment", name, namespace)
+def wanted_status(
+    name: str,
+    namespace: str,
+    spec: EmbeddingDeploymentSpec,
+    status: Mapping[str, Any] | None,
+    generation: int | None,
+    desired: int,
+) -> dict[str, Any]:
+    """Status from the live Deployment and pre-pull DaemonSets. ``replicas.desired`` is written here only
+    while autoscaling is off; with it on, the autoscaler is its one writer."""
+    deployment = KUBE.get("Deployment", runtime_name(name), namespace)
     daemonsets = []
     if spec.cache.pre_pull:
         daemonsets = KUBE.list(
             "DaemonSet", namespace, {naming.INSTANCE_LABEL: name, naming.COMPONENT_LABEL: "prepull"}
         )
-    return deployment, daemonsets
-
-
-def _wanted_status(
-    name: str,
-    namespace: str,
-    spec: EmbeddingDeploymentSpec,
-    status: Any,
-    generation: int | None,
-    desired: int,
-) -> dict[str, Any]:
-    deployment, daemonsets = _observe(name, namespace, spec)
     observed, fields = st.observed_conditions(
         deployment=deployment,
         daemonsets=daemonsets,
@@ -67,7 +98,9 @@ def _wanted_status(
         generation=generation,
     )
     accepted = st.condition("Accepted", True, "Valid", "spec accepted", generation)
-    replicas = {**fields.pop("replicas"), "desired": desired}
+    replicas = fields.pop("replicas")
+    if not spec.autoscaling.enabled:
+        replicas["desired"] = desired
     conditions = st.merge_conditions((status or {}).get("conditions"), [accepted, *observed], _now())
     return {
         "observedGeneration": generation,
@@ -78,85 +111,99 @@ def _wanted_status(
     }
 
 
-@kopf.on.resume(*RESOURCE)
-@kopf.on.create(*RESOURCE)
-@kopf.on.update(*RESOURCE)
-def reconcile(
-    body: kopf.Body,
-    spec: kopf.Spec,
-    meta: kopf.Meta,
-    status: kopf.Status,
-    name: str,
-    namespace: str,
-    patch: kopf.Patch,
-    logger: kopf.Logger,
-    **_: Any,
+def converge(
+    obj: Mapping[str, Any], logger: Any, *, prune: bool, patch: kopf.Patch | None = None
 ) -> None:
-    generation = meta.get("generation")
-    parsed, problems = check(name, dict(spec))
-    if parsed is None:
-        reject(body, patch, status, problems, generation, logger)
-        return
+    """Make every owned object match ``render(spec)`` and the status match what is live.
 
+    ``patch`` is kopf's patch when called from a handler of the object itself (kopf sends it with its
+    own bookkeeping in one request); otherwise status is merge-patched directly, only when it differs.
+    """
+    meta = obj.get("metadata") or {}
+    name, namespace = meta["name"], meta["namespace"]
+    if meta.get("deletionTimestamp"):
+        return
+    status = obj.get("status") or {}
+    generation = meta.get("generation")
+    parsed, problems = check(name, dict(obj.get("spec") or {}))
+    if parsed is None:
+        if patch is not None:
+            reject(obj, patch, status, problems, generation, logger)
+        return
     uid = meta.get("uid")
     if not uid:
         raise kopf.TemporaryError("metadata.uid is not set yet; owner references need it", delay=5)
     service_monitor = parsed.monitoring.service_monitor and KUBE.has_resource(
         "monitoring.coreos.com/v1", "servicemonitors"
     )
-    if parsed.monitoring.service_monitor and not service_monitor:
-        logger.info("spec.monitoring.serviceMonitor is set but the ServiceMonitor CRD is not installed")
     desired = effective_replicas(parsed, _autoscaler_desired(status))
-    manifests = render(
-        name,
-        namespace,
-        uid,
-        parsed,
-        autoscaler_desired=_autoscaler_desired(status),
-        service_monitor_available=service_monitor,
-    )
-    try:
-        results = {f"{m['kind']}/{m['metadata']['name']}": KUBE.apply(m) for m in manifests}
-        pruned = KUBE.prune(KIND, name, uid, namespace, manifests)
-    except KubeError as exc:
-        if 400 <= exc.status < 500 and exc.status not in (404, 409, 429):
-            message = f"the API server refused a rendered object: {exc}"
-            kopf.warn(body, reason="ApplyFailed", message=message[:1000])
-            raise kopf.TemporaryError(message, delay=30) from exc
-        raise kopf.TemporaryError(str(exc), delay=10) from exc
-    changed = {key: result for key, result in results.items() if result != "unchanged"}
-    if changed or pruned:
-        summary = ", ".join(f"{result} {key}" for key, result in changed.items())
-        if pruned:
-            summary += (", " if summary else "") + "deleted " + ", ".join(pruned)
-        kopf.info(body, reason="Applied", message=summary[:1000])
-    write_status(patch, status, _wanted_status(name, namespace, parsed, status, generation, desired))
+    manifests = render(name, namespace, uid, parsed, autoscaler_desired=_autoscaler_desired(status),
+                       service_monitor_available=service_monitor)
+    with LOCKS(namespace, name):
+        try:
+            results = {f"{m['kind']}/{m['metadata']['name']}": KUBE.apply(m) for m in manifests}
+            pruned = KUBE.prune(KIND, name, uid, namespace, manifests) if prune else []
+        except KubeError as exc:
+            if 400 <= exc.status < 500 and exc.status not in (404, 409, 429):
+                message = f"the API server refused a rendered object: {exc}"
+                kopf.warn(dict(obj), reason="ApplyFailed", message=message[:1000])
+                raise kopf.TemporaryError(message, delay=30) from exc
+            raise kopf.TemporaryError(str(exc), delay=10) from exc
+        changed = {key: result for key, result in results.items() if result != "unchanged"}
+        if changed or pruned:
+            summary = ", ".join(f"{result} {key}" for key, result in changed.items())
+            if pruned:
+                summary += (", " if summary else "") + "deleted " + ", ".join(pruned)
+            logger.info("converged: %s", summary)
+            kopf.info(dict(obj), reason="Applied", message=summary[:1000])
+        wanted = wanted_status(name, namespace, parsed, status, generation, desired)
+        if patch is not None:
+            write_status(patch, status, wanted)
+        else:
+            update = st.status_patch(status, wanted)
+            if update:
+                KUBE.patch_status(KIND, name, namespace, update)
 
 
-@kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL)
-def refresh_status(
-    spec: kopf.Spec,
-    meta: kopf.Meta,
-    status: kopf.Status,
-    name: str,
-    namespace: str,
-    patch: kopf.Patch,
-    **_: Any,
-) -> None:
-    """Follow pods becoming ready and caches filling in, which no spec change announces."""
-    parsed, _ = check(name, dict(spec))
-    if parsed is None:
-        return  # reconcile already reported it; nothing we render is running for this spec
-    desired = effective_replicas(parsed, _autoscaler_desired(status))
-    write_status(
-        patch, status, _wanted_status(name, namespace, parsed, status, meta.get("generation"), desired)
-    )
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+def reconcile(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    converge(body, logger, prune=True, patch=patch)
+
+
+def _owner(obj: Mapping[str, Any]) -> str | None:
+    """Name of the EmbeddingDeployment that controls ``obj``, if one does."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{naming.GROUP}/"):
+            return ref.get("name")
+    return None
+
+
+def owned_changed(body: kopf.Body, namespace: str, logger: kopf.Logger, **_: Any) -> None:
+    """An owned object changed or vanished: converge its owner from the owner's live state."""
+    owner_name = _owner(body)
+    if owner_name is None or not namespace:
+        return
+    owner = KUBE.get(KIND, owner_name, namespace)
+    if owner is None:
+        return  # the owner is gone; garbage collection removes what it owned
+    refs = (body.get("metadata") or {}).get("ownerReferences") or []
+    if not any(r.get("uid") == owner["metadata"].get("uid") for r in refs):
+        return  # a leftover of an older object of the same name
+    converge(owner, logger, prune=False)
+
+
+for _group, _version, _plural in OWNED_WATCHES:
+    kopf.on.event(_group, _version, _plural, labels=MANAGED, id=f"owned-{_plural}")(owned_changed)
 
 
 @kopf.on.delete(*RESOURCE)
 def cleanup(meta: kopf.Meta, name: str, namespace: str, logger: kopf.Logger, **_: Any) -> None:
-    """Owner references let a real cluster's GC do this; deleting explicitly also covers the
-    cluster-scoped ClusterRoleBinding (which no namespaced owner can own) and clusters without GC."""
-    deleted = KUBE.prune(KIND, name, meta.get("uid"), namespace, keep=[])
+    """Owner references let the cluster's garbage collector do this; deleting explicitly also covers the
+    cluster-scoped ClusterRoleBinding (which no namespaced owner can own)."""
+    with LOCKS(namespace, name):
+        deleted = KUBE.prune(KIND, name, meta.get("uid"), namespace, keep=[])
+    LOCKS.forget(namespace, name)
     if deleted:
         logger.info("deleted %s", ", ".join(deleted))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import kopf
@@ -10,11 +11,13 @@ from embedfleet.operator.crd import naming
 from embedfleet.operator.handlers import status as st
 from embedfleet.operator.handlers.common import now as _now
 from embedfleet.operator.handlers.common import reject, write_status
-from embedfleet.operator.handlers.embedding import KUBE, STATUS_INTERVAL
+from embedfleet.operator.handlers.embedding import KUBE
 from embedfleet.operator.kube import KubeError
 from embedfleet.operator.render import render_model_cache
 from embedfleet.operator.validate import check_model_cache
 
+#: Seconds between cache status refreshes (DaemonSets filling in); short in tests.
+STATUS_INTERVAL = float(os.environ.get("EMBEDFLEET_STATUS_INTERVAL", "15"))
 RESOURCE = (naming.GROUP, naming.VERSION, naming.MODEL_CACHE_PLURAL)
 KIND = naming.MODEL_CACHE_KIND
 PULLER_KINDS = ("DaemonSet", "ClusterRoleBinding", "ServiceAccount")

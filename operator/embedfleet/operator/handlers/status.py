@@ -78,15 +78,23 @@ def observed_conditions(
             "CacheReady", True, "PrePullDisabled", "each pod fetches (or mounts) the model itself", generation
         )
 
+    dep_conditions = {c.get("type"): c for c in dep_status.get("conditions") or []}
+    dep_available = dep_conditions.get("Available") or {}
     if desired == 0:
         available = condition("Available", True, "ScaledToZero", "no replicas requested", generation)
-    elif ready > 0:
+    elif deployment is None:
+        available = condition("Available", False, "NoDeployment", "the runtime Deployment does not exist yet",
+                              generation)
+    elif dep_available.get("status") == "True" and ready > 0:
         available = condition(
             "Available", True, "ReplicasReady", f"{ready}/{desired} replicas ready", generation
         )
     else:
+        # The Deployment's own verdict (MinimumReplicasUnavailable, ...) is the truth; say why.
+        reason = dep_available.get("reason") or "NoReadyReplicas"
+        detail = dep_available.get("message") or "the Deployment reports no availability yet"
         available = condition(
-            "Available", False, "NoReadyReplicas", f"0/{desired} replicas ready", generation
+            "Available", False, reason, f"{ready}/{desired} replicas ready: {detail}", generation
         )
 
     scaling_now = current != desired or updated < min(current, desired)

@@ -15,11 +15,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from embedfleet.operator.crd import naming
-from embedfleet.operator.kube import KINDS, Kind, Kube, KubeError
+from embedfleet.operator.kube import Kube, KubeError
 
 log = logging.getLogger(__name__)
 
-KINDS.setdefault("Lease", Kind("coordination.k8s.io/v1", "leases", True))
 
 LEASE_NAME = "embedfleet-spoke"
 CACHED_ANNOTATION = "embedfleet.dev/cached-models"
@@ -58,7 +57,7 @@ def cached_models(kube: Kube) -> list[str]:
 def renew(kube: Kube, namespace: str, holder: str, duration: int) -> None:
     body = lease_body(namespace, holder, duration, cached_models(kube), os.environ.get("EMBEDFLEET_REGION"))
     if kube.get("Lease", LEASE_NAME, namespace) is None:
-        kube._request("POST", KINDS["Lease"].path(namespace), body=body)
+        kube.create(body)
     else:
         kube.patch_merge("Lease", LEASE_NAME, namespace, {"metadata": body["metadata"], "spec": body["spec"]})
 
@@ -66,7 +65,9 @@ def renew(kube: Kube, namespace: str, holder: str, duration: int) -> None:
 class Heartbeat:
     def __init__(self, kube: Kube | None = None) -> None:
         self.kube = kube or Kube()
-        self.namespace = os.environ.get(ENV_NAMESPACE, "embedfleet-system")
+        # The chart's namespace (POD_NAMESPACE), where its Role lets the operator write Leases.
+        self.namespace = (os.environ.get(ENV_NAMESPACE) or os.environ.get("POD_NAMESPACE")
+                          or "embedfleet-system")
         self.interval = float(os.environ.get(ENV_INTERVAL, "10"))
         self.duration = int(float(os.environ.get(ENV_DURATION, "30")))
         self.holder = f"{socket.gethostname()}-{os.getpid()}"

@@ -74,8 +74,23 @@ def load_calibration(path: Path = CALIBRATION_FILE) -> Calibration:
 
 
 # -- pure decisions ---------------------------------------------------------------------------
+# A row whose norm is below float32's smallest normal number is degenerate: engines compute and
+# serve float32, and down there a vector's direction is not representable (its elements are
+# subnormal, with a few bits or none left; rescaling one by 0.125 can round it to all zeros).
+# Degenerate rows count as zero vectors: two of them agree, one and a real vector do not.
+DEGENERATE_NORM = float(np.finfo(np.float32).tiny)
+
+
+def degenerate_rows(rows: np.ndarray) -> np.ndarray:
+    """True for each row (a 1-D array: for each element) whose norm is below DEGENERATE_NORM."""
+    a = np.asarray(rows, dtype=np.float64)
+    a = a[:, None] if a.ndim == 1 else a
+    return np.linalg.norm(a, axis=1) < DEGENERATE_NORM
+
+
 def row_cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
-    """Cosine of each row with its twin; two all-zero rows agree (1.0), one zero row does not (0.0)."""
+    """Cosine of each row with its twin; two degenerate (zero or subnormal-norm) rows agree (1.0), one
+    degenerate row and a real one do not (0.0)."""
     a = np.asarray(reference, dtype=np.float64)
     b = np.asarray(candidate, dtype=np.float64)
     if a.shape != b.shape:
@@ -83,10 +98,10 @@ def row_cosines(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
     if a.ndim == 1:
         a, b = a[:, None], b[:, None]
     na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    dot = (a * b).sum(axis=1)
-    both_zero = (na == 0) & (nb == 0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cos = np.where(both_zero, 1.0, dot / (na * nb))
+    da, db = na < DEGENERATE_NORM, nb < DEGENERATE_NORM
+    with np.errstate(invalid="ignore"):  # a NaN or inf row: NaN here, 0.0 below
+        unit_dot = ((a / np.where(da, 1.0, na)[:, None]) * (b / np.where(db, 1.0, nb)[:, None])).sum(axis=1)
+    cos = np.where(da & db, 1.0, np.where(da | db, 0.0, unit_dot))
     return np.nan_to_num(np.clip(cos, -1.0, 1.0), nan=0.0)
 
 

@@ -5,6 +5,8 @@ On CUDA (engines/cuda.py) batches are staged through pinned memory and padded on
 batch token budget is checked against free GPU memory at start-up, and shapes can be bucketed
 for CUDA graphs. `dtype="fp8"` loads bf16, then keeps FP8 linears (engines/fp8.py) only if the
 quality gate (engines/quality_gate.py) accepts them; on CPU the FP8 maths is emulated in fp32.
+bf16 (and fp8's bf16 base) on CPU is probed first (engines/cpu_isa.py): where it crashes the CPU,
+oneDNN's ISA is capped or the engine serves float32.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
+from embedfleet.runtime.engines.cpu_isa import ensure_cpu_bf16
 from embedfleet.runtime.engines.quality_gate import DEFAULT_MIN_COSINE, GateResult
 from embedfleet.runtime.models.spec import ModelSpec
 
@@ -55,6 +58,8 @@ class TorchEngine:
             raise EngineError("device 'cuda' requested but torch sees no CUDA device")
         if dtype == "float16" and device == "cpu":
             raise EngineError("float16 on CPU is slow and inaccurate; use bfloat16 or float32")
+        if device == "cpu" and dtype in ("bfloat16", "fp8"):
+            dtype = self._cpu_bf16_or_float32(dtype)
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.spec = spec
@@ -79,6 +84,15 @@ class TorchEngine:
             self._enable_fp8(fp8_min_cosine, fp8_strict, fp8_activation_scaling)
         if self.device.type == "cuda":
             self._setup_cuda(max_batch_tokens, cuda_graphs)
+
+    @staticmethod
+    def _cpu_bf16_or_float32(dtype: str) -> str:
+        """bf16 on CPU only where a child process ran it without crashing (engines/cpu_isa.py);
+        else float32, with the probe's WARNING saying why. Runs before this engine's first matmul."""
+        isa = ensure_cpu_bf16()
+        if not isa.fp32:
+            raise EngineError(isa.message)
+        return dtype if isa.bf16 else "float32"
 
     def _enable_fp8(self, min_cosine: float, strict: bool, act_scaling: str) -> None:
         from embedfleet.runtime.engines.fp8 import scaled_mm_supported

@@ -1,0 +1,95 @@
+"""Pod IPs that reach real processes, and nothing else.
+
+kwok gives pods addresses from a /24 of 198.18.0.0/15 (RFC 2544, reserved for benchmarks: no network
+uses it), one /24 per test process (`POD_CIDR`). Two routes keep every packet on this machine:
+
+- `guard_pod_range()`: an ``unreachable`` route for the whole 198.18.0.0/15 in the root namespace,
+  installed before any cluster starts. Without it, an operator scraping a kwok pod's IP sends the
+  packet down the default route, off the machine. With it, such a connection fails at once, locally.
+- `PodNetwork`: a network namespace where every address is local, reached through a veth pair by a more
+  specific route for this process's /24, so a runtime started with ``ip netns exec NS ... --host
+  198.18.7.5`` answers the scrape of the pod with that IP. Deleted (veth and route too) at teardown.
+
+Needs root (CAP_NET_ADMIN) and ``ip``; without them the control-plane tests skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+GUARD_RANGE = "198.18.0.0/15"
+#: This process's pod range (kwok --cidr): distinct /24s let concurrent test runs each own theirs.
+POD_CIDR = f"198.18.{os.getpid() % 250 + 1}.0/24"
+LOCAL_RANGE = "198.18.0.0/16"
+HOST_ADDR = "198.19.255.254"
+INNER_ADDR = "198.19.255.253"
+
+
+def guard_pod_range() -> None:
+    """Make the reserved range unreachable outside the test's namespace (idempotent, machine-wide).
+
+    Left in place at exit on purpose: another test process may rely on it, and no network uses the
+    range."""
+    done = _ip("route", "replace", "unreachable", GUARD_RANGE, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"cannot install the unreachable route for {GUARD_RANGE}: {done.stderr.strip()}")
+
+
+def unavailable_reason() -> str | None:
+    if shutil.which("ip") is None:
+        return "the test control plane needs `ip` (iproute2) to keep pod IPs on this machine"
+    if os.geteuid() != 0:
+        return "the test control plane needs root (CAP_NET_ADMIN) to keep pod IPs on this machine"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@dataclass
+class PodNetwork:
+    """A network namespace where every 198.18.x.y address is local; this process's POD_CIDR leads there."""
+
+    name: str
+    host_if: str
+    inner_if: str
+
+    @classmethod
+    def create(cls, tag: str | None = None) -> PodNetwork:
+        tag = tag or str(os.getpid())
+        guard_pod_range()
+        net = cls(name=f"ef-pods-{tag}", host_if=f"efh{tag}"[:15], inner_if=f"efn{tag}"[:15])
+        net.delete()  # a leftover from a killed run
+        try:
+            _ip("netns", "add", net.name)
+            _ip("link", "add", net.host_if, "type", "veth", "peer", "name", net.inner_if)
+            _ip("link", "set", net.inner_if, "netns", net.name)
+            _ip("addr", "add", f"{HOST_ADDR}/32", "dev", net.host_if)
+            _ip("link", "set", net.host_if, "up")
+            net.exec("ip", "link", "set", "lo", "up")
+            net.exec("ip", "addr", "add", f"{INNER_ADDR}/32", "dev", net.inner_if)
+            net.exec("ip", "link", "set", net.inner_if, "up")
+            net.exec("ip", "route", "add", f"{HOST_ADDR}/32", "dev", net.inner_if)
+            net.exec("ip", "route", "add", "local", LOCAL_RANGE, "dev", "lo")
+            _ip("route", "add", POD_CIDR, "dev", net.host_if)
+        except subprocess.CalledProcessError as exc:
+            net.delete()
+            raise RuntimeError(f"building the pod network failed: {exc.stderr}") from exc
+        return net
+
+    def exec(self, *argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", self.name, *argv], capture_output=True, text=True,
+                              check=True)
+
+    def prefix(self) -> list[str]:
+        """argv prefix that runs a command inside the namespace."""
+        return ["ip", "netns", "exec", self.name]
+
+    def delete(self) -> None:
+        _ip("route", "del", POD_CIDR, "dev", self.host_if, check=False)
+        _ip("link", "del", self.host_if, check=False)
+        _ip("netns", "del", self.name, check=False)

@@ -1,0 +1,83 @@
+"""The CRDs judged by a real kube-apiserver: accepted as structural, Established, defaults and validation
+applied by the server, printer columns shown by a real `kubectl get`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from tests.kube.controlplane import Cluster, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.fixture
+def crds_installed(kube_cluster: Cluster) -> Cluster:
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        name = yaml.safe_load(path.read_text())["metadata"]["name"]
+        kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    return kube_cluster
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "crds").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_crd_is_accepted_and_established(kube_cluster: Cluster, path: Path) -> None:
+    done = kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path), check=False)
+    assert done.returncode == 0, done.stderr
+    name = yaml.safe_load(path.read_text())["metadata"]["name"]
+    crd = wait_until(lambda: _established(kube_cluster, name), 60, f"{name} Established")
+    assert not [c for c in crd["status"]["conditions"] if c["type"] == "NonStructuralSchema"]
+
+
+def _established(cluster: Cluster, name: str) -> dict | None:
+    crd = cluster.get_json("crd", name)
+    conds = {c["type"]: c["status"] for c in (crd or {}).get("status", {}).get("conditions", [])}
+    return crd if conds.get("Established") == "True" else None
+
+
+def test_example_gets_server_defaults_and_printer_columns(crds_installed: Cluster, unique: str) -> None:
+    ns = f"crd-{unique}"
+    crds_installed.kubectl("create", "namespace", ns)
+    example = yaml.safe_load((ROOT / "examples" / "embedding.yaml").read_text())
+    example["metadata"]["namespace"] = ns
+    crds_installed.apply(example)
+    live = crds_installed.get_json("embeddingdeployment", "minilm", "-n", ns)
+    # Defaults come from the server's structural schema, nested blocks included.
+    assert live["spec"]["runtime"]["port"] == 8080
+    assert live["spec"]["cache"]["storage"]["hostPath"] == "/var/lib/embedfleet/cache"
+    table = crds_installed.kubectl("get", "embeddingdeployments", "-n", ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "MODEL", "READY", "DESIRED", "IN-FLIGHT", "AGE"]
+    assert table[1].split()[:2] == ["minilm", "hf://sentence-transformers/all-MiniLM-L6-v2"]
+    wide = crds_installed.kubectl("get", "ed", "-n", ns, "-o", "wide").stdout.splitlines()[0].split()
+    assert {"ACCEPTED", "AVAILABLE", "CACHED"} <= set(wide)
+    # Quantities: int-or-string both ways, junk refused by the server with the field named.
+    good = _minimal("q", ns, {"runtime": {"resources": {"limits": {"memory": "4Gi", "cpu": 2}}}})
+    crds_installed.apply(good)
+    bad = _minimal("q2", ns, {"cache": {"storage": {"sizeLimit": "lots"}}})
+    done = crds_installed.kubectl("apply", "-f", "-", input=json.dumps(bad), check=False)
+    assert done.returncode != 0
+    assert "sizeLimit" in done.stderr
+    crds_installed.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_server_refuses_wrong_types_and_unknown_fields(crds_installed: Cluster, unique: str) -> None:
+    ns = f"crdbad-{unique}"
+    crds_installed.kubectl("create", "namespace", ns)
+    wrong = _minimal("w", ns, {"runtime": {"maxBatchRequests": "many"}})
+    done = crds_installed.kubectl("apply", "-f", "-", input=json.dumps(wrong), check=False)
+    assert done.returncode != 0 and "maxBatchRequests" in done.stderr
+    unknown = _minimal("u", ns, {"runtime": {"maxBatchRequestz": 3}})
+    done = crds_installed.kubectl("apply", "--validate=strict", "-f", "-", input=json.dumps(unknown),
+                                  check=False)
+    assert done.returncode != 0 and "maxBatchRequestz" in done.stderr
+    crds_installed.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def _minimal(name: str, namespace: str, extra_spec: dict) -> dict:
+    spec = {"model": {"source": "hf://BAAI/bge-small-en-v1.5", "digest": DIGEST}, **extra_spec}
+    return {"apiVersion": "embedfleet.dev/v1alpha1", "kind": "EmbeddingDeployment",
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}

@@ -1,0 +1,194 @@
+"""The operator on a real control plane, as the chart runs it (its command, its ServiceAccount):
+the user's path, self-healing, garbage collection, steady state, the scale subresource, GPU rollouts,
+and no starvation with many deployments. Every test ends by reading the audit log: a 4xx the operator
+did not expect fails it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from tests.kube.controlplane import Cluster, wait_until
+from tests.operator.real import condition, example, operator_writes, release, small, wait_condition
+
+
+@pytest.fixture
+def standalone(kube_cluster: Cluster, unique: str, tmp_path: Path):
+    with release(kube_cluster, tmp_path, unique) as (_system_ns, proc):
+        ns = f"team-{unique}"
+        kube_cluster.kubectl("create", "namespace", ns)
+        yield kube_cluster, proc, ns
+        assert proc.alive(), proc.log()[-3000:]
+        errors = proc.unexpected_errors()
+        assert errors == [], "\n".join(map(str, errors)) + "\n" + proc.log()[-3000:]
+
+
+def _deployment(cluster: Cluster, name: str, ns: str) -> dict | None:
+    return cluster.get_json("deployment", name, "-n", ns)
+
+
+def test_example_becomes_available_on_kwok_nodes(standalone) -> None:
+    cluster, _proc, ns = standalone
+    cluster.apply(example("minilm", ns))
+    obj = wait_condition(cluster, "minilm", ns, "Available")
+    assert condition(obj, "Accepted") == "True"
+    pods = cluster.get_json("pods", "-n", ns, "-l", "app.kubernetes.io/instance=minilm,"
+                            "app.kubernetes.io/component=runtime")["items"]
+    assert pods and all(p["spec"].get("nodeName", "").startswith(("cpu-", "gpu-")) for p in pods)
+    for kind in ("deployment", "service", "configmap", "poddisruptionbudget"):
+        items = cluster.get_json(kind, "-n", ns, "-l", "app.kubernetes.io/instance=minilm")["items"]
+        assert items, kind
+        for item in items:
+            refs = item["metadata"]["ownerReferences"]
+            assert refs[0]["kind"] == "EmbeddingDeployment" and refs[0]["uid"] == obj["metadata"]["uid"]
+    table = cluster.kubectl("get", "embeddingdeployments", "-n", ns).stdout.splitlines()
+    assert table[1].split()[2] == "1"  # READY column from the real status
+
+
+def test_hand_edits_and_deletions_are_reverted(standalone) -> None:
+    cluster, _proc, ns = standalone
+    cluster.apply(small("heal", ns, autoscaling={"enabled": False}, replicas=1))
+    wait_condition(cluster, "heal", ns, "Available")
+    good = _deployment(cluster, "heal", ns)["spec"]["template"]["spec"]["containers"][0]["image"]
+
+    cluster.kubectl("set", "image", "deployment/heal", "runtime=evil/image:latest", "-n", ns)
+    wait_until(lambda: _deployment(cluster, "heal", ns)["spec"]["template"]["spec"]["containers"][0]["image"]
+               == good, 30, "the image reverted")
+
+    cluster.kubectl("delete", "deployment", "heal", "-n", ns, "--wait=true")
+    wait_until(lambda: _deployment(cluster, "heal", ns), 30, "the Deployment recreated")
+
+    cluster.kubectl("delete", "service", "heal", "-n", ns, "--wait=true")
+    wait_until(lambda: cluster.get_json("service", "heal", "-n", ns), 30, "the Service recreated")
+
+    cm = cluster.get_json("configmap", "-n", ns, "-l", "app.kubernetes.io/instance=heal")["items"][0]
+    key = sorted(cm["data"])[0]
+    cluster.kubectl("patch", "configmap", cm["metadata"]["name"], "-n", ns, "--type=merge",
+                    "-p", json.dumps({"data": {key: "tampered"}}))
+    wait_until(lambda: cluster.get_json("configmap", cm["metadata"]["name"], "-n", ns)["data"][key]
+               == cm["data"][key], 30, "the ConfigMap reverted")
+
+
+def test_delete_removes_everything_owned(standalone) -> None:
+    cluster, _proc, ns = standalone
+    cluster.apply(example("gone", ns))
+    wait_condition(cluster, "gone", ns, "Available")
+    cluster.kubectl("delete", "embeddingdeployment", "gone", "-n", ns, "--wait=true", "--timeout=60s")
+
+    def nothing_left() -> bool:
+        for kind in ("deployments", "services", "configmaps", "poddisruptionbudgets", "daemonsets",
+                     "serviceaccounts", "replicasets", "pods"):
+            if cluster.get_json(kind, "-n", ns, "-l", "app.kubernetes.io/instance=gone")["items"]:
+                return False
+        bindings = cluster.get_json("clusterrolebindings", "-l", "app.kubernetes.io/instance=gone")["items"]
+        return not bindings
+
+    wait_until(nothing_left, 60, "every owned object garbage-collected")
+
+
+def test_steady_state_writes_nothing_but_heartbeats(standalone) -> None:
+    cluster, proc, ns = standalone
+    cluster.apply(example("quiet", ns))
+    cluster.apply(small("fixed", ns, autoscaling={"enabled": False}, replicas=2))
+    wait_condition(cluster, "quiet", ns, "Available")
+    wait_condition(cluster, "fixed", ns, "Available")
+    # No runtime answers these pods' IPs here: the autoscaler says so once (an Event) and then keeps
+    # the size without writing. (tests/operator/test_user_path.py covers steady state with real metrics.)
+    time.sleep(8)
+    cluster.audit_mark()
+    time.sleep(20)
+    assert operator_writes(proc) == []
+
+
+def test_scale_subresource_resizes_with_autoscaling_on(standalone) -> None:
+    cluster, _proc, ns = standalone
+    cluster.apply(small("scaled", ns, autoscaling={"minReplicas": 1, "maxReplicas": 4, "intervalSeconds": 1,
+                                                   "scaleDown": {"stabilizationWindowSeconds": 300}}))
+    wait_condition(cluster, "scaled", ns, "Available")
+    cluster.kubectl("scale", "embeddingdeployment", "scaled", "-n", ns, "--replicas=3")
+    wait_until(lambda: _deployment(cluster, "scaled", ns)["spec"]["replicas"] == 3, 30, "3 replicas")
+    status = wait_until(lambda: (s := cluster.get_json("ed", "scaled", "-n", ns)["status"])
+                        .get("lastScaleDecision", {}).get("mode") == "manual" and s, 30, "a manual decision")
+    assert status["replicas"]["desired"] == 3
+    # Beyond maxReplicas is clamped, and said so.
+    cluster.kubectl("scale", "embeddingdeployment", "scaled", "-n", ns, "--replicas=9")
+    wait_until(lambda: _deployment(cluster, "scaled", ns)["spec"]["replicas"] == 4, 30, "clamped to 4")
+
+
+def test_gpu_rollout_completes_with_no_spare_gpu(standalone) -> None:
+    """4 GPUs in the cluster (gpu-1, gpu-2 with 2 each), 2 replicas of 2 GPUs: a surge pod could never be
+    scheduled, so a rollout that waits for one never finishes."""
+    cluster, _proc, ns = standalone
+    spec = small("gpu", ns, autoscaling={"enabled": False}, replicas=2)
+    spec["spec"]["runtime"]["gpu"] = {"count": 2}
+    cluster.apply(spec)
+    wait_condition(cluster, "gpu", ns, "Available")
+    spec["spec"]["runtime"]["maxBatchTokens"] = 8192  # a config change: new pods
+    cluster.apply(spec)
+
+    def rolled() -> bool:
+        dep = _deployment(cluster, "gpu", ns)
+        st = dep.get("status") or {}
+        return (st.get("observedGeneration") == dep["metadata"]["generation"]
+                and st.get("updatedReplicas") == 2 and st.get("readyReplicas") == 2
+                and st.get("replicas") == 2)
+
+    wait_until(rolled, 90, "the GPU rollout to finish")
+    assert condition(cluster.get_json("ed", "gpu", "-n", ns), "Available") == "True"
+
+
+def test_many_deployments_at_once_all_converge(standalone) -> None:
+    """Sixty at once, autoscaling on (each has an autoscaler loop): every one gets its objects and
+    status. A synchronous loop per object once held every executor thread and starved the rest."""
+    cluster, _proc, ns = standalone
+    docs = [small(f"m{i}", ns, autoscaling={"minReplicas": 1, "maxReplicas": 2}) for i in range(60)]
+    cluster.apply(*docs)
+
+    def converged() -> bool:
+        items = cluster.get_json("ed", "-n", ns)["items"]
+        return len(items) == 60 and all(condition(i, "Available") == "True" for i in items)
+
+    wait_until(converged, 240, "60 EmbeddingDeployments Available", interval=2)
+
+
+def test_invalid_spec_is_rejected_creates_nothing_then_fixed(standalone) -> None:
+    cluster, proc, ns = standalone
+    bad = small("broken", ns, autoscaling={"minReplicas": 5, "maxReplicas": 2})
+    bad["spec"]["runtime"]["gpu"] = {"count": 1, "type": "nvidia-rtx-9090"}
+    cluster.apply(bad)
+    obj = wait_condition(cluster, "broken", ns, "Accepted", "False")
+    (accepted,) = [c for c in obj["status"]["conditions"] if c["type"] == "Accepted"]
+    assert accepted["reason"] == "InvalidSpec"
+    assert "minReplicas (5) is greater than maxReplicas (2)" in accepted["message"]
+    assert "nvidia-rtx-9090" in accepted["message"]
+    events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=broken")["items"]
+    assert any(e["reason"] == "InvalidSpec" for e in events)
+    assert cluster.get_json("deployment", "broken", "-n", ns) is None
+    assert not [w for w in operator_writes(proc) if "/deployments/" in w or "/services/" in w]
+
+    fixed = small("broken", ns, autoscaling={"minReplicas": 1, "maxReplicas": 2})
+    cluster.apply(fixed)
+    wait_condition(cluster, "broken", ns, "Accepted", "True")
+    wait_condition(cluster, "broken", ns, "Available", "True")
+
+
+def test_prepull_daemonsets_report_cache_and_are_pruned(standalone) -> None:
+    cluster, _proc, ns = standalone
+    doc = example("cached", ns)
+    cluster.apply(doc)
+    obj = wait_until(lambda: (o := cluster.get_json("ed", "cached", "-n", ns)) and
+                     (o.get("status") or {}).get("cachedNodes") and o, 90, "cachedNodes from the DaemonSet")
+    assert obj["status"]["totalNodes"] >= obj["status"]["cachedNodes"] > 0  # kwok runs the DS pods
+    dep = cluster.get_json("deployment", "cached", "-n", ns)
+    preferred = dep["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred[0]["preference"]["matchExpressions"][0]["key"].startswith("cache.embedfleet.dev/")
+    doc["spec"]["cache"] = {"prePull": False}
+    cluster.apply(doc)
+    wait_until(lambda: not cluster.get_json("daemonsets", "-n", ns, "-l", "app.kubernetes.io/instance=cached")
+               ["items"], 60, "pre-pull DaemonSets pruned")
+    wait_until(lambda: not cluster.get_json("clusterrolebindings", "-l", "app.kubernetes.io/instance=cached")
+               ["items"], 60, "pre-pull binding pruned")
+    assert cluster.get_json("deployment", "cached", "-n", ns) is not None
