@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# One set-up for a fresh machine. `scripts/setup.sh` installs the runtime and operator;
-# `scripts/setup.sh --test` also installs what the test suite needs (redis-server, prometheus,
-# test-only Python packages). torch goes first, so pip takes the CPU build and never pulls a
-# multi-GB CUDA one as a dependency of something else.
+# One set-up for a fresh machine, into a virtual environment of its own (./.venv, or $EMBEDFLEET_VENV),
+# so nothing already installed on the machine can hide a missing dependency.
+#   scripts/setup.sh          the runtime and the operator:       .venv/bin/embedfleet serve
+#   scripts/setup.sh --test   also what the tests need: apt packages (redis-server, prometheus, iproute2,
+#                             openssl), the `test` extra, and the test control plane built from its Go
+#                             modules by scripts/kube-tools.sh (once per machine, cached; ~15 min cold).
+#
+# torch: PyPI's torch 2.13.0 wheel for Linux x86-64 is the CUDA build (about 2.7 GB of NVIDIA libraries
+# come with it; a 5.6 GB venv). It runs on CPU without a GPU. PyTorch's CPU-only wheels live only on
+# PyTorch's own index, which this project's machines cannot reach, so there is no lighter choice here;
+# where you can reach it, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu before running this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+VENV=${EMBEDFLEET_VENV:-.venv}
 want_tests=0
 [ "${1:-}" = "--test" ] && want_tests=1
 
@@ -13,6 +21,8 @@ if [ "$want_tests" = 1 ]; then
   need=()
   command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
   command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+  command -v ip >/dev/null 2>&1 || need+=(iproute2)
+  command -v openssl >/dev/null 2>&1 || need+=(openssl)
   if [ ${#need[@]} -gt 0 ]; then
     SUDO=""; [ "$(id -u)" != 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
@@ -20,9 +30,21 @@ if [ "$want_tests" = 1 ]; then
   fi
 fi
 
-$PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" "torch==2.13.0"
 if [ "$want_tests" = 1 ]; then
-  $PY -m pip install -q --disable-pip-version-check -e ".[test]"
+  "${PIP[@]}" -e ".[test]"
 else
-  $PY -m pip install -q --disable-pip-version-check -e .
+  "${PIP[@]}" -e .
 fi
+
+if [ "$want_tests" = 1 ]; then
+  if command -v go >/dev/null 2>&1; then
+    bash scripts/kube-tools.sh
+  else
+    echo "setup: Go is not installed (https://go.dev/doc/install): the control-plane tests will skip" >&2
+  fi
+fi
+echo "setup: done; the environment is $VENV (e.g. $VENV/bin/embedfleet serve)"

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from tests.kube.netns import POD_CIDR, guard_pod_range, unavailable_reason
+from tests.procs import spawn as spawn_child  # own session; dies with pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE_VERSION = "v1.37.2"
@@ -123,10 +124,8 @@ class Proc:
 def spawn(name: str, argv: list[str], log_dir: Path, env: Mapping[str, str] | None = None) -> Proc:
     log_path = log_dir / f"{name}.log"
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, **(env or {})},
-        )
+        popen = spawn_child(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})})
     return Proc(name, popen, log_path)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from tests.kube.controlplane import ROOT, AuditEvent, Cluster, free_port, wait_until
-from tests.procs import child_env
+from tests.procs import child_env, spawn
 
 CHART = ROOT / "charts" / "embedfleet"
 #: What an operator may be answered without it being a bug: 404 on a GET of something that does not
@@ -149,11 +149,10 @@ def start_operator(
     pod_env.pop("HOME", None)
     log_path = workdir / f"{name}.log"
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen(
+        popen = spawn(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
             env=child_env({**pod_env, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
                            **(env or {})}),
-            start_new_session=True,
         )
     proc = OperatorProcess(cluster, popen, log_path, f"system:serviceaccount:{namespace}:{service_account}",
                            liveness_port, argv)

@@ -100,6 +100,8 @@ def test_steady_state_writes_nothing_but_heartbeats(standalone) -> None:
     cluster.audit_mark()
     time.sleep(20)
     assert operator_writes(proc) == []
+    events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=quiet")["items"]
+    assert [e["reason"] for e in events].count("SignalUnavailable") == 1  # said once, not every tick
 
 
 def test_scale_subresource_resizes_with_autoscaling_on(standalone) -> None:
