@@ -194,3 +194,16 @@ def test_prepull_daemonsets_report_cache_and_are_pruned(standalone) -> None:
     wait_until(lambda: not cluster.get_json("clusterrolebindings", "-l", "app.kubernetes.io/instance=cached")
                ["items"], 60, "pre-pull binding pruned")
     assert cluster.get_json("deployment", "cached", "-n", ns) is not None
+
+
+def test_someone_elses_object_is_never_adopted(standalone) -> None:
+    cluster, proc, ns = standalone
+    cluster.kubectl("create", "deployment", "taken", "-n", ns, "--image=example.invalid/theirs:1")
+    cluster.apply(small("taken", ns, autoscaling={"enabled": False}, replicas=1))
+    obj = wait_condition(cluster, "taken", ns, "Degraded", "True")
+    (degraded,) = [c for c in obj["status"]["conditions"] if c["type"] == "Degraded"]
+    assert degraded["reason"] == "NotOwned" and "Deployment" in degraded["message"]
+    theirs = cluster.get_json("deployment", "taken", "-n", ns)
+    assert theirs["spec"]["template"]["spec"]["containers"][0]["image"] == "example.invalid/theirs:1"
+    assert not theirs["metadata"].get("ownerReferences")
+    assert not [w for w in operator_writes(proc) if f"{ns}/deployments/taken" in w]

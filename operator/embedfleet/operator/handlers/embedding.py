@@ -27,7 +27,7 @@ from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.handlers import status as st
 from embedfleet.operator.handlers.common import now as _now
 from embedfleet.operator.handlers.common import reject, write_status
-from embedfleet.operator.kube import Kube, KubeError
+from embedfleet.operator.kube import Kube, KubeError, NotOwned
 from embedfleet.operator.render import effective_replicas, render, runtime_name, selector_string
 from embedfleet.operator.validate import check
 
@@ -143,6 +143,9 @@ def converge(
         try:
             results = {f"{m['kind']}/{m['metadata']['name']}": KUBE.apply(m) for m in manifests}
             pruned = KUBE.prune(KIND, name, uid, namespace, manifests) if prune else []
+        except NotOwned as exc:
+            _report_conflict(obj, status, generation, str(exc), patch)
+            return
         except KubeError as exc:
             if 400 <= exc.status < 500 and exc.status not in (404, 409, 429):
                 message = f"the API server refused a rendered object: {exc}"
@@ -163,6 +166,24 @@ def converge(
             update = st.status_patch(status, wanted)
             if update:
                 KUBE.patch_status(KIND, name, namespace, update)
+
+
+def _report_conflict(obj: Mapping[str, Any], status: Mapping[str, Any], generation: int | None, message: str,
+                     patch: kopf.Patch | None) -> None:
+    """Someone else's object is in the way: say so (Degraded, an Event) and write nothing else. Objects
+    created before the conflict was met stay; a spec or name change, or the object's removal, resolves it."""
+    degraded = st.condition("Degraded", True, "NotOwned", message, generation)
+    conditions = st.merge_conditions(status.get("conditions"), [degraded], _now())
+    wanted = {"observedGeneration": generation, "conditions": conditions}
+    update = st.status_patch(status, wanted)
+    if not update:
+        return
+    kopf.warn(dict(obj), reason="NotOwned", message=message[:1000])
+    if patch is not None:
+        write_status(patch, status, wanted)
+    else:
+        meta = obj["metadata"]
+        KUBE.patch_status(KIND, meta["name"], meta["namespace"], update)
 
 
 @kopf.on.resume(*RESOURCE)
