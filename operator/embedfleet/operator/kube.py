@@ -29,6 +29,12 @@ import kubernetes
 from kubernetes.utils import parse_quantity
 
 from embedfleet.operator.crd import naming
+from embedfleet.operator.crd.fleet import (
+    FLEET_CLUSTER_KIND,
+    FLEET_CLUSTER_PLURAL,
+    PLACEMENT_POLICY_KIND,
+    PLACEMENT_POLICY_PLURAL,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,7 @@ KINDS: dict[str, Kind] = {
     "Service": Kind("v1", "services", True),
     "ServiceAccount": Kind("v1", "serviceaccounts", True),
     "Event": Kind("v1", "events", True),
+    "Secret": Kind("v1", "secrets", True),
     "Node": Kind("v1", "nodes", False),
     "Namespace": Kind("v1", "namespaces", False),
     "Lease": Kind("coordination.k8s.io/v1", "leases", True),
@@ -78,6 +85,8 @@ KINDS: dict[str, Kind] = {
     "ServiceMonitor": Kind("monitoring.coreos.com/v1", "servicemonitors", True),
     naming.EMBEDDING_DEPLOYMENT_KIND: Kind(naming.API_VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL, True),
     naming.MODEL_CACHE_KIND: Kind(naming.API_VERSION, naming.MODEL_CACHE_PLURAL, True),
+    FLEET_CLUSTER_KIND: Kind(naming.API_VERSION, FLEET_CLUSTER_PLURAL, False),
+    PLACEMENT_POLICY_KIND: Kind(naming.API_VERSION, PLACEMENT_POLICY_PLURAL, False),
 }
 
 #: Kinds an EmbeddingDeployment or ModelCache may own, in deletion order (consumers first).
@@ -99,6 +108,30 @@ class KubeError(Exception):
         self.status = status
         self.reason = reason
         self.body = body
+
+
+class NotOwned(Exception):
+    """A live object has the name we would write but belongs to someone else: we leave it alone."""
+
+    def __init__(self, kind: str, namespace: str | None, name: str) -> None:
+        where = f"{namespace}/{name}" if namespace else name
+        super().__init__(f"{kind} {where} exists and is not owned by this resource; rename it, delete it, or "
+                         "choose another EmbeddingDeployment name (it is left untouched)")
+        self.kind, self.namespace, self.name = kind, namespace, name
+
+
+def owned_by_us(live: Mapping[str, Any], manifest: Mapping[str, Any]) -> bool:
+    """Whether ``live`` is ours to change: the same controller owner (uid) when the manifest names one,
+    else our managed-by and instance labels (cluster-scoped objects, which cannot have a namespaced owner)."""
+    want_refs = (manifest.get("metadata") or {}).get("ownerReferences") or []
+    live_meta = live.get("metadata") or {}
+    if want_refs:
+        uids = {r.get("uid") for r in live_meta.get("ownerReferences") or []}
+        return any(r.get("uid") in uids for r in want_refs)
+    want_labels = (manifest.get("metadata") or {}).get("labels") or {}
+    have = live_meta.get("labels") or {}
+    keys = (naming.MANAGED_BY_LABEL, naming.INSTANCE_LABEL)
+    return all(have.get(k) == want_labels.get(k) for k in keys if k in want_labels)
 
 
 def merge_patch_deletions(old: Any, new: Any) -> Any:
@@ -258,6 +291,8 @@ class Kube:
             self._request("POST", kind.path(namespace), body=desired)
             log.info("created %s %s/%s", manifest["kind"], namespace or "-", name)
             return "created"
+        if not owned_by_us(live, manifest):
+            raise NotOwned(manifest["kind"], namespace, name)
         previous_text = (live.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
         if previous_text == desired["metadata"]["annotations"][LAST_APPLIED] and covers(live, desired):
             return "unchanged"
