@@ -24,7 +24,8 @@ import yaml
 from tests.kube.controlplane import ROOT, AuditEvent, Cluster, free_port, wait_until
 from tests.procs import child_env, spawn
 
-CHART = ROOT / "charts" / "embedfleet"
+#: The chart under test; EMBEDFLEET_TEST_CHART points tests at another copy (e.g. a release's).
+CHART = Path(os.environ.get("EMBEDFLEET_TEST_CHART") or ROOT / "charts" / "embedfleet")
 #: What an operator may be answered without it being a bug: 404 on a GET of something that does not
 #: exist yet is how "create if missing" starts; 429 is the server asking to retry (e.g. "storage is
 #: (re)initializing" right after a CRD is installed), which clients do.

@@ -84,6 +84,11 @@ def release(cluster: Cluster, workdir: Path, tag: str, role: str = "standalone",
             proc = start_operator(cluster, workdir, release=name, namespace=namespace, values=values,
                                   sets=all_sets, env=env)
         yield namespace, proc
+        if proc is not None and proc.alive():  # (a test may have killed it on purpose)
+            cluster.kubectl("delete", "embeddingdeployments", "--all", "-A", "--wait=true", "--timeout=60s")
+            code = proc.stop()
+            # SIGTERM ends it promptly and cleanly: no backlog run while stopping, no orphaned timers.
+            assert code == 0, f"the operator did not exit cleanly on SIGTERM (code {code}):\n{proc.log()[-2000:]}"
     finally:
         cluster.kubectl("delete", "embeddingdeployments", "--all", "-A", "--wait=true", "--timeout=60s",
                         check=False)

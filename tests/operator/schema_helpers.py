@@ -1,6 +1,7 @@
 """Test-side helpers: check objects against the generated CRD schema and the Kubernetes client models.
 
-No API server here validates anything (the kmock emulator stores objects as given), so tests do it.
+Pure checks without an API server (unit tests of rendering and the CRD models); the real server's
+judgement is in test_crd_server.py and the tests on the test control plane.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def test_api_server_restart_under_a_running_operator(fresh_plane: ControlPlane, 
     cluster = fresh_plane.add_cluster("restart")
     patient = {"leaderElection.leaseDuration": "40", "leaderElection.renewDeadline": "30",
                "leaderElection.retryPeriod": "2"}
-    with release(cluster, tmp_path, "rs", sets=patient) as (_system, proc):
+    with release(cluster, tmp_path, "rs", sets=patient, env={"EMBEDFLEET_RESYNC_SECONDS": "20"}) as (_system, proc):
         cluster.kubectl("create", "namespace", "apps")
         cluster.apply(small("before", "apps", autoscaling={"enabled": False}, replicas=1))
         wait_condition(cluster, "before", "apps", "Available")
@@ -64,7 +64,8 @@ def test_api_server_restart_under_a_running_operator(fresh_plane: ControlPlane, 
 
         # Watches came back: a deletion is noticed, a new object is created, a spec change applied.
         cluster.kubectl("delete", "deployment", "before", "-n", "apps", "--wait=true")
-        wait_until(lambda: cluster.get_json("deployment", "before", "-n", "apps"), 60, "Deployment recreated")
+        # By its watch at once, or, where the restart left that watch silent, by the resync (20 s here).
+        wait_until(lambda: cluster.get_json("deployment", "before", "-n", "apps"), 90, "Deployment recreated")
         cluster.apply(small("after", "apps", autoscaling={"enabled": False}, replicas=1))
         wait_condition(cluster, "after", "apps", "Available")
         assert proc.alive(), proc.log()[-3000:]

@@ -263,3 +263,11 @@ def test_any_valid_spec_renders_valid_objects(
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
     for m in manifests:
         assert k8s_model_problems(m) == []
+
+
+def test_prepull_binding_names_never_collide_across_namespaces() -> None:
+    from embedfleet.operator.render import puller_binding_name
+
+    assert puller_binding_name("team-a", "x") != puller_binding_name("team", "a-x")
+    assert puller_binding_name("team-a", "x") == puller_binding_name("team-a", "x")
+    assert len(puller_binding_name("n" * 63, "p" * 253)) <= 253

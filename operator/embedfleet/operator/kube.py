@@ -194,6 +194,14 @@ def _with_last_applied(manifest: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def up_to_date(live: Mapping[str, Any], manifest: Mapping[str, Any]) -> bool:
+    """Whether applying ``manifest`` would change nothing: the live object covers it and our last-applied
+    annotation equals it (so no field we stopped setting lingers). Pure: watch events use it as is."""
+    desired = _with_last_applied(manifest)
+    previous = ((live.get("metadata") or {}).get("annotations") or {}).get(LAST_APPLIED)
+    return previous == desired["metadata"]["annotations"][LAST_APPLIED] and covers(live, desired)
+
+
 def _selector_matches(selector: Mapping[str, str], obj_labels: Mapping[str, str] | None) -> bool:
     obj_labels = obj_labels or {}
     return all(obj_labels.get(k) == v for k, v in selector.items())
@@ -293,9 +301,9 @@ class Kube:
             return "created"
         if not owned_by_us(live, manifest):
             raise NotOwned(manifest["kind"], namespace, name)
-        previous_text = (live.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
-        if previous_text == desired["metadata"]["annotations"][LAST_APPLIED] and covers(live, desired):
+        if up_to_date(live, manifest):
             return "unchanged"
+        previous_text = (live.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
         previous = json.loads(previous_text) if previous_text else {}
         patch = merge_patch_deletions(previous, desired)
         self._request("PATCH", kind.path(namespace, name), body=patch, content_type=MERGE_PATCH)

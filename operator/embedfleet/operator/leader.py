@@ -160,7 +160,7 @@ class LeaderElector:
             except KubeError as exc:
                 if exc.status not in (409,):
                     log.warning("leader election: %s", exc)
-            except OSError as exc:
+            except Exception as exc:  # unreachable, TLS, urllib3 retries exhausted: try again later
                 log.warning("leader election: API server unreachable: %s", exc)
             if not waiting_logged:
                 log.info("leader election: waiting for lease %s/%s (another operator is active)",
@@ -177,7 +177,7 @@ class LeaderElector:
                     last_ok = time.monotonic()
                     continue
                 log.error("leader election: another process holds lease %s/%s", self.namespace, self.name)
-            except (KubeError, OSError) as exc:
+            except Exception as exc:  # any failure (HTTP, TLS, urllib3 retries) is a missed renewal
                 log.warning("leader election: renewal failed: %s", exc)
                 if time.monotonic() - last_ok < self.renew_deadline:
                     continue

@@ -127,7 +127,10 @@ def puller_name(name: str, pool: str) -> str:
 
 
 def puller_binding_name(namespace: str, ds_prefix: str) -> str:
-    return f"embedfleet-{namespace}-{ds_prefix}"
+    """Cluster-wide unique: `team-a/x` and `team/a-x` must not share a name (they would join up as
+    "team-a-x"), so a hash of the unambiguous ``namespace/name`` follows the readable part."""
+    digest = hashlib.sha256(f"{namespace}/{ds_prefix}".encode()).hexdigest()[:10]
+    return f"embedfleet-{namespace}-{ds_prefix}"[:200] + f"-{digest}"
 
 
 def node_pools(selector: dict[str, str], pools: list[NodePool]) -> list[NodePool]:

@@ -8,7 +8,7 @@ never the old one), and record the decision and its reason in ``status.lastScale
 Event. The observation window and decision history live in this daemon's memory; after an operator
 restart they start empty, which only makes the first decisions more conservative.
 
-Ownership of status fields is documented in handlers/status.py: this daemon writes
+Ownership of status fields is documented in operator/status.py: this daemon writes
 ``replicas.desired``, ``inFlight`` and ``lastScaleDecision``, nothing else.
 """
 
@@ -79,8 +79,8 @@ def _now_iso() -> str:
 def record_event(body: dict[str, Any], reason: str, message: str, type_: str = "Normal") -> None:
     """A core/v1 Event about the EmbeddingDeployment, named ``<object>.<nanoseconds hex>`` like kubectl's.
 
-    The name is explicit rather than ``generateName`` so every decision gets its own Event on any API
-    server (the kmock emulator does not implement generateName).
+    The name is explicit (unique per decision) rather than ``generateName``: one request, no retry on
+    a generated-name collision.
     """
     meta = body["metadata"]
     now = datetime.now(UTC)
@@ -261,7 +261,9 @@ async def autoscale(
     worker thread only for the tick's length. (A synchronous daemon holds one of kopf's few executor
     threads for the object's whole life: on 2 cores six deployments starved every other handler.)
     """
-    state = LoopState()
+    # spec.replicas as the daemon first sees it is the starting point, not a request to resize (the
+    # reconcile already rendered it); a later change of it is a `kubectl scale`.
+    state = LoopState(seen_spec_replicas=(body.get("spec") or {}).get("replicas"))
     config_key: Any = None
     while not stopped:
         spec = dict(body.get("spec") or {})
@@ -274,7 +276,7 @@ async def autoscale(
         if config != config_key:
             if config_key is not None:
                 logger.info("autoscaling settings changed; decisions restart from the current size")
-                state = LoopState()
+                state = LoopState(seen_spec_replicas=state.seen_spec_replicas)
             config_key = config
         try:
             decision = await asyncio.to_thread(

@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 
-from embedfleet.operator.handlers import status as st
+from embedfleet.operator import status as st
 
 
 def now() -> str:

@@ -16,18 +16,19 @@ creates nothing; the handler returns normally so kopf does not retry a spec only
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
+from embedfleet.operator import status as st
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
-from embedfleet.operator.handlers import status as st
 from embedfleet.operator.handlers.common import now as _now
-from embedfleet.operator.handlers.common import reject, write_status
-from embedfleet.operator.kube import Kube, KubeError, NotOwned
+from embedfleet.operator.handlers.common import reject
+from embedfleet.operator.kube import Kube, KubeError, NotOwned, up_to_date
 from embedfleet.operator.render import effective_replicas, render, runtime_name, selector_string
 from embedfleet.operator.validate import check
 
@@ -43,6 +44,10 @@ OWNED_WATCHES = (
     ("policy", "v1", "poddisruptionbudgets"),
 )
 MANAGED = {naming.MANAGED_BY_LABEL: naming.MANAGED_BY}
+#: Every object is also converged this often (reads only when nothing drifted), like controller-runtime's
+#: resync period: self-healing stays bounded even if a watch goes silent (seen once after an API server
+#: restart: a resumed stream that delivered nothing).
+RESYNC_SECONDS = float(os.environ.get("EMBEDFLEET_RESYNC_SECONDS", "120"))
 
 
 class _Locks:
@@ -66,7 +71,7 @@ LOCKS = _Locks()
 
 
 def _autoscaler_desired(status: Any) -> int | None:
-    """The autoscaler's last decision, once it has made one (see handlers/status.py for ownership)."""
+    """The autoscaler's last decision, once it has made one (see operator/status.py for ownership)."""
     status = status or {}
     if not status.get("lastScaleDecision"):
         return None
@@ -81,10 +86,13 @@ def wanted_status(
     status: Mapping[str, Any] | None,
     generation: int | None,
     desired: int,
+    deployment: Mapping[str, Any] | bool | None = False,
 ) -> dict[str, Any]:
-    """Status from the live Deployment and pre-pull DaemonSets. ``replicas.desired`` is written here only
-    while autoscaling is off; with it on, the autoscaler is its one writer."""
-    deployment = KUBE.get("Deployment", runtime_name(name), namespace)
+    """Status from the live Deployment (given, as a watch event just showed it, or read) and pre-pull
+    DaemonSets. ``replicas.desired`` is written here only while autoscaling is off; with it on, the
+    autoscaler is its one writer."""
+    if deployment is False:
+        deployment = KUBE.get("Deployment", runtime_name(name), namespace)
     daemonsets = []
     if spec.cache.pre_pull:
         daemonsets = KUBE.list(
@@ -111,13 +119,26 @@ def wanted_status(
     }
 
 
+def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec) -> tuple[int, list[dict[str, Any]]]:
+    """(replicas to run, manifests) for a parsed, valid object."""
+    meta, status = obj["metadata"], obj.get("status") or {}
+    service_monitor = parsed.monitoring.service_monitor and KUBE.has_resource(
+        "monitoring.coreos.com/v1", "servicemonitors"
+    )
+    desired = effective_replicas(parsed, _autoscaler_desired(status))
+    manifests = render(meta["name"], meta["namespace"], meta["uid"], parsed,
+                       autoscaler_desired=_autoscaler_desired(status), service_monitor_available=service_monitor)
+    return desired, manifests
+
+
 def converge(
     obj: Mapping[str, Any], logger: Any, *, prune: bool, patch: kopf.Patch | None = None
 ) -> None:
     """Make every owned object match ``render(spec)`` and the status match what is live.
 
-    ``patch`` is kopf's patch when called from a handler of the object itself (kopf sends it with its
-    own bookkeeping in one request); otherwise status is merge-patched directly, only when it differs.
+    ``patch`` is kopf's patch when called from a handler of the object itself; it carries only the
+    rejection of an invalid spec (which no other writer races). Status is merge-patched directly, only
+    when it differs.
     """
     meta = obj.get("metadata") or {}
     name, namespace = meta["name"], meta["namespace"]
@@ -133,18 +154,13 @@ def converge(
     uid = meta.get("uid")
     if not uid:
         raise kopf.TemporaryError("metadata.uid is not set yet; owner references need it", delay=5)
-    service_monitor = parsed.monitoring.service_monitor and KUBE.has_resource(
-        "monitoring.coreos.com/v1", "servicemonitors"
-    )
-    desired = effective_replicas(parsed, _autoscaler_desired(status))
-    manifests = render(name, namespace, uid, parsed, autoscaler_desired=_autoscaler_desired(status),
-                       service_monitor_available=service_monitor)
+    desired, manifests = _render(obj, parsed)
     with LOCKS(namespace, name):
         try:
             results = {f"{m['kind']}/{m['metadata']['name']}": KUBE.apply(m) for m in manifests}
             pruned = KUBE.prune(KIND, name, uid, namespace, manifests) if prune else []
         except NotOwned as exc:
-            _report_conflict(obj, status, generation, str(exc), patch)
+            _report_conflict(obj, status, generation, str(exc))
             return
         except KubeError as exc:
             if 400 <= exc.status < 500 and exc.status not in (404, 409, 429):
@@ -159,17 +175,17 @@ def converge(
                 summary += (", " if summary else "") + "deleted " + ", ".join(pruned)
             logger.info("converged: %s", summary)
             kopf.info(dict(obj), reason="Applied", message=summary[:1000])
+        # Written here, directly, never through kopf's patch: kopf applies its patch later with a
+        # resourceVersion precondition and retries it when that fails, so a stale status from this
+        # handler could land after (and undo) a newer one written by an owned-object event.
         wanted = wanted_status(name, namespace, parsed, status, generation, desired)
-        if patch is not None:
-            write_status(patch, status, wanted)
-        else:
-            update = st.status_patch(status, wanted)
-            if update:
-                KUBE.patch_status(KIND, name, namespace, update)
+        update = st.status_patch(status, wanted)
+        if update:
+            KUBE.patch_status(KIND, name, namespace, update)
 
 
-def _report_conflict(obj: Mapping[str, Any], status: Mapping[str, Any], generation: int | None, message: str,
-                     patch: kopf.Patch | None) -> None:
+def _report_conflict(obj: Mapping[str, Any], status: Mapping[str, Any], generation: int | None,
+                     message: str) -> None:
     """Someone else's object is in the way: say so (Degraded, an Event) and write nothing else. Objects
     created before the conflict was met stay; a spec or name change, or the object's removal, resolves it."""
     degraded = st.condition("Degraded", True, "NotOwned", message, generation)
@@ -179,18 +195,30 @@ def _report_conflict(obj: Mapping[str, Any], status: Mapping[str, Any], generati
     if not update:
         return
     kopf.warn(dict(obj), reason="NotOwned", message=message[:1000])
-    if patch is not None:
-        write_status(patch, status, wanted)
-    else:
-        meta = obj["metadata"]
-        KUBE.patch_status(KIND, meta["name"], meta["namespace"], update)
+    meta = obj["metadata"]
+    KUBE.patch_status(KIND, meta["name"], meta["namespace"], update)
+
+
+@kopf.index(*RESOURCE)
+def embedding_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    """The latest EmbeddingDeployment bodies in memory, so an owned-object event needs no read."""
+    return {(namespace, name): dict(body)}
+
+
+@kopf.on.create(*RESOURCE)
+def created(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+    converge(body, logger, prune=False, patch=patch)  # nothing of a new object can be stale yet
 
 
 @kopf.on.resume(*RESOURCE)
-@kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
 def reconcile(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
     converge(body, logger, prune=True, patch=patch)
+
+
+@kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    converge(body, logger, prune=False)
 
 
 def _owner(obj: Mapping[str, Any]) -> str | None:
@@ -201,18 +229,42 @@ def _owner(obj: Mapping[str, Any]) -> str | None:
     return None
 
 
-def owned_changed(body: kopf.Body, namespace: str, logger: kopf.Logger, **_: Any) -> None:
-    """An owned object changed or vanished: converge its owner from the owner's live state."""
+def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, logger: kopf.Logger,
+                  embedding_index: kopf.Index, **_: Any) -> None:
+    """An owned object changed or vanished.
+
+    Cheap in the common case (our own writes coming back, a Deployment's status moving): the owner comes
+    from the in-memory index, only this object is compared with what the owner renders, and only a
+    Deployment or DaemonSet event refreshes the owner's status, from the event's own body. A drifted or
+    deleted object converges the owner in full.
+    """
     owner_name = _owner(body)
     if owner_name is None or not namespace:
         return
-    owner = KUBE.get(KIND, owner_name, namespace)
-    if owner is None:
-        return  # the owner is gone; garbage collection removes what it owned
+    owner = next(iter(embedding_index.get((namespace, owner_name), [])), None)
+    if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
+        return  # gone or going; garbage collection removes what it owned
     refs = (body.get("metadata") or {}).get("ownerReferences") or []
     if not any(r.get("uid") == owner["metadata"].get("uid") for r in refs):
         return  # a leftover of an older object of the same name
-    converge(owner, logger, prune=False)
+    parsed, _ = check(owner_name, dict(owner.get("spec") or {}))
+    if parsed is None:
+        return
+    desired, manifests = _render(owner, parsed)
+    kind, name = body.get("kind"), (body.get("metadata") or {}).get("name")
+    wanted = next((m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name), None)
+    if event.get("type") == "DELETED" or (wanted is not None and not up_to_date(body, wanted)):
+        converge(owner, logger, prune=False)
+        return
+    if kind not in ("Deployment", "DaemonSet"):
+        return
+    status = owner.get("status") or {}
+    with LOCKS(namespace, owner_name):
+        observed = dict(body) if kind == "Deployment" else False
+        update = st.status_patch(status, wanted_status(owner_name, namespace, parsed, status,
+                                                       owner["metadata"].get("generation"), desired, observed))
+        if update:
+            KUBE.patch_status(KIND, owner_name, namespace, update)
 
 
 for _group, _version, _plural in OWNED_WATCHES:

@@ -7,8 +7,8 @@ from typing import Any
 
 import kopf
 
+from embedfleet.operator import status as st
 from embedfleet.operator.crd import naming
-from embedfleet.operator.handlers import status as st
 from embedfleet.operator.handlers.common import now as _now
 from embedfleet.operator.handlers.common import reject, write_status
 from embedfleet.operator.handlers.embedding import KUBE

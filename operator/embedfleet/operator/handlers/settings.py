@@ -20,4 +20,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 30
+    # A stream with no event (bookmarks included) for this long is reconnected. Seen after an API
+    # server restart: a resumed watch that never delivers; kopf's 70 s default left self-healing off
+    # for that long.
+    settings.watching.inactivity_timeout = 45
     settings.posting.enabled = True
+    # Sync handlers do blocking API calls on kopf's executor; its default (CPUs + 4 threads: 6 on two
+    # cores) queues hundreds of objects behind a few slow calls.
+    settings.execution.max_workers = 20

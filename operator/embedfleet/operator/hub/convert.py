@@ -1,4 +1,4 @@
-"""Kubernetes objects <-> the scheduler's dataclasses, and the spoke manifests and status rows. Pure."""
+"""Kubernetes objects <-> the scheduler's dataclasses; the spoke manifests, status rows and conditions. Pure."""
 
 from __future__ import annotations
 
@@ -6,16 +6,19 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from embedfleet.operator import status as st
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import FleetClusterSpec, PlacementPolicySpec
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, PlacementSpec
 from embedfleet.operator.hub.health import Health
+from embedfleet.operator.kube import covers
 from embedfleet.operator.scheduling import (
     Cluster,
     ClusterPlacement,
     Deployment,
     GPUCapacity,
     Intent,
+    Placement,
     Policy,
     Taint,
     Toleration,
@@ -25,6 +28,8 @@ from embedfleet.operator.scheduling import (
 HUB_MANAGED_LABEL = "embedfleet.dev/hub-managed"
 #: Annotation with the hub object's uid, so a re-created hub object is not confused with an old one.
 HUB_UID_ANNOTATION = "embedfleet.dev/hub-uid"
+#: How a status row's reasons mark the problem of that cluster (first reason, when there is one).
+PROBLEM_PREFIX = "problem: "
 
 
 def cluster_from(name: str, spec: FleetClusterSpec, health: Health, cached: list[str]) -> Cluster:
@@ -134,18 +139,13 @@ def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlace
     }
 
 
-def drifted(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
-    """Whether a spoke's copy differs from what the hub wants (spoke-side edits get reverted)."""
-    labels = (live.get("metadata") or {}).get("labels") or {}
-    if any(labels.get(k) != v for k, v in wanted["metadata"]["labels"].items()):
-        return True
-    return live.get("spec") != wanted["spec"]
-
-
 def spoke_row(
     name: str, share: ClusterPlacement | None, region: str, spoke_obj: Mapping[str, Any] | None,
-    last_seen: str | None,
+    last_seen: str | None, problem: str | None = None,
 ) -> dict[str, Any]:
+    """One ``status.clusters`` row. A problem (propagation refused, spoke unreachable or unavailable) comes
+    first in ``reasons``, prefixed with PROBLEM_PREFIX. Fields with no value stay ``None`` (the server
+    drops them from what it stores), so `status_changes` notices a value that went away."""
     status = (spoke_obj or {}).get("status") or {}
     cache = None
     for cond in status.get("conditions") or []:
@@ -154,6 +154,7 @@ def spoke_row(
     if status.get("cachedNodes") is not None:
         cache = f"{status.get('cachedNodes')}/{status.get('totalNodes')} nodes"
     replicas = status.get("replicas") or {}
+    reasons = [f"{PROBLEM_PREFIX}{problem}"] if problem else []
     row: dict[str, Any] = {
         "name": name,
         "region": region,
@@ -164,6 +165,73 @@ def spoke_row(
         "inflight": status.get("inFlight"),
         "cache": cache,
         "lastSeen": last_seen,
-        "reasons": list(share.reasons) if share else [],
+        "reasons": [*reasons, *(share.reasons if share else ())],
     }
     return row
+
+
+def row_problem(row: Mapping[str, Any] | None) -> str | None:
+    """The problem a status row reports, if any (see spoke_row)."""
+    for reason in (row or {}).get("reasons") or []:
+        if str(reason).startswith(PROBLEM_PREFIX):
+            return str(reason)[len(PROBLEM_PREFIX):]
+    return None
+
+
+def conditions(
+    placement: Placement, rows: list[dict[str, Any]], failures: Mapping[str, str], unavailable: Mapping[str, str],
+    generation: int | None,
+) -> list[dict[str, Any]]:
+    """Accepted, Placed, Available and Degraded of a hub EmbeddingDeployment.
+
+    ``failures``: cluster -> why its share could not be written or verified (a refused write, an
+    unreachable API server); ``unavailable``: cluster -> health reason, for clusters that held a copy and
+    whose replicas were moved away. ``Placed`` is True only when every share is placed *and* in place on
+    its spoke; ``Degraded`` names every cluster with a problem."""
+    ready = sum(int(r.get("ready") or 0) for r in rows if not row_problem(r))
+    available = st.condition("Available", ready > 0, "ReplicasReady" if ready else "NoReadyReplicas",
+                             f"{ready} ready across {len(rows)} cluster(s)", generation)
+    if not placement.accepted:
+        conflict = "; ".join(placement.problems)
+        return [st.condition("Accepted", False, "PolicyConflict", conflict, generation),
+                st.condition("Placed", False, "PolicyConflict", "nothing is placed while the spec conflicts",
+                             generation),
+                available,
+                st.condition("Degraded", True, "PolicyConflict", conflict, generation)]
+    policy = f" (PlacementPolicy {placement.policy})" if placement.policy else ""
+    accepted = st.condition("Accepted", True, "Valid", f"mode {placement.mode}{policy}", generation)
+    failed = [f"{name}: {text}" for name, text in sorted(failures.items())]
+    refused = any(text.startswith("propagation") for text in failures.values())
+    gone = [f"{name} unavailable ({reason}), its replicas moved" for name, reason in sorted(unavailable.items())]
+    placed = placement.placed
+    shares = ", ".join(f"{n}={c.range.desired}" for n, c in sorted(placement.clusters.items()))
+    summary = f"{placed}/{placement.target} replicas: {shares or 'none'}"
+    if failed:
+        placed_c = st.condition("Placed", False, "PropagationFailed" if refused else "ClusterUnreachable",
+                                "; ".join([summary, *failed]), generation)
+    elif placed < placement.target or placement.problems:
+        placed_c = st.condition("Placed", False, "Constrained", "; ".join([summary, *placement.problems]),
+                                generation)
+    else:
+        placed_c = st.condition("Placed", True, "Placed", summary, generation)
+    troubles = [*failed, *placement.problems, *gone]
+    reason = ("PropagationFailed" if refused else "ClusterUnreachable" if failed else
+              "Constrained" if placement.problems else "ClusterUnavailable" if gone else "Healthy")
+    degraded = st.condition("Degraded", bool(troubles), reason, "; ".join(troubles), generation)
+    return [accepted, placed_c, available, degraded]
+
+
+def status_changes(current: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """The top-level status keys to write: conditions compared without their transition times, anything
+    else by what the live status already holds (``kube.covers``: server defaults and the absence of a
+    field we leave empty are no change). Empty means nothing to write."""
+    current = current or {}
+    out: dict[str, Any] = {}
+    for key, value in wanted.items():
+        have = current.get(key)
+        if key == "conditions":
+            if st.without_times(have) != st.without_times(value):
+                out[key] = value
+        elif not covers(have, value):
+            out[key] = value
+    return out

@@ -244,7 +244,8 @@ def _place_one(
             ramp_cap = max(c.prev, min(d.running.get(c.name, 0), fair), math.ceil(fair * fraction))
             if ramp_cap < caps[c.name]:
                 caps[c.name] = ramp_cap
-                c.note(f"returning: ramp {fraction:.0%} of its share")
+                # No percentage here: a note that changed every round would be a status write every round.
+                c.note(f"returning: share grows over a {ramp_seconds:g}s ramp")
     floors_cfg, _ = _limits(rules)
     floors = {n: floors_cfg[n] for n in names if n in floors_cfg}
 

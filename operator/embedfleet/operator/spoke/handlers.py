@@ -7,7 +7,7 @@ from typing import Any
 import kopf
 
 from embedfleet.operator.handlers.common import start_background, stop_background
-from embedfleet.operator.spoke.heartbeat import Heartbeat
+from embedfleet.operator.spoke.heartbeat import LEASE_NAME, Heartbeat
 
 BEAT: dict[str, Any] = {}
 
@@ -16,7 +16,7 @@ BEAT: dict[str, Any] = {}
 def start_heartbeat(logger: kopf.Logger, **_: Any) -> None:
     beat = Heartbeat()
     start_background(BEAT, beat, "embedfleet-heartbeat")
-    logger.info("spoke heartbeat: lease %s/embedfleet-spoke every %.1fs", beat.namespace, beat.interval)
+    logger.info("spoke heartbeat: lease %s/%s every %.1fs", beat.namespace, LEASE_NAME, beat.interval)
 
 
 @kopf.on.cleanup()

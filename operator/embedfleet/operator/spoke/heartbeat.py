@@ -2,11 +2,14 @@
 
 The hub reads it through the spoke's kubeconfig (pull model, see docs/hub.md). Its annotations also carry
 what the scheduler scores on: the weights cached on this spoke's nodes (node labels written by
-``embedfleet cache pull --label-node``).
+``embedfleet cache pull --label-node``), and, when the spoke could not find that out (its identity may
+not list nodes), why: ``embedfleet.dev/heartbeat-problem``, which the hub shows on the FleetCluster.
+A heartbeat that reports "nothing cached" must mean nothing is cached, never "I was not allowed to look".
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -22,16 +25,24 @@ log = logging.getLogger(__name__)
 
 LEASE_NAME = "embedfleet-spoke"
 CACHED_ANNOTATION = "embedfleet.dev/cached-models"
+#: Set while the heartbeat cannot report everything it should (e.g. listing nodes is refused); removed once it can.
+PROBLEM_ANNOTATION = "embedfleet.dev/heartbeat-problem"
+REGION_ANNOTATION = "embedfleet.dev/region"
 ENV_NAMESPACE = "EMBEDFLEET_NAMESPACE"
 ENV_INTERVAL = "EMBEDFLEET_HEARTBEAT_INTERVAL"
 ENV_DURATION = "EMBEDFLEET_LEASE_DURATION"
 
 
-def lease_body(namespace: str, holder: str, duration: int, cached: list[str], region: str | None) -> dict[str, Any]:
+def lease_body(
+    namespace: str, holder: str, duration: int, cached: list[str], region: str | None, problem: str | None = None,
+) -> dict[str, Any]:
+    """The Lease as the spoke writes it; a ``None`` annotation value removes that annotation (merge patch)."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    annotations = {CACHED_ANNOTATION: ",".join(sorted(cached))}
-    if region:
-        annotations["embedfleet.dev/region"] = region
+    annotations: dict[str, str | None] = {
+        CACHED_ANNOTATION: ",".join(sorted(cached)),
+        PROBLEM_ANNOTATION: problem,
+        REGION_ANNOTATION: region or None,
+    }
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
@@ -40,26 +51,40 @@ def lease_body(namespace: str, holder: str, duration: int, cached: list[str], re
     }
 
 
-def cached_models(kube: Kube) -> list[str]:
-    """Digest keys some node reports ready (``sha256-<16 hex>``), from the cache node labels."""
-    found: set[str] = set()
+def _refusal(exc: KubeError) -> str:
+    """`HTTP 403 Forbidden: <the server's message>`: short, and the same every beat."""
+    try:
+        message = json.loads(exc.body).get("message") or exc.body
+    except (ValueError, AttributeError):
+        message = exc.body
+    return f"HTTP {exc.status} {exc.reason}: {str(message)[:300]}"
+
+
+def cached_models(kube: Kube) -> tuple[list[str], str | None]:
+    """(digest keys some node reports ready, ``sha256-<16 hex>``; why they are unknown, or None)."""
     try:
         nodes = kube.list("Node")
-    except KubeError:
-        return []
+    except KubeError as exc:
+        return [], f"cannot list nodes, so cached models are unknown: {_refusal(exc)}"
+    found: set[str] = set()
     for node in nodes:
         for key, value in ((node.get("metadata") or {}).get("labels") or {}).items():
             if key.startswith(naming.CACHE_LABEL_PREFIX) and value == naming.CACHE_LABEL_READY:
                 found.add(key[len(naming.CACHE_LABEL_PREFIX):])
-    return sorted(found)
+    return sorted(found), None
 
 
-def renew(kube: Kube, namespace: str, holder: str, duration: int) -> None:
-    body = lease_body(namespace, holder, duration, cached_models(kube), os.environ.get("EMBEDFLEET_REGION"))
+def renew(kube: Kube, namespace: str, holder: str, duration: int) -> str | None:
+    """Create or renew the Lease; returns the problem it reported (None: a complete heartbeat)."""
+    cached, problem = cached_models(kube)
+    body = lease_body(namespace, holder, duration, cached, os.environ.get("EMBEDFLEET_REGION"), problem)
     if kube.get("Lease", LEASE_NAME, namespace) is None:
+        meta = body["metadata"]
+        meta["annotations"] = {k: v for k, v in meta["annotations"].items() if v is not None}
         kube.create(body)
     else:
         kube.patch_merge("Lease", LEASE_NAME, namespace, {"metadata": body["metadata"], "spec": body["spec"]})
+    return problem
 
 
 class Heartbeat:
@@ -71,12 +96,23 @@ class Heartbeat:
         self.interval = float(os.environ.get(ENV_INTERVAL, "10"))
         self.duration = int(float(os.environ.get(ENV_DURATION, "30")))
         self.holder = f"{socket.gethostname()}-{os.getpid()}"
+        self.problem: str | None = None
         self.stop = threading.Event()
+
+    def beat(self) -> None:
+        """One renewal; a problem is logged when it appears or changes, not every beat."""
+        problem = renew(self.kube, self.namespace, self.holder, self.duration)
+        if problem != self.problem:
+            if problem:
+                log.warning("heartbeat incomplete (the hub sees this on the FleetCluster): %s", problem)
+            else:
+                log.info("heartbeat complete again: cached models are reported")
+            self.problem = problem
 
     def run_forever(self) -> None:
         while not self.stop.is_set():
             try:
-                renew(self.kube, self.namespace, self.holder, self.duration)
+                self.beat()
             except Exception as exc:  # a missed beat is tolerated by the hub's grace period; keep trying
                 log.warning("heartbeat renewal failed: %s", exc)
             self.stop.wait(self.interval)

@@ -1,0 +1,198 @@
+"""A fleet on the real test control plane: a hub and spokes, each its own kube-apiserver on one etcd, each
+running the chart's operator as the chart's ServiceAccount, and readers for what they did (status, Events,
+the audit log of every cluster).
+
+The hub reaches each spoke with a kubeconfig for the identity the spoke's chart grants it (``hubAccess``:
+ServiceAccount ``<fullname>-hub`` and ClusterRole/Role ``<fullname>-hub-access``), so a call of the hub loop
+that the chart does not allow is a 403 in that spoke's audit log, and fails the test.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.kube.controlplane import AuditEvent, Cluster, ControlPlane, wait_until
+from tests.kube.operator_proc import BENIGN, CHART, OperatorProcess, is_kopf_patch_precondition, start_operator
+
+SYSTEM = "embedfleet-system"
+API = "embedfleet.dev/v1alpha1"
+DIGEST = "sha256:" + "ab" * 32
+#: Leader election relaxed enough for 2 busy cores (a spoke operator whose API server is gone for longer
+#: than renewDeadline exits, as in a pod, and is restarted like the kubelet would).
+ELECTION = {"leaderElection.leaseDuration": "8", "leaderElection.renewDeadline": "6",
+            "leaderElection.retryPeriod": "1"}
+#: Short intervals: hub round 1 s, heartbeat 1 s; the FleetCluster lease is 5 s + 5 s grace.
+HUB_ENV = {"EMBEDFLEET_HUB_INTERVAL": "1", "EMBEDFLEET_HUB_RAMP_SECONDS": "6"}
+SPOKE_ENV = {"EMBEDFLEET_HEARTBEAT_INTERVAL": "1", "EMBEDFLEET_LEASE_DURATION": "5"}
+LEASE = {"durationSeconds": 5, "graceSeconds": 5}
+HEARTBEATS = {"leases"}
+
+
+def hub_identity(spoke: str) -> str:
+    """The hub's ServiceAccount on a spoke (and the name of its ClusterRole and Role, plus "-access")."""
+    return f"ef-{spoke}-embedfleet-hub"
+
+
+def hub_user(spoke: str) -> str:
+    return f"system:serviceaccount:{SYSTEM}:{hub_identity(spoke)}"
+
+
+def embedding(name: str, namespace: str, replicas: int, placement: dict[str, Any] | None = None,
+              **spec: Any) -> dict[str, Any]:
+    """A small CPU EmbeddingDeployment with a fixed replica count (autoscaling off)."""
+    body: dict[str, Any] = {
+        "model": {"source": "hf://sentence-transformers/all-MiniLM-L6-v2", "digest": DIGEST},
+        "runtime": {"image": "ghcr.io/embedfleet/runtime:0.1.0",
+                    "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}},
+        "autoscaling": {"enabled": False},
+        "replicas": replicas,
+    }
+    if placement is not None:
+        body["placement"] = placement
+    body.update(copy.deepcopy(spec))
+    return {"apiVersion": API, "kind": "EmbeddingDeployment", "metadata": {"name": name, "namespace": namespace},
+            "spec": body}
+
+
+def errors(events: Iterable[AuditEvent], user: str, allow: Iterable[tuple[int, str]] = ()) -> list[str]:
+    """4xx answers to `user` other than the benign ones and `allow` ((code, verb) or (code, resource))."""
+    allowed = set(allow) | BENIGN
+    return [str(e) for e in events if e.user == user and 400 <= e.code < 500 and not is_kopf_patch_precondition(e)
+            and (e.code, e.verb) not in allowed and (e.code, e.resource) not in allowed]
+
+
+def writes(events: Iterable[AuditEvent], user: str) -> list[str]:
+    """`user`'s writes, heartbeats (Lease renewals) left out."""
+    return [str(e) for e in events if e.user == user and e.is_write and e.resource not in HEARTBEATS]
+
+
+@dataclass
+class Fleet:
+    plane: ControlPlane
+    workdir: Path
+    hub: Cluster
+    spokes: dict[str, Cluster]
+    regions: dict[str, str]
+    hub_proc: OperatorProcess | None = None
+    spoke_procs: dict[str, OperatorProcess] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ setting up
+
+    def install(self, cluster: Cluster, role: str, region: str = "") -> dict[str, str]:
+        sets = {"role": role, **ELECTION}
+        if region:
+            sets["region"] = region
+        args = ["install", f"ef-{cluster.name}", str(CHART), "-n", SYSTEM, "--create-namespace", "--wait=false"]
+        for key, value in sets.items():
+            args += ["--set", f"{key}={value}"]
+        cluster.helm(*args)
+        return sets
+
+    def start_spoke(self, name: str) -> OperatorProcess:
+        spoke = self.spokes[name]
+        sets = {"role": "spoke", "region": self.regions[name], **ELECTION}
+        proc = start_operator(spoke, self.workdir, release=f"ef-{name}", namespace=SYSTEM, sets=sets,
+                              env=SPOKE_ENV, name=f"operator-{name}")
+        self.spoke_procs[name] = proc
+        return proc
+
+    def start_hub(self) -> OperatorProcess:
+        sets = {"role": "hub", **ELECTION}
+        self.hub_proc = start_operator(self.hub, self.workdir, release="ef-hub", namespace=SYSTEM, sets=sets,
+                                       env=HUB_ENV, name="operator-hub")
+        return self.hub_proc
+
+    def join(self, name: str) -> None:
+        """The spoke's kubeconfig (the hub's identity there) as a Secret on the hub, and its FleetCluster."""
+        spoke = self.spokes[name]
+        token = spoke.token_for(SYSTEM, hub_identity(name))
+        path = spoke.kubeconfig_for(token, self.workdir / f"hub-on-{name}.kubeconfig", namespace=SYSTEM,
+                                    user=hub_identity(name))
+        self.hub.apply(
+            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-kubeconfig", "namespace": SYSTEM},
+             "data": {"kubeconfig": base64.b64encode(path.read_bytes()).decode()}},
+            {"apiVersion": API, "kind": "FleetCluster", "metadata": {"name": name},
+             "spec": {"provider": "test", "region": self.regions[name], "capacity": {"cpuReplicas": 10},
+                      "connection": {"kubeconfigSecret": {"name": f"{name}-kubeconfig"}}, "lease": LEASE}},
+        )
+
+    def namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
+        """A namespace on the hub (with the labels policies select on) and on every spoke."""
+        for cluster in (self.hub, *self.spokes.values()):
+            cluster.apply({"apiVersion": "v1", "kind": "Namespace",
+                           "metadata": {"name": name, "labels": dict(labels or {})}})
+
+    def stop(self) -> None:
+        for proc in [*self.spoke_procs.values(), self.hub_proc]:
+            if proc is not None:
+                proc.stop()
+
+    # ------------------------------------------------------------------ reading
+
+    def marks(self) -> None:
+        for cluster in (self.hub, *self.spokes.values()):
+            cluster.audit_mark()
+
+    def hub_object(self, name: str, namespace: str) -> dict[str, Any]:
+        return self.hub.get_json("embeddingdeployment", name, "-n", namespace) or {}
+
+    def rows(self, name: str, namespace: str) -> dict[str, dict[str, Any]]:
+        status = self.hub_object(name, namespace).get("status") or {}
+        return {r["name"]: r for r in status.get("clusters") or []}
+
+    def condition(self, name: str, namespace: str, type_: str) -> dict[str, Any]:
+        for cond in (self.hub_object(name, namespace).get("status") or {}).get("conditions") or []:
+            if cond["type"] == type_:
+                return cond
+        return {}
+
+    def copy(self, spoke: str, name: str, namespace: str) -> dict[str, Any] | None:
+        return self.spokes[spoke].get_json("embeddingdeployment", name, "-n", namespace)
+
+    def copies(self, name: str, namespace: str) -> dict[str, int]:
+        """spoke -> replicas of its copy, for spokes that have one."""
+        out = {}
+        for spoke in self.spokes:
+            obj = self.copy(spoke, name, namespace)
+            if obj is not None:
+                out[spoke] = int(obj["spec"].get("replicas") or 0)
+        return out
+
+    def ready_pods(self, spoke: str, name: str, namespace: str) -> int:
+        dep = self.spokes[spoke].get_json("deployment", name, "-n", namespace)
+        return int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
+
+    def events(self, name: str, namespace: str, reason: str) -> list[dict[str, Any]]:
+        items = (self.hub.get_json("events", "-n", namespace) or {}).get("items") or []
+        return [e for e in items if e["involvedObject"]["name"] == name and e.get("reason") == reason]
+
+    def settled(self, name: str, namespace: str, shares: dict[str, int]) -> bool:
+        """The hub reports `shares` placed, in place and ready, and the spokes run exactly them."""
+        rows = self.rows(name, namespace)
+        placed = self.condition(name, namespace, "Placed").get("status") == "True"
+        healthy = self.condition(name, namespace, "Degraded").get("status") == "False"
+        in_rows = {n: r.get("desired") for n, r in rows.items() if r.get("desired")}
+        ready = all(rows.get(n, {}).get("ready") == k for n, k in shares.items())
+        return (placed and healthy and in_rows == shares and ready and self.copies(name, namespace) == shares
+                and all(self.ready_pods(s, name, namespace) == k for s, k in shares.items()))
+
+    def wait_settled(self, name: str, namespace: str, shares: dict[str, int], timeout: float = 120) -> None:
+        try:
+            wait_until(lambda: self.settled(name, namespace, shares), timeout, f"{namespace}/{name} at {shares}",
+                       interval=0.5)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\nhub status: {self.hub_object(name, namespace).get('status')}\n"
+                                 f"copies: {self.copies(name, namespace)}\n{self.logs()}") from exc
+
+    def logs(self, lines: int = 60) -> str:
+        out = []
+        for name, proc in [("hub", self.hub_proc), *self.spoke_procs.items()]:
+            if proc is not None:
+                tail = "\n".join(proc.log().splitlines()[-lines:])
+                out.append(f"--- operator {name} (alive={proc.alive()})\n{tail}")
+        return "\n".join(out)

@@ -1,0 +1,80 @@
+"""The spoke's heartbeat on a real API server with RBAC: when its identity may not list nodes, the cached
+models it reports are unknown, and it says so (a Lease annotation, one log line, the hub's FleetCluster
+Degraded=True) instead of reporting "nothing cached"; once allowed, the report is complete again."""
+
+from __future__ import annotations
+
+import base64
+import logging
+from pathlib import Path
+
+import pytest
+
+from embedfleet.operator.hub.loop import HubLoop
+from embedfleet.operator.kube import Kube, load_client
+from embedfleet.operator.spoke.heartbeat import LEASE_NAME, PROBLEM_ANNOTATION, Heartbeat
+from tests.kube.controlplane import ROOT, ControlPlane
+
+NS = "embedfleet-system"
+RBAC = "rbac.authorization.k8s.io/v1"
+
+
+def _degraded(cluster, name: str) -> dict:
+    fc = cluster.get_json("fleetcluster", name)
+    return {c["type"]: c for c in fc["status"]["conditions"]}.get("Degraded") or {}
+
+
+def test_a_refused_node_list_is_reported_not_swallowed(fresh_plane: ControlPlane, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    cluster = fresh_plane.add_cluster("spoke", nodes=[], controllers=False)
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        cluster.kubectl("apply", "-f", str(path))
+    cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    cluster.kubectl("create", "namespace", NS)
+    # The spoke operator's identity: its leases, nothing about nodes (what the chart granted when this broke).
+    cluster.kubectl("create", "serviceaccount", "spoke", "-n", NS)
+    cluster.kubectl("create", "role", "leases", "-n", NS, "--verb=get,create,patch", "--resource=leases")
+    cluster.kubectl("create", "rolebinding", "leases", "-n", NS, "--role=leases", f"--serviceaccount={NS}:spoke")
+    spoke_kube = Kube(load_client(cluster.kubeconfig_for(cluster.token_for(NS, "spoke"), tmp_path / "spoke.yaml")))
+    beat = Heartbeat(spoke_kube)
+    beat.namespace = NS
+
+    # The hub, in-process, reading this spoke (as the admin: this test is about what the heartbeat says).
+    cluster.apply(
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "self-kubeconfig", "namespace": NS},
+         "data": {"kubeconfig": base64.b64encode(cluster.kubeconfig.read_bytes()).decode()}},
+        {"apiVersion": "embedfleet.dev/v1alpha1", "kind": "FleetCluster", "metadata": {"name": "self"},
+         "spec": {"region": "test-region-1", "connection": {"kubeconfigSecret": {"name": "self-kubeconfig"}}}},
+    )
+    hub = HubLoop(Kube(load_client(cluster.kubeconfig)), interval=1, ramp=0)
+
+    with caplog.at_level(logging.INFO, logger="embedfleet.operator.spoke.heartbeat"):
+        beat.beat()
+        beat.beat()
+    annotations = cluster.get_json("lease", LEASE_NAME, "-n", NS)["metadata"]["annotations"]
+    problem = annotations.get(PROBLEM_ANNOTATION, "")
+    assert "cannot list nodes" in problem and "403" in problem, annotations
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "403" in warnings[0].getMessage(), "logged once, not every beat"
+    hub.run_round()
+    degraded = _degraded(cluster, "self")
+    assert degraded["status"] == "True" and degraded["reason"] == "HeartbeatIncomplete", degraded
+    assert "cannot list nodes" in degraded["message"]
+
+    # Allowed to list nodes: the report is complete, the annotation gone, the hub says Healthy.
+    cluster.apply(
+        {"apiVersion": RBAC, "kind": "ClusterRole", "metadata": {"name": "nodes-read"},
+         "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]},
+        {"apiVersion": RBAC, "kind": "ClusterRoleBinding", "metadata": {"name": "nodes-read"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "nodes-read"},
+         "subjects": [{"kind": "ServiceAccount", "name": "spoke", "namespace": NS}]},
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="embedfleet.operator.spoke.heartbeat"):
+        beat.beat()
+    annotations = cluster.get_json("lease", LEASE_NAME, "-n", NS)["metadata"]["annotations"]
+    assert PROBLEM_ANNOTATION not in annotations, annotations
+    assert any("complete again" in r.getMessage() for r in caplog.records)
+    hub.run_round()
+    degraded = _degraded(cluster, "self")
+    assert degraded["status"] == "False" and degraded["reason"] == "Healthy", degraded
