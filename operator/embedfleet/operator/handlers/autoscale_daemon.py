@@ -37,7 +37,7 @@ from embedfleet.operator.autoscale import (
 )
 from embedfleet.operator.crd import naming
 from embedfleet.operator.kube import Kube, KubeError
-from embedfleet.operator.render import runtime_name, selector_labels
+from embedfleet.operator.render import runtime_name
 from embedfleet.operator.signals import (
     ASYNC_DEPTH_QUERY,
     Reading,
@@ -109,21 +109,22 @@ def record_event(body: dict[str, Any], reason: str, message: str, type_: str = "
     )
 
 
-def _runtime_pods(name: str, namespace: str) -> list[dict[str, Any]]:
-    """The deployment's runtime pods as plain dicts (selector re-checked here: not every server filters)."""
-    wanted = selector_labels(name, "runtime")
-    selector = ",".join(f"{k}={v}" for k, v in wanted.items())
-    core = kubernetes.client.CoreV1Api(KUBE.client)
-    pods = core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=(5, 30))
-    out = []
-    for pod in KUBE.client.sanitize_for_serialization(pods).get("items", []):
-        labels = (pod.get("metadata") or {}).get("labels") or {}
-        if all(labels.get(k) == v for k, v in wanted.items()):
-            out.append(pod)
-    return out
+@kopf.index("", "v1", "pods", labels={naming.COMPONENT_LABEL: "runtime", naming.MANAGED_BY_LABEL: naming.MANAGED_BY})
+def runtime_pods(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    """Runtime pods by (namespace, deployment name), kept by the watch: a tick lists nothing."""
+    return {(namespace, labels.get(naming.INSTANCE_LABEL, "")): dict(body)}
 
 
-def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: int) -> Reading:
+@kopf.index("apps", "v1", "deployments", labels={naming.COMPONENT_LABEL: "runtime",
+                                                 naming.MANAGED_BY_LABEL: naming.MANAGED_BY})
+def runtime_deployments(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any
+                        ) -> dict[tuple[str, str], Any]:
+    """Runtime Deployments by (namespace, deployment name): a tick reads none."""
+    return {(namespace, labels.get(naming.INSTANCE_LABEL, "")): dict(body)}
+
+
+def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: int,
+                pods: list[dict[str, Any]]) -> Reading:
     """In-flight total from Prometheus when a URL is configured, else from every Ready pod's /metrics."""
     url = autoscaling.get("prometheusUrl") or os.environ.get(ENV_PROMETHEUS_URL)
     if url:
@@ -131,10 +132,6 @@ def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: in
         reading = query_prometheus(url, query)
         depth = query_async_depth(url, render_query(ASYNC_DEPTH_QUERY, namespace, name, runtime_name(name)))
         return dataclasses.replace(reading, async_depth=depth)
-    try:
-        pods = _runtime_pods(name, namespace)
-    except (kubernetes.client.ApiException, OSError) as exc:
-        return Reading(in_flight=None, source="pods", errors=(f"listing pods: {exc}",))
     return asyncio.run(scrape(pod_targets(pods, port)))
 
 
@@ -185,9 +182,13 @@ def tick(
     port: int,
     state: LoopState,
     now: float,
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
 ) -> Decision | None:
-    """One round of the loop; returns the decision, or None when there was nothing to decide on."""
-    deployment = KUBE.get("Deployment", runtime_name(name), namespace)
+    """One round of the loop; returns the decision, or None when there was nothing to decide on.
+
+    ``deployment`` and ``pods`` are the watch's latest view (kopf indexes): a tick reads nothing from
+    the API server; it writes only when a decision or a throttled observation changed."""
     if deployment is None:
         return None  # the reconcile handler has not created it yet
     current = int((deployment.get("spec") or {}).get("replicas") or 0)
@@ -206,7 +207,7 @@ def tick(
         state.history = history
         return _apply(name, namespace, body, decision, state, now, record=True)
 
-    reading = read_signal(name, namespace, autoscaling, port)
+    reading = read_signal(name, namespace, autoscaling, port, pods)
     if reading.in_flight is None:
         if state.signal_ok:
             message = f"no in-flight signal from {reading.source}, keeping {current}: " + "; ".join(
@@ -253,6 +254,8 @@ async def autoscale(
     namespace: str,
     body: kopf.Body,
     logger: kopf.Logger,
+    runtime_pods: kopf.Index,
+    runtime_deployments: kopf.Index,
     **_: Any,
 ) -> None:
     """Runs for as long as the EmbeddingDeployment exists; ``body`` is kopf's live view of it.
@@ -279,9 +282,11 @@ async def autoscale(
                 state = LoopState(seen_spec_replicas=state.seen_spec_replicas)
             config_key = config
         try:
+            deployment = next(iter(runtime_deployments.get((namespace, name), [])), None)
+            pods = list(runtime_pods.get((namespace, name), []))
             decision = await asyncio.to_thread(
                 tick, name, namespace, dict(body), config, autoscaling, parsed.runtime.port, state,
-                time.monotonic(),
+                time.monotonic(), deployment, pods,
             )
             if decision is not None and decision.changed:
                 logger.info("%s", decision.reason)
