@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "operator"), str(ROOT / "runtime"), str(ROOT / "client")]
 
 import kubernetes  # noqa: E402
-
 from tests.kube.controlplane import ControlPlane, missing_reason  # noqa: E402
 from tests.kube.operator_proc import CHART, start_operator  # noqa: E402
 from tests.operator.real import small  # noqa: E402

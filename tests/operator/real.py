@@ -71,7 +71,8 @@ def release(cluster: Cluster, workdir: Path, tag: str, role: str = "standalone",
     namespace = f"ef-system-{tag}"
     name = f"ef-{tag}"
     values = [CHART / "ci" / f"{role}-values.yaml"]
-    all_sets = {**FAST_ELECTION, **(sets or {})}
+    # No Prometheus URL (the spoke ci/ file names an in-cluster one): scrapes stay on this machine.
+    all_sets = {**FAST_ELECTION, "prometheusUrl": "", **(sets or {})}
     args = ["install", name, str(CHART), "-n", namespace, "--create-namespace", "--wait=false"]
     for path in values:
         args += ["-f", str(path)]

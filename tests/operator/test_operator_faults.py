@@ -11,8 +11,8 @@ from tests.kube.operator_proc import CHART, start_operator
 from tests.operator.real import FAST_ELECTION, release, small, wait_condition
 
 
-def _lease_holder(cluster: Cluster, namespace: str) -> str | None:
-    lease = cluster.get_json("lease", "embedfleet-operator", "-n", namespace)
+def _lease_holder(cluster: Cluster, namespace: str, release: str) -> str | None:
+    lease = cluster.get_json("lease", f"{release}-embedfleet-operator", "-n", namespace)
     return ((lease or {}).get("spec") or {}).get("holderIdentity")
 
 
@@ -27,7 +27,7 @@ def test_one_operator_acts_and_the_standby_takes_over(kube_cluster: Cluster, uni
                                 wait_alive=False)
         try:
             wait_until(lambda: "waiting for lease" in second.log(), 30, "the second to wait as a standby")
-            assert _lease_holder(cluster, system) == "first"
+            assert _lease_holder(cluster, system, f"ef-{unique}") == "first"
             ns = f"ha-{unique}"
             cluster.kubectl("create", "namespace", ns)
             cluster.apply(small("ha", ns, autoscaling={"enabled": False}, replicas=1))
@@ -37,7 +37,8 @@ def test_one_operator_acts_and_the_standby_takes_over(kube_cluster: Cluster, uni
 
             first.kill()  # no release: the standby must wait out the lease
             cluster.apply(small("ha", ns, autoscaling={"enabled": False}, replicas=2))
-            wait_until(lambda: _lease_holder(cluster, system) == "second", 30, "the standby to take the lease")
+            wait_until(lambda: _lease_holder(cluster, system, f"ef-{unique}") == "second", 30,
+                       "the standby to take the lease")
             wait_until(lambda: cluster.get_json("deployment", "ha", "-n", ns)["spec"]["replicas"] == 2, 60,
                        "the spec change applied by the new leader")
             errors = second.unexpected_errors()

@@ -1,7 +1,6 @@
 {{- /*
-Shared names. Only the subset of Helm that Go's text/template + sprig render is used in this chart
-(define/template, if/range/with, toYaml, nindent, quote, default, printf, trunc): no include, tpl,
-required, lookup or Files access. See the chart README for why.
+Shared names and labels. The chart is rendered and installed by the real `helm` in tests
+(tests/chart/), so every Helm function is available.
 */ -}}
 {{- define "embedfleet.fullname" -}}
 {{- if contains .Chart.Name .Release.Name -}}
@@ -12,19 +11,55 @@ required, lookup or Files access. See the chart README for why.
 {{- end -}}
 
 {{- define "embedfleet.serviceAccountName" -}}
-{{- if .Values.serviceAccount.name -}}
-{{- .Values.serviceAccount.name -}}
-{{- else -}}
-{{- template "embedfleet.fullname" . -}}
-{{- end -}}
+{{- default (include "embedfleet.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
 
-{{- /* Object labels for a top-level object, used as `  labels:{{ template "embedfleet.labels" . }}`. */ -}}
-{{- define "embedfleet.labels" }}
-    app.kubernetes.io/name: embedfleet-operator
-    app.kubernetes.io/instance: {{ .Release.Name | quote }}
-    app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-    app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
-    helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
-    embedfleet.dev/role: {{ .Values.role | quote }}
+{{- /* The operator's leader-election Lease, in the release namespace: one per release, so two releases
+in one namespace (say a hub and a spoke on the same cluster) never wait on each other. For the release
+name "embedfleet" it is the operator's default, embedfleet-operator. */ -}}
+{{- define "embedfleet.leaseName" -}}
+{{- printf "%s-operator" (include "embedfleet.fullname" .) -}}
+{{- end -}}
+
+{{- /* The spoke's heartbeat Lease (spoke/heartbeat.py LEASE_NAME); the hub reads it. */ -}}
+{{- define "embedfleet.heartbeatLeaseName" -}}
+embedfleet-spoke
+{{- end -}}
+
+{{- define "embedfleet.cachePullerClusterRole" -}}
+{{- printf "%s-cache-puller" (include "embedfleet.fullname" .) -}}
+{{- end -}}
+
+{{- define "embedfleet.hubAccessServiceAccountName" -}}
+{{- default (printf "%s-hub" (include "embedfleet.fullname" .)) .Values.hubAccess.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "embedfleet.selectorLabels" -}}
+app.kubernetes.io/name: embedfleet-operator
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+{{- end -}}
+
+{{- define "embedfleet.labels" -}}
+{{ include "embedfleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | quote }}
+embedfleet.dev/role: {{ .Values.role | quote }}
+{{- end -}}
+
+{{- /* The operator's ServiceAccount as an RBAC subject (a list item). */ -}}
+{{- define "embedfleet.operatorSubject" -}}
+- kind: ServiceAccount
+  name: {{ include "embedfleet.serviceAccountName" . | quote }}
+  namespace: {{ .Release.Namespace | quote }}
+{{- end -}}
+
+{{- /* Settings the values schema cannot express; a bad combination fails the render with a message. */ -}}
+{{- define "embedfleet.validate" -}}
+{{- $le := .Values.leaderElection -}}
+{{- if $le.enabled -}}
+{{- if not (and (lt (float64 $le.retryPeriod) (float64 $le.renewDeadline)) (lt (float64 $le.renewDeadline) (float64 $le.leaseDuration))) -}}
+{{- fail (printf "leaderElection: need retryPeriod < renewDeadline < leaseDuration, got %v < %v < %v" $le.retryPeriod $le.renewDeadline $le.leaseDuration) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}

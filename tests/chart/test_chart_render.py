@@ -1,0 +1,374 @@
+"""The chart rendered by the real `helm` (lint, template, the values schema as helm applies it) and every
+rendered object judged by a real API server (`kubectl apply --dry-run=server --validate=strict`)."""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from embedfleet.operator import cli as operator_cli
+from tests.chart.helm import (
+    CHART,
+    CI_VALUES,
+    DEFAULTS,
+    PULLER_ENV,
+    ROLES,
+    SCHEMA,
+    by_kind,
+    fullname,
+    helm,
+    install_crds,
+    named,
+    operator_container,
+    template,
+    template_text,
+)
+from tests.kube.controlplane import ROOT, Cluster
+
+#: (id, values files, --set): the defaults, each ci/ file, and each role on defaults.
+CASES = [("defaults", [], {})]
+CASES += [(f"ci/{role}", [path], {}) for role, path in CI_VALUES.items()]
+CASES += [(f"role={role}", [], {"role": role}) for role in ROLES]
+IDS = [case[0] for case in CASES]
+
+
+def merged_values(files: list[Path], sets: Mapping[str, str]) -> dict[str, Any]:
+    """The release's .Values the way helm merges them: maps key by key, anything else (lists too) replaced."""
+    out: dict[str, Any] = json.loads(json.dumps(DEFAULTS))
+    for override in [yaml.safe_load(p.read_text()) or {} for p in files] + [dict(sets)]:
+        stack: list[tuple[dict[str, Any], dict[str, Any]]] = [(out, override)]
+        while stack:
+            base, over = stack.pop()
+            for key, value in over.items():
+                if isinstance(value, dict) and isinstance(base.get(key), dict):
+                    stack.append((base[key], value))
+                else:
+                    base[key] = value
+    return out
+
+
+# ---------------------------------------------------------------- lint and values
+
+
+@pytest.mark.parametrize(("name", "files", "sets"), CASES, ids=IDS)
+def test_helm_lint_strict(name: str, files: list[Path], sets: dict[str, str]) -> None:
+    args = ["lint", str(CHART), "--strict"]
+    for path in files:
+        args += ["-f", str(path)]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    done = helm(*args)
+    assert "0 chart(s) failed" in done.stdout
+
+
+def test_ci_values_cover_every_role() -> None:
+    assert {(yaml.safe_load(p.read_text()) or {}).get("role") for p in CI_VALUES.values()} == set(ROLES)
+
+
+def _schema_paths(schema: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    for key, sub in (schema.get("properties") or {}).items():
+        yield f"{prefix}{key}"
+        if sub.get("type") == "object" and "properties" in sub:
+            yield from _schema_paths(sub, f"{prefix}{key}.")
+
+
+def _has_path(values: Mapping[str, Any], dotted: str) -> bool:
+    node: Any = values
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def test_values_yaml_and_schema_are_in_sync() -> None:
+    """Every default satisfies the schema, and every key the schema knows has a default in values.yaml
+    (the schema refuses keys values.yaml lacks, so together: the same keys)."""
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+    jsonschema.validate(DEFAULTS, SCHEMA)
+    for case_files in CI_VALUES.values():
+        jsonschema.validate(merged_values([case_files], {}), SCHEMA)
+    optional = {"image", "imagePullSecrets", "podAnnotations", "podLabels", "nodeSelector", "tolerations",
+                "affinity", "priorityClassName", "serviceAccount.annotations"}
+    missing = [p for p in _schema_paths(SCHEMA) if not _has_path(DEFAULTS, p) and p not in optional]
+    assert missing == [], f"in values.schema.json but not values.yaml: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        ({"role": "boss"}, "role"),
+        ({"replicas": "two"}, "replicas"),
+        ({"prometheusUrl": "prometheus:9090"}, "prometheusUrl"),
+        ({"unknownKey": "1"}, "unknownKey"),
+        ({"image.pullPolicy": "Sometimes"}, "pullPolicy"),
+        ({"resources.requests.cpu": "lots"}, "cpu"),
+        ({"watchNamespaces[0]": "Not_A_Namespace"}, "watchNamespaces"),
+        ({"role": "hub", "watchNamespaces[0]": "apps"}, "watchNamespaces"),
+        ({"replicas": "2", "leaderElection.enabled": "false"}, "replicas"),
+        ({"leaderElection.retryPeriod": "12"}, "retryPeriod < renewDeadline < leaseDuration"),
+        ({"hubAccess.subjects[0].kind": "Robot", "hubAccess.subjects[0].name": "r"}, "kind"),
+        ({"hubAccess.subjects[0].kind": "User", "hubAccess.subjects[0].name": "u",
+          "hubAccess.subjects[0].namespace": "x"}, "subjects"),
+        ({"role": "spoke", "hubAccess.serviceAccount.create": "false"}, "hubAccess.enabled with no identity"),
+    ],
+    ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None,
+)
+def test_helm_refuses_nonsense_values(sets: dict[str, str], says: str) -> None:
+    args = ["template", "x", str(CHART)]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    done = helm(*args, check=False)
+    assert done.returncode != 0, done.stdout[:2000]
+    assert says in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------- what renders
+
+
+@pytest.mark.parametrize(("name", "files", "sets"), CASES, ids=IDS)
+def test_operator_pod_is_non_root_read_only_and_probed(name: str, files: list[Path], sets: dict[str, str]) -> None:
+    objects = template(files, sets)
+    (deployment,) = by_kind(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    container = operator_container(objects)
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
+    probe = container["livenessProbe"]["httpGet"]
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == probe["port"])
+    assert f"--liveness=http://0.0.0.0:{port}{probe['path']}" in container["args"]
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert pod["serviceAccountName"] == fullname("embedfleet")
+
+
+@pytest.mark.parametrize(("name", "files", "sets"), CASES, ids=IDS)
+def test_operator_args_are_accepted_by_the_cli(name: str, files: list[Path], sets: dict[str, str]) -> None:
+    values = merged_values(files, sets)
+    objects = template(files, sets, release="search", namespace="ops")
+    container = operator_container(objects)
+    assert container["command"] == ["embedfleet", "operator", "run"]
+    parser = argparse.ArgumentParser()
+    operator_cli.add_arguments(parser)
+    args = parser.parse_args(["run", *container["args"]])
+    assert args.role == values["role"]
+    assert (args.namespaces or []) == values["watchNamespaces"]
+    assert args.all_namespaces == (not values["watchNamespaces"])
+    assert (args.prometheus_url or "") == values["prometheusUrl"]
+    election = values["leaderElection"]
+    assert args.leader_elect == election["enabled"]
+    assert args.lease_duration == election["leaseDuration"] and args.retry_period == election["retryPeriod"]
+    if election["enabled"]:
+        # The Lease lives in the release namespace, one per release, and the chart's Role names it.
+        assert args.leader_election_namespace == "ops"
+        assert args.leader_election_id == "search-embedfleet-operator"
+        leases = named(objects, "Role", "search-embedfleet-leases")
+        names = {n for rule in leases["rules"] for n in rule.get("resourceNames", [])}
+        assert args.leader_election_id in names
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[PULLER_ENV] == "search-embedfleet-cache-puller"
+    assert {"POD_NAME", "POD_NAMESPACE"} <= env.keys()
+
+
+def test_role_region_and_namespaces_reach_the_operator() -> None:
+    objects = template([CI_VALUES["spoke"]])
+    args = operator_container(objects)["args"]
+    assert "--role=spoke" in args and "--region=eu-west-1" in args and "--cloud=aws" in args
+    assert "--namespace=embeddings" in args and "--namespace=search" in args
+    bindings = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["name"] == "embedfleet-namespaced"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["embeddings", "search"]
+    assert not [b for b in by_kind(objects, "ClusterRoleBinding") if b["metadata"]["name"].endswith("-namespaced")]
+    # Without a server to ask (helm template), every watched namespace renders, kept on uninstall.
+    namespaces = by_kind(objects, "Namespace")
+    assert sorted(n["metadata"]["name"] for n in namespaces) == ["embeddings", "search"]
+    assert all(n["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for n in namespaces)
+    assert not by_kind(template([CI_VALUES["spoke"]], {"createWatchNamespaces": "false"}), "Namespace")
+
+
+def test_without_leader_election_one_replica_is_replaced_not_rolled() -> None:
+    objects = template(sets={"leaderElection.enabled": "false"})
+    (deployment,) = by_kind(objects, "Deployment")
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--no-leader-elect" in operator_container(objects)["args"]
+    assert not [r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith("-leases")]
+    (hub,) = by_kind(template([CI_VALUES["hub"]]), "Deployment")
+    assert hub["spec"]["replicas"] == 2 and "strategy" not in hub["spec"]
+
+
+# ---------------------------------------------------------------- RBAC
+
+
+def _rules(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[tuple[str, str], set[str]]]:
+    """{(kind, name): {(group, resource): verbs}} for every Role and ClusterRole."""
+    out: dict[tuple[str, str], dict[tuple[str, str], set[str]]] = {}
+    for obj in objects:
+        if obj["kind"] in ("Role", "ClusterRole"):
+            table: dict[tuple[str, str], set[str]] = {}
+            for rule in obj["rules"]:
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        table.setdefault((group, resource), set()).update(rule["verbs"])
+            out[(obj["kind"], obj["metadata"]["name"])] = table
+    return out
+
+
+@pytest.mark.parametrize(("name", "files", "sets"), CASES, ids=IDS)
+def test_rbac_has_no_wildcards_and_binds_only_its_own_roles(name: str, files: list[Path],
+                                                            sets: dict[str, str]) -> None:
+    objects = template(files, sets)
+    roles = _rules(objects)
+    for obj in objects:
+        for rule in obj.get("rules") or []:
+            for key in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
+                assert "*" not in rule.get(key, []), f"{obj['metadata']['name']}: wildcard in {key}"
+            assert not {"escalate", "impersonate"} & set(rule["verbs"])
+            if "bind" in rule["verbs"]:  # only the puller role, and nothing else in that rule
+                assert rule["verbs"] == ["bind"] and rule["resourceNames"] == ["embedfleet-cache-puller"]
+    for binding in by_kind(objects, "ClusterRoleBinding") + by_kind(objects, "RoleBinding"):
+        assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) in roles
+    for table in roles.values():
+        assert ("", "secrets") not in table or table[("", "secrets")] == {"get"}
+
+
+def test_the_operator_never_reads_secrets_or_writes_nodes_outside_the_hub() -> None:
+    for role in ("standalone", "spoke"):
+        objects = template([CI_VALUES[role]])
+        operator_roles = {(b["roleRef"]["kind"], b["roleRef"]["name"])
+                          for b in by_kind(objects, "ClusterRoleBinding") + by_kind(objects, "RoleBinding")
+                          if {"kind": "ServiceAccount", "name": "embedfleet", "namespace": "embedfleet-system"}
+                          in b["subjects"]}
+        tables = _rules(objects)
+        granted = {key: verbs for r in operator_roles for key, verbs in tables[r].items()}
+        assert ("", "secrets") not in granted
+        assert granted.get(("", "nodes"), set()) <= {"list"}
+        assert tables[("ClusterRole", "embedfleet-cache-puller")] == {("", "nodes"): {"patch"}}
+
+
+def test_hub_access_is_spoke_only_and_exact() -> None:
+    objects = template([CI_VALUES["spoke"]])
+    tables = _rules(objects)
+    assert tables[("ClusterRole", "embedfleet-hub-access")] == {
+        ("embedfleet.dev", "embeddingdeployments"): {"list", "create", "patch", "delete"}}
+    lease_role = named(objects, "Role", "embedfleet-hub-access")
+    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                    "resourceNames": ["embedfleet-spoke"], "verbs": ["get"]}]
+    subjects = named(objects, "ClusterRoleBinding", "embedfleet-hub-access")["subjects"]
+    assert subjects == [{"kind": "ServiceAccount", "name": "embedfleet-hub", "namespace": "embedfleet-system"}]
+    extra = template([CI_VALUES["spoke"]], {
+        "hubAccess.serviceAccount.create": "false",
+        "hubAccess.subjects[0].kind": "User", "hubAccess.subjects[0].name": "arn:aws:iam::1:role/hub",
+        "hubAccess.subjects[1].kind": "ServiceAccount", "hubAccess.subjects[1].name": "hub",
+    })
+    assert not [sa for sa in by_kind(extra, "ServiceAccount") if sa["metadata"]["name"] == "embedfleet-hub"]
+    assert named(extra, "RoleBinding", "embedfleet-hub-access")["subjects"] == [
+        {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "arn:aws:iam::1:role/hub"},
+        {"kind": "ServiceAccount", "name": "hub", "namespace": "embedfleet-system"}]
+    for role in ("standalone", "hub"):
+        assert not [o for o in template([CI_VALUES[role]]) if "hub-access" in o["metadata"]["name"]]
+    assert not [o for o in template([CI_VALUES["spoke"]], {"hubAccess.enabled": "false"})
+                if "hub-access" in o["metadata"]["name"]]
+
+
+def test_two_releases_never_share_an_object() -> None:
+    """Cluster-scoped names carry the release; two releases in one namespace share no namespaced name."""
+    seen: dict[tuple[str, str, str], str] = {}
+    for release, namespace in (("a", "team"), ("b", "team"), ("c", "other")):
+        for role in ROLES:
+            for obj in template([CI_VALUES[role]], release=release, namespace=namespace):
+                if obj["kind"] == "Namespace":
+                    continue  # shared on purpose: whoever created it owns it (see namespaces.yaml)
+                key = (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+                owner = f"{release}/{role}"
+                assert seen.setdefault(key, release) == release, f"{key} rendered by {seen[key]} and {owner}"
+
+
+# ---------------------------------------------------------------- CRDs and notes
+
+
+def test_chart_crds_equal_the_generated_ones() -> None:
+    generated = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    packaged = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    assert generated and packaged == generated, "run: cp crds/*.yaml charts/embedfleet/crds/"
+    _, mismatch, errors = filecmp.cmpfiles(ROOT / "crds", CHART / "crds", generated, shallow=False)
+    assert mismatch == [] and errors == [], "run: cp crds/*.yaml charts/embedfleet/crds/"
+
+
+def test_crds_only_under_crds_dir() -> None:
+    """Helm installs crds/ before rendering templates; a CRD among the templates (and an object of it in
+    the same pass) is what a real install refuses."""
+    for _, files, sets in CASES:
+        assert not by_kind(template(files, sets), "CustomResourceDefinition")
+    shown = helm("show", "crds", str(CHART)).stdout
+    names = {d["metadata"]["name"] for d in yaml.safe_load_all(shown) if d}
+    assert names == {yaml.safe_load(p.read_text())["metadata"]["name"] for p in (CHART / "crds").glob("*.yaml")}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_notes_render(role: str) -> None:
+    done = helm("install", "embedfleet", str(CHART), "-n", "embedfleet-system", "--dry-run=client",
+                "-f", str(CI_VALUES[role]))
+    notes = done.stdout.split("NOTES:", 1)[1]
+    assert f"role:        {role}" in notes
+    assert "Lease embedfleet-system/embedfleet-operator" in notes
+    assert "kubectl apply --server-side --force-conflicts -f charts/embedfleet/crds/" in notes
+    assert ("create token embedfleet-hub" in notes) == (role == "spoke")
+
+
+def test_release_name_shapes_the_object_names() -> None:
+    (deployment,) = by_kind(template(release="search"), "Deployment")
+    assert deployment["metadata"]["name"] == "search-embedfleet"
+    long = template(release="x" * 53)  # helm allows 53
+    assert all(len(o["metadata"]["name"]) <= 63 for o in long if o["kind"] in ("Deployment", "ServiceAccount"))
+
+
+# ---------------------------------------------------------------- judged by the API server
+
+
+@pytest.fixture
+def crds(kube_cluster: Cluster) -> Cluster:
+    install_crds(kube_cluster)
+    return kube_cluster
+
+
+@pytest.mark.parametrize(("name", "files", "sets"), CASES, ids=IDS)
+def test_every_object_passes_server_side_dry_run(crds: Cluster, unique: str, name: str, files: list[Path],
+                                                 sets: dict[str, str]) -> None:
+    """What the API server says about every rendered object (schema, unknown fields, RBAC escalation
+    checks on roles and bindings), without creating anything. A dry run cannot create a namespace for
+    the next object, so the release namespace and any watched namespaces exist first."""
+    cluster = crds
+    namespace = f"dry-{unique}"
+    sets = dict(sets)
+    values = merged_values(files, sets)
+    watched = [f"{ns}-{unique}" for ns in values["watchNamespaces"]]
+    for i, ns in enumerate(watched):
+        sets[f"watchNamespaces[{i}]"] = ns
+    for ns in [namespace, *watched]:
+        cluster.kubectl("create", "namespace", ns)
+    text = template_text(files, sets, release=f"dry-{unique}", namespace=namespace)
+    done = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=text, check=False)
+    assert done.returncode == 0, done.stderr
+    applied = [line for line in done.stdout.splitlines() if line.endswith("(server dry run)")]
+    assert len(applied) == len([d for d in yaml.safe_load_all(text) if d])
+    cluster.kubectl("delete", "namespace", namespace, *watched, "--wait=false")
+
+
+def test_dry_run_catches_what_helm_template_lets_through(crds: Cluster, unique: str) -> None:
+    """The check above is real: a field the API does not know fails it."""
+    text = template_text(release=f"typo-{unique}", namespace="default")
+    indent = "\n" + " " * 12
+    broken = text.replace("readOnlyRootFilesystem: true", f"readOnlyRootFilesystem: true{indent}readOnlyRootFS: true")
+    assert broken != text
+    done = crds.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=broken, check=False)
+    assert done.returncode != 0 and "readOnlyRootFS" in done.stderr
