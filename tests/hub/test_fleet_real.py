@@ -188,7 +188,8 @@ def test_a_stopped_spoke_fails_over_and_returns_without_churn(fleet: Fleet) -> N
     assert "unreachable" in available["message"] and fc.get("availableSince") is None
     # Not on a missed heartbeat: only lease + grace after the last renewal the hub saw (both on its clock).
     waited = _time(available["lastTransitionTime"]) - _time(fc["lastHeartbeat"])
-    assert waited >= LEASE["durationSeconds"] + LEASE["graceSeconds"] - 0.01, waited  # (two clock readings)
+    # (condition times have whole-second resolution; lastHeartbeat has microseconds)
+    assert waited >= LEASE["durationSeconds"] + LEASE["graceSeconds"] - 1.0, waited
     assert len(fleet.events(*SPREAD, "Rescheduled")) >= 1
 
     # The outage wrote what changed (unreachable, in grace, expired, us's pods Ready), not a write a round.

@@ -4,32 +4,46 @@ applied by the server, printer columns shown by a real `kubectl get`."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from tests.kube.controlplane import Cluster, wait_until
+from tests.kube.controlplane import Cluster, ControlPlane, wait_until
+from tests.kube.fixtures import require_control_plane
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGEST = "sha256:" + "ab" * 32
 
 
+@pytest.fixture(scope="module")
+def crd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """An API server of this module's own: CRDs applied here with kubectl's field manager must not
+    stand in the way of `helm install` on the shared session cluster."""
+    require_control_plane()
+    plane = ControlPlane.start(tmp_path_factory.mktemp("crd-plane"))
+    try:
+        yield plane.add_cluster("crds", nodes=[], controllers=False)
+    finally:
+        plane.stop()
+
+
 @pytest.fixture
-def crds_installed(kube_cluster: Cluster) -> Cluster:
+def crds_installed(crd_cluster: Cluster) -> Cluster:
     for path in sorted((ROOT / "crds").glob("*.yaml")):
-        kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+        crd_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
     for path in sorted((ROOT / "crds").glob("*.yaml")):
         name = yaml.safe_load(path.read_text())["metadata"]["name"]
-        kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
-    return kube_cluster
+        crd_cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    return crd_cluster
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "crds").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_crd_is_accepted_and_established(kube_cluster: Cluster, path: Path) -> None:
-    done = kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path), check=False)
+def test_every_crd_is_accepted_and_established(crd_cluster: Cluster, path: Path) -> None:
+    done = crd_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path), check=False)
     assert done.returncode == 0, done.stderr
     name = yaml.safe_load(path.read_text())["metadata"]["name"]
-    crd = wait_until(lambda: _established(kube_cluster, name), 60, f"{name} Established")
+    crd = wait_until(lambda: _established(crd_cluster, name), 60, f"{name} Established")
     assert not [c for c in crd["status"]["conditions"] if c["type"] == "NonStructuralSchema"]
 
 
