@@ -12,8 +12,8 @@ Figures:
   converged_all_s                   from the first create to the last object converged
   available_all_s                   ... to every object Available=True (kwok pods Ready)
   operator_rss_mib                  the operator's resident memory once everything converged
-  steady_writes_30s                 writes the operator made in a 30 s window after that, Lease
-                                    renewals left out (goal 0)
+  steady_writes_30s                 writes the operator made in a 30 s window once every object is
+                                    Available, Lease renewals left out (goal 0)
   baseline_deployments_p99_s        the same measure for N plain Deployments applied directly, in the same
                                     run on the same machine (what the API server + controllers cost
                                     alone); ratio = reconcile_p99_s / baseline_deployments_p99_s
@@ -94,10 +94,14 @@ def measure_operator(cluster, count: int, workdir: Path) -> dict:
             time.sleep(0.25)
         latencies = [converged[n] - created[n] for n in converged]
         rss = _rss_mib(proc.popen.pid)
-        time.sleep(5)
+        time.sleep(10)  # every object Available: let the last events (SignalUnavailable, ...) land
         cluster.audit_mark()
         time.sleep(30)
         steady = [e for e in proc.writes() if e.resource != "leases"]
+        by_resource: dict[str, int] = {}
+        for event in steady:
+            key = event.resource + (f"/{event.subresource}" if event.subresource else "")
+            by_resource[key] = by_resource.get(key, 0) + 1
         return {
             "converged": len(converged),
             "reconcile_p50_s": round(statistics.median(latencies), 3) if latencies else None,
@@ -107,6 +111,7 @@ def measure_operator(cluster, count: int, workdir: Path) -> dict:
             "available_all_s": round(max(available.values()) - start, 2) if len(available) == count else None,
             "operator_rss_mib": round(rss, 1),
             "steady_writes_30s": len(steady),
+            "steady_writes_by_resource": by_resource,
             "unexpected_errors": len(proc.unexpected_errors()),
         }
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,6 +69,8 @@ class _Locks:
 
 
 LOCKS = _Locks()
+#: (namespace, name) -> monotonic time of the last converge (for the resync timer).
+LAST_CONVERGED: dict[tuple[str, str], float] = {}
 
 
 def _autoscaler_desired(status: Any) -> int | None:
@@ -155,6 +158,7 @@ def converge(
     if not uid:
         raise kopf.TemporaryError("metadata.uid is not set yet; owner references need it", delay=5)
     desired, manifests = _render(obj, parsed)
+    LAST_CONVERGED[(namespace, name)] = time.monotonic()
     with LOCKS(namespace, name):
         try:
             results = {f"{m['kind']}/{m['metadata']['name']}": KUBE.apply(m) for m in manifests}
@@ -217,7 +221,11 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any)
 
 
 @kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def resync(body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+def resync(body: kopf.Body, name: str, namespace: str, logger: kopf.Logger, **_: Any) -> None:
+    """Converge objects no event converged lately (a busy object's watches are evidently working; and
+    hundreds of timers started together do not all hit the API server at once)."""
+    if time.monotonic() - LAST_CONVERGED.get((namespace, name), float("-inf")) < RESYNC_SECONDS * 0.9:
+        return
     converge(body, logger, prune=False)
 
 
@@ -278,5 +286,6 @@ def cleanup(meta: kopf.Meta, name: str, namespace: str, logger: kopf.Logger, **_
     with LOCKS(namespace, name):
         deleted = KUBE.prune(KIND, name, meta.get("uid"), namespace, keep=[])
     LOCKS.forget(namespace, name)
+    LAST_CONVERGED.pop((namespace, name), None)
     if deleted:
         logger.info("deleted %s", ", ".join(deleted))
