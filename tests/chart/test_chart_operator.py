@@ -59,8 +59,9 @@ def strict_cluster(plane: ControlPlane) -> Cluster:
 
 
 def helm_install(cluster: Cluster, release: str, namespace: str, role: str, sets: dict[str, str]) -> None:
+    skip = ["--skip-crds"] if cluster.get_json("crd", "embeddingdeployments.embedfleet.dev") else []
     cluster.helm("install", release, str(CHART), "-n", namespace, "--create-namespace", "--wait=hookOnly",
-                 *value_args([CI_VALUES[role]], sets))
+                 *skip, *value_args([CI_VALUES[role]], sets))
 
 
 def example(namespace: str) -> dict[str, Any]:

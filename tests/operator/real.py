@@ -73,7 +73,11 @@ def release(cluster: Cluster, workdir: Path, tag: str, role: str = "standalone",
     values = [CHART / "ci" / f"{role}-values.yaml"]
     # No Prometheus URL (the spoke ci/ file names an in-cluster one): scrapes stay on this machine.
     all_sets = {**FAST_ELECTION, "prometheusUrl": "", **(sets or {})}
+    # --skip-crds once they exist: another test may have updated them with kubectl, as the chart README
+    # says, and helm's apply of crds/ would then conflict with kubectl's field manager.
     args = ["install", name, str(CHART), "-n", namespace, "--create-namespace", "--wait=false"]
+    if cluster.get_json("crd", "embeddingdeployments.embedfleet.dev") is not None:
+        args.append("--skip-crds")
     for path in values:
         args += ["-f", str(path)]
     for key, value in all_sets.items():
