@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -34,6 +33,7 @@ from typing import Any
 import yaml
 
 from tests.kube.netns import POD_CIDR, guard_pod_range, unavailable_reason
+from tests.procs import free_port
 from tests.procs import spawn as spawn_child  # own session; dies with pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,12 +44,6 @@ SERVICE_CIDR = "10.96.0.0/16"  # cluster IPs are only allocated, never sent traf
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 #: Pods carrying this annotation keep the status a test writes (kwok leaves them alone).
 MANUAL_STATUS_ANNOTATION = "embedfleet.dev/test-manual-status"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tools_dir() -> Path | None:

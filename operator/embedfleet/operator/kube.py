@@ -197,7 +197,11 @@ def _with_last_applied(manifest: Mapping[str, Any]) -> dict[str, Any]:
 def up_to_date(live: Mapping[str, Any], manifest: Mapping[str, Any]) -> bool:
     """Whether applying ``manifest`` would change nothing: the live object covers it and our last-applied
     annotation equals it (so no field we stopped setting lingers). Pure: watch events use it as is."""
-    desired = _with_last_applied(manifest)
+    return _up_to_date(live, _with_last_applied(manifest))
+
+
+def _up_to_date(live: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """`up_to_date` for a manifest that already carries its last-applied annotation."""
     previous = ((live.get("metadata") or {}).get("annotations") or {}).get(LAST_APPLIED)
     return previous == desired["metadata"]["annotations"][LAST_APPLIED] and covers(live, desired)
 
@@ -301,7 +305,7 @@ class Kube:
             return "created"
         if not owned_by_us(live, manifest):
             raise NotOwned(manifest["kind"], namespace, name)
-        if up_to_date(live, manifest):
+        if _up_to_date(live, desired):
             return "unchanged"
         previous_text = (live.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
         previous = json.loads(previous_text) if previous_text else {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,11 +71,9 @@ def run_operator(
             Kube(), lease_namespace(election), election.name, lease_duration=election.lease_duration,
             renew_deadline=election.renew_deadline, retry_period=election.retry_period,
         )
-        stop = threading.Event()
         try:
-            if not elector.acquire(stop):
-                return 0
-        except KeyboardInterrupt:
+            elector.acquire()
+        except KeyboardInterrupt:  # stopped while a standby: nothing to hand back
             return 0
         log.info("embedfleet operator: acquired leadership, starting handlers")
     try:

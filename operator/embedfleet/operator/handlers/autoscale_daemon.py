@@ -66,8 +66,8 @@ class LoopState:
     history: History = field(default_factory=History)
     signal_ok: bool = True
     last_mode: str | None = None
-    #: spec.replicas as last seen: a change is a `kubectl scale` to adopt (None until the first tick).
-    seen_spec_replicas: int | bool | None = False
+    #: spec.replicas as last seen (the daemon starts from the object's own): a change is a `kubectl scale`.
+    seen_spec_replicas: int | None = None
     #: monotonic time status.inFlight was last written (it is throttled, see _status_update).
     in_flight_written_at: float = float("-inf")
 
@@ -167,7 +167,7 @@ def manual_scale(body: dict[str, Any], config: AutoscalerConfig, state: LoopStat
     the fleet is resized now, and the autoscaler goes on from that size."""
     replicas = (body.get("spec") or {}).get("replicas")
     previous, state.seen_spec_replicas = state.seen_spec_replicas, replicas
-    if previous is False or replicas is None or replicas == previous:
+    if replicas is None or replicas == previous:
         return None
     floor = 0 if config.scale_to_zero else config.min_replicas
     return max(floor, min(config.max_replicas, int(replicas)))

@@ -89,13 +89,11 @@ def wanted_status(
     status: Mapping[str, Any] | None,
     generation: int | None,
     desired: int,
-    deployment: Mapping[str, Any] | bool | None = False,
+    deployment: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """Status from the live Deployment (given, as a watch event just showed it, or read) and pre-pull
+    """Status from the runtime Deployment (as read, or as a watch event just showed it) and the pre-pull
     DaemonSets. ``replicas.desired`` is written here only while autoscaling is off; with it on, the
     autoscaler is its one writer."""
-    if deployment is False:
-        deployment = KUBE.get("Deployment", runtime_name(name), namespace)
     daemonsets = []
     if spec.cache.pre_pull:
         daemonsets = KUBE.list(
@@ -124,14 +122,14 @@ def wanted_status(
 
 def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec) -> tuple[int, list[dict[str, Any]]]:
     """(replicas to run, manifests) for a parsed, valid object."""
-    meta, status = obj["metadata"], obj.get("status") or {}
+    meta = obj["metadata"]
     service_monitor = parsed.monitoring.service_monitor and KUBE.has_resource(
         "monitoring.coreos.com/v1", "servicemonitors"
     )
-    desired = effective_replicas(parsed, _autoscaler_desired(status))
+    autoscaler_desired = _autoscaler_desired(obj.get("status"))
     manifests = render(meta["name"], meta["namespace"], meta["uid"], parsed,
-                       autoscaler_desired=_autoscaler_desired(status), service_monitor_available=service_monitor)
-    return desired, manifests
+                       autoscaler_desired=autoscaler_desired, service_monitor_available=service_monitor)
+    return effective_replicas(parsed, autoscaler_desired), manifests
 
 
 def converge(
@@ -182,7 +180,8 @@ def converge(
         # Written here, directly, never through kopf's patch: kopf applies its patch later with a
         # resourceVersion precondition and retries it when that fails, so a stale status from this
         # handler could land after (and undo) a newer one written by an owned-object event.
-        wanted = wanted_status(name, namespace, parsed, status, generation, desired)
+        deployment = KUBE.get("Deployment", runtime_name(name), namespace)
+        wanted = wanted_status(name, namespace, parsed, status, generation, desired, deployment)
         update = st.status_patch(status, wanted)
         if update:
             KUBE.patch_status(KIND, name, namespace, update)
@@ -268,7 +267,7 @@ def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, log
         return
     status = owner.get("status") or {}
     with LOCKS(namespace, owner_name):
-        observed = dict(body) if kind == "Deployment" else False
+        observed = dict(body) if kind == "Deployment" else KUBE.get("Deployment", runtime_name(owner_name), namespace)
         update = st.status_patch(status, wanted_status(owner_name, namespace, parsed, status,
                                                        owner["metadata"].get("generation"), desired, observed))
         if update:
