@@ -242,8 +242,8 @@ def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, log
 
     Cheap in the common case (our own writes coming back, a Deployment's status moving): the owner comes
     from the in-memory index, only this object is compared with what the owner renders, and only a
-    Deployment or DaemonSet event refreshes the owner's status, from the event's own body. A drifted or
-    deleted object converges the owner in full.
+    Deployment or DaemonSet event refreshes the owner's status (from a fresh read of the Deployment). A
+    drifted or deleted object converges the owner in full.
     """
     owner_name = _owner(body)
     if owner_name is None or not namespace:
@@ -267,7 +267,9 @@ def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, log
         return
     status = owner.get("status") or {}
     with LOCKS(namespace, owner_name):
-        observed = dict(body) if kind == "Deployment" else KUBE.get("Deployment", runtime_name(owner_name), namespace)
+        # Read, not the event's body: an event can be older than what a converge just read and wrote,
+        # and status from it would flap (ready 1 -> 0 -> 1).
+        observed = KUBE.get("Deployment", runtime_name(owner_name), namespace)
         update = st.status_patch(status, wanted_status(owner_name, namespace, parsed, status,
                                                        owner["metadata"].get("generation"), desired, observed))
         if update:
