@@ -110,6 +110,16 @@ class AutoscalerConfig:
         return self.max_batch_requests * self.target_utilization
 
     @property
+    def last_known_hold_s(self) -> float:
+        """How long a pod that stopped answering is counted at its last known load (stale.py).
+
+        Two stable windows: after that, no observation the decisions still average over was taken
+        while the pod answered, so its old number is a guess; the pod then counts as one target's
+        worth (neither grows nor shrinks the fleet) for as long as it is listed Ready.
+        """
+        return 2.0 * self.stable_window_s
+
+    @property
     def floor(self) -> int:
         """Fewest replicas while traffic exists (zero only ever comes from the idle rule)."""
         return max(self.min_replicas, 1)

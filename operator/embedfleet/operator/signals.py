@@ -7,7 +7,11 @@ Two sources, one answer: the total of ``embedfleet_requests_in_flight`` over one
   Prometheus Kubernetes service discovery (and a ServiceMonitor) attach. ``$namespace``, ``$name`` and
   ``$service`` are substituted (PromQL never uses ``$``, so no escaping is needed).
 * Direct scraping, when not: GET ``http://<podIP>:<port>/metrics`` of every Ready pod concurrently
-  (httpx) and parse the exposition text with prometheus_client's own parser.
+  (httpx) and parse the exposition text with prometheus_client's own parser. Each pod's body is
+  streamed under a byte cap (`DEFAULT_MAX_BODY_BYTES`) and the whole request — connect, headers, body —
+  under one deadline, so a pod that sends a huge body or drips bytes cannot hold the tick or the
+  operator's memory. Every pod gets its own `PodReading`, answered or failed with a reason; how a failed
+  pod still counts towards the total is decided in stale.py, not here.
 
 A source that cannot answer returns ``None`` rather than 0, so a broken scrape never reads as an idle
 fleet and never scales anything down.
@@ -41,15 +45,43 @@ class Target:
     url: str
 
 
+#: Largest /metrics body read from one pod. A runtime's exposition is a few KiB; anything near this is
+#: a misbehaving pod (or not our runtime at all), and reading it whole would cost the operator memory.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: Deadline for one pod's whole scrape (connect, headers and every body byte). httpx's own timeout is
+#: per operation, so a server dripping a byte a second would never trip it; this one bounds the tick.
+DEFAULT_SCRAPE_DEADLINE_S = 2.0
+
+
+@dataclass(frozen=True)
+class PodReading:
+    """One pod's answer this tick: its in-flight gauge, or the reason there is none."""
+
+    pod: str
+    in_flight: float | None
+    async_depth: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.in_flight is not None
+
+
 @dataclass(frozen=True)
 class Reading:
-    """One look at the fleet: total in flight (None when unknown) and what went wrong on the way."""
+    """One look at the fleet: total in flight (None when unknown) and what went wrong on the way.
+
+    ``pods`` holds the per-pod answers of a direct scrape (empty for Prometheus): ``in_flight`` is None
+    as soon as one pod failed, because the plain sum would undercount; stale.py turns the per-pod
+    answers plus memory into the number the autoscaler uses.
+    """
 
     in_flight: float | None
     source: str
     scraped: int = 0
     errors: tuple[str, ...] = field(default_factory=tuple)
     async_depth: float | None = None  # unfinished async jobs in Redis; None when no replica runs asyncq
+    pods: tuple[PodReading, ...] = ()
 
 
 # ---------------------------------------------------------------- direct scraping
@@ -102,29 +134,72 @@ def parse_async_depth(text: str) -> float | None:
     return max(values) if values else None
 
 
-async def scrape(targets: Sequence[Target], timeout_s: float = 2.0) -> Reading:
-    """Scrape every target at once. Any pod that does not answer makes the total unknown."""
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_capped(client: httpx.AsyncClient, url: str, max_body_bytes: int) -> bytes:
+    """The body of ``GET url``, or _BodyTooLarge as soon as it is known to exceed the cap.
+
+    Never returns a truncated body: a half-read exposition would parse as a smaller, wrong number.
+    """
+    # identity: the cap then counts the bytes on the wire, and no compressed body can inflate past it
+    # between two checks.
+    async with client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as response:
+        response.raise_for_status()
+        declared = response.headers.get("Content-Length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise _BodyTooLarge(f"Content-Length {declared}")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise _BodyTooLarge(f"more than {size} bytes read")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+async def scrape_pod(client: httpx.AsyncClient, target: Target, deadline_s: float = DEFAULT_SCRAPE_DEADLINE_S,
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> PodReading:
+    """One pod's gauges, or a failed `PodReading` whose ``error`` says why (a failing pod is data, not an error)."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            body = await _read_capped(client, target.url, max_body_bytes)
+        text = body.decode("utf-8")
+        return PodReading(target.pod, parse_in_flight(text), parse_async_depth(text))
+    except TimeoutError:
+        reason = f"no complete answer within {deadline_s:g}s"
+    except _BodyTooLarge as exc:
+        reason = f"body over the {max_body_bytes}-byte cap ({exc}); not parsed"
+    except (httpx.HTTPError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        reason = f"{type(exc).__name__}: {exc}"
+    return PodReading(target.pod, None, error=reason)
+
+
+async def scrape(targets: Sequence[Target], timeout_s: float = DEFAULT_SCRAPE_DEADLINE_S,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Reading:
+    """Scrape every target at once; returns within about ``timeout_s`` whatever the pods do.
+
+    ``timeout_s`` is each pod's whole-request deadline, and the pods run concurrently, so one tick's
+    scrape is bounded by it. The total is None as soon as one pod failed (the sum of the rest would
+    undercount); ``pods`` keeps every pod's own answer for stale.py.
+    """
     if not targets:
         return Reading(in_flight=0.0, source="pods", scraped=0)
-
-    async def one(client: httpx.AsyncClient, target: Target) -> tuple[float, float | None] | str:
-        try:
-            response = await client.get(target.url)
-            response.raise_for_status()
-            return parse_in_flight(response.text), parse_async_depth(response.text)
-        except (httpx.HTTPError, ValueError) as exc:
-            return f"{target.pod}: {type(exc).__name__}: {exc}"
-
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        results = await asyncio.gather(*(one(client, t) for t in targets))
-    errors = tuple(r for r in results if isinstance(r, str))
-    values = [r for r in results if not isinstance(r, str)]
+    # One connection per pod: a large fleet must not queue behind httpx's default pool limit.
+    limits = httpx.Limits(max_connections=len(targets), max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        results = await asyncio.gather(*(scrape_pod(client, t, timeout_s, max_body_bytes) for t in targets))
+    errors = tuple(f"{r.pod}: {r.error}" for r in results if r.error is not None)
+    answered = [r for r in results if r.in_flight is not None]
+    depths = [r.async_depth for r in answered if r.async_depth is not None]
+    depth = max(depths) if depths else None
     if errors:
-        log.warning("scrape failed for %d of %d pods: %s", len(errors), len(targets), "; ".join(errors))
-        return Reading(in_flight=None, source="pods", scraped=len(values), errors=errors)
-    depths = [d for _, d in values if d is not None]
-    return Reading(in_flight=float(sum(v for v, _ in values)), source="pods", scraped=len(values),
-                   async_depth=max(depths) if depths else None)
+        log.debug("scrape failed for %d of %d pods: %s", len(errors), len(targets), "; ".join(errors))
+    total = None if errors else float(sum(r.in_flight or 0.0 for r in answered))
+    return Reading(in_flight=total, source="pods", scraped=len(answered), errors=errors, async_depth=depth,
+                   pods=tuple(results))
 
 
 # ---------------------------------------------------------------- Prometheus

@@ -8,6 +8,12 @@ never the old one), and record the decision and its reason in ``status.lastScale
 Event. The observation window and decision history live in this daemon's memory; after an operator
 restart they start empty, which only makes the first decisions more conservative.
 
+With direct scraping, a Ready pod that does not answer (refused, slow, over the body cap) still counts:
+stale.py counts it at its last known load or the per-replica target, never 0, from per-pod memory this
+daemon keeps between ticks. Only when no pod answered is the total unknown (keep the size, one
+``SignalUnavailable`` Warning); a partly answering fleet gets one ``PodMetricsUnavailable`` Warning per
+pod per `UNREACHABLE_WARN_EVERY_S`, not one per tick.
+
 Ownership of status fields is documented in operator/status.py: this daemon writes
 ``replicas.desired``, ``inFlight`` and ``lastScaleDecision``, nothing else.
 """
@@ -19,6 +25,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -47,6 +54,7 @@ from embedfleet.operator.signals import (
     render_query,
     scrape,
 )
+from embedfleet.operator.stale import FleetLoad, LastSeen, count_pods, due_warnings
 from embedfleet.operator.validate import check
 
 log = logging.getLogger(__name__)
@@ -56,6 +64,8 @@ KIND = naming.EMBEDDING_DEPLOYMENT_KIND
 #: Operator-wide default (``embedfleet operator run --prometheus-url``); spec.autoscaling.prometheusUrl wins.
 ENV_PROMETHEUS_URL = "EMBEDFLEET_PROMETHEUS_URL"
 IDLE_RECHECK_S = 5.0
+#: A pod whose /metrics keeps failing is named in a Warning Event (and the log) at most this often.
+UNREACHABLE_WARN_EVERY_S = 300.0
 
 
 @dataclass
@@ -70,6 +80,10 @@ class LoopState:
     seen_spec_replicas: int | None = None
     #: monotonic time status.inFlight was last written (it is throttled, see _status_update).
     in_flight_written_at: float = float("-inf")
+    #: each listed pod's last successful scrape (stale.py counts a failing pod from it).
+    pod_memory: Mapping[str, LastSeen] = field(default_factory=dict)
+    #: monotonic time each failing pod was last named in a Warning (see UNREACHABLE_WARN_EVERY_S).
+    unreachable_warned_at: dict[str, float] = field(default_factory=dict)
 
 
 def _now_iso() -> str:
@@ -208,6 +222,14 @@ def tick(
         return _apply(name, namespace, body, decision, state, now, record=True)
 
     reading = read_signal(name, namespace, autoscaling, port, pods)
+    fleet: FleetLoad | None = None
+    if reading.source == "pods":
+        fleet = count_pods(reading.pods, state.pod_memory, now, config.target_per_replica,
+                           config.last_known_hold_s)
+        state.pod_memory = fleet.memory
+        reading = dataclasses.replace(reading, in_flight=fleet.in_flight, async_depth=fleet.async_depth)
+        if fleet.in_flight is not None:
+            warn_unreachable(body, fleet, state, now)
     if reading.in_flight is None:
         if state.signal_ok:
             message = f"no in-flight signal from {reading.source}, keeping {current}: " + "; ".join(
@@ -222,10 +244,31 @@ def tick(
         [*state.observations, Observation(now, reading.in_flight, ready, reading.async_depth)], config, now
     )
     decision = desired_replicas(state.observations, config, state.history.with_current(current), now)
+    if fleet is not None and fleet.estimated:
+        estimates = "; ".join(p.describe(now) for p in fleet.estimated)
+        decision = dataclasses.replace(decision, reason=f"{decision.reason}; estimated: {estimates}")
     state.history = decision.history
     first = not status.get("lastScaleDecision")
     return _apply(name, namespace, body, decision, state, now,
                   record=decision.changed or first or decision.mode != state.last_mode)
+
+
+def warn_unreachable(body: dict[str, Any], fleet: FleetLoad, state: LoopState, now: float) -> None:
+    """Name the pods counted without an answer in one Warning Event and a log line, each pod at most
+    once per `UNREACHABLE_WARN_EVERY_S` (stale.due_warnings): a pod that stays unreachable is news
+    once, not every tick."""
+    due, state.unreachable_warned_at = due_warnings(fleet, state.unreachable_warned_at, now,
+                                                    UNREACHABLE_WARN_EVERY_S)
+    if not due:
+        return
+    message = (f"{len(due)} of {len(fleet.pods)} pods did not answer /metrics; counted as at least their last"
+               " known load or the per-replica target, never 0: "
+               + "; ".join(f"{p.describe(now)}: {p.error}" for p in due))
+    log.warning("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], message)
+    try:
+        record_event(body, "PodMetricsUnavailable", message, type_="Warning")
+    except (kubernetes.client.ApiException, OSError) as exc:
+        log.warning("could not record the PodMetricsUnavailable event: %s", exc)
 
 
 def _apply(name: str, namespace: str, body: dict[str, Any], decision: Decision, state: LoopState,
