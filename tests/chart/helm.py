@@ -26,8 +26,6 @@ DEFAULTS: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
 SCHEMA: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())
 #: The chart's CRDs, in the order a server needs none of them first.
 CRD_FILES = sorted((CHART / "crds").glob("*.yaml"))
-#: What the operator records as the puller's ClusterRole (render.py reads it from this env variable).
-PULLER_ENV = "EMBEDFLEET_PULLER_CLUSTER_ROLE"
 #: No outbound traffic from a test: the spoke's ci values name an in-cluster Prometheus; runs that start
 #: the operator leave it empty, so the autoscaler scrapes pods (none answer) instead of resolving a name.
 NO_PROMETHEUS = {"prometheusUrl": ""}

@@ -10,8 +10,6 @@ an identity that may update the owner's finalizers.
 from __future__ import annotations
 
 import base64
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,7 +23,6 @@ from tests.chart.helm import CHART, CI_VALUES, NO_PROMETHEUS, fullname, rights, 
 from tests.kube.controlplane import ROOT, AuditEvent, Cluster, ControlPlane, wait_until
 from tests.kube.fixtures import require_control_plane
 from tests.kube.operator_proc import BENIGN, OperatorProcess, start_operator
-from tests.procs import child_env
 
 ADMISSION = "--enable-admission-plugins=OwnerReferencesPermissionEnforcement"
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "embedding.yaml").read_text())
@@ -90,19 +87,13 @@ def run_workload(cluster: Cluster, proc: OperatorProcess, namespace: str) -> Non
     cluster.apply(example(namespace), model_cache(namespace))
     wait_until(lambda: cluster.get_json("deployment", "minilm", "-n", namespace), 60,
                "the runtime Deployment (its ownerReference passes OwnerReferencesPermissionEnforcement)")
-    wait_until(lambda: cluster.get_json("daemonset", "-n", namespace, "-l", "embedfleet.dev/component=prepull")
-               ["items"], 60, "the pre-pull DaemonSets")
+    # Pre-pull on: the cache status is counted from the Nodes (the operator's `nodes list`).
+    wait_until(lambda: ((cluster.get_json("modelcache", "weights", "-n", namespace) or {}).get("status") or {})
+               .get("totalNodes"), 60, "the ModelCache's totalNodes")
     time.sleep(max(0.0, RUN_SECONDS - (time.monotonic() - started)))
     for kind, name in (("embeddingdeployment", "minilm"), ("modelcache", "weights")):
         cluster.kubectl("delete", kind, name, "-n", namespace, "--wait=true", "--timeout=60s")
     assert proc.alive(), proc.log()[-3000:]
-
-
-def puller_bindings(cluster: Cluster, release: str, namespace: str) -> list[dict[str, Any]]:
-    role = f"{fullname(release)}-cache-puller"
-    items = cluster.get_json("clusterrolebindings")["items"]
-    return [b for b in items if b["roleRef"]["name"] == role
-            and any(s.get("namespace") == namespace for s in b.get("subjects") or [])]
 
 
 # The operator's rights: (resource.group, resourceName, verb), as the API server reports them.
@@ -123,13 +114,16 @@ WORKLOAD_RIGHTS = (
     | _crud("servicemonitors.monitoring.coreos.com", "get list create patch delete")
     | _crud("pods", "list watch")
     | _crud("events", "create")
+    | _crud("secrets", "get")  # a tenant's apiKeySecret: its labels only (PartialObjectMetadata)
 )
 KOPF_RIGHTS = _crud("customresourcedefinitions.apiextensions.k8s.io", "get list watch")
 
 
-def prepull_rights(release: str) -> set[tuple[str, str, str]]:
-    return (_crud("clusterrolebindings.rbac.authorization.k8s.io", "get list create patch delete")
-            | {("clusterroles.rbac.authorization.k8s.io", f"{fullname(release)}-cache-puller", "bind")})
+#: Cache status: cachedNodes/totalNodes are counted from the node agents' labels (read only).
+NODE_READ = _crud("nodes", "list")
+#: The node agent's identity (its own ServiceAccount in the release namespace), and nobody else's.
+NODE_AGENT_RIGHTS = (_crud("nodes", "get patch") | _crud("embeddingdeployments.embedfleet.dev", "list")
+                     | _crud("modelcaches.embedfleet.dev", "list"))
 
 
 def lease_rights(*names: str) -> set[tuple[str, str, str]]:
@@ -161,37 +155,23 @@ def test_standalone_operator_needs_exactly_the_chart_rbac(strict_cluster: Cluste
     proc = start_operator(cluster, tmp_path, release=release, namespace=namespace,
                           values=[CI_VALUES["standalone"]], sets=NO_PROMETHEUS)
     try:
-        run_workload_with_puller(cluster, proc, release, apps)
+        run_workload(cluster, proc, apps)
     finally:
         proc.stop()
     errors = proc.unexpected_errors()
     assert errors == [], "\n".join(map(str, errors))
-    assert {"configmaps", "deployments", "services", "daemonsets", "serviceaccounts", "clusterrolebindings",
-            "events", "leases"} <= created(proc)
-    assert puller_bindings(cluster, release, apps) == []  # cleaned up with their owners
+    assert {"configmaps", "deployments", "services", "events", "leases"} <= created(proc)
+    # Pre-pull creates nothing with a node right in the tenant's namespace, and nothing cluster-scoped.
+    assert not {"daemonsets", "serviceaccounts", "clusterrolebindings"} & created(proc)
+    assert cluster.get_json("serviceaccounts", "-n", apps)["items"][0]["metadata"]["name"] == "default"
+    assert rights(cluster, f"system:serviceaccount:{apps}:default", apps) == set()
 
     user = proc.user
-    assert rights(cluster, user, namespace) == (WORKLOAD_RIGHTS | KOPF_RIGHTS | prepull_rights(release)
+    assert rights(cluster, user, namespace) == (WORKLOAD_RIGHTS | KOPF_RIGHTS | NODE_READ
                                                 | lease_rights("std-embedfleet-operator"))
-
-
-def run_workload_with_puller(cluster: Cluster, proc: OperatorProcess, release: str, apps: str) -> None:
-    """The workload, and in the middle of it what a pre-pull pod does with its ServiceAccount: label its
-    node (`embedfleet cache pull --label-node`), through the binding the operator made to the chart's
-    cache-puller ClusterRole."""
-    cluster.apply(example(apps), model_cache(apps))
-    (binding, *_) = wait_until(lambda: puller_bindings(cluster, release, apps), 60, "a pre-pull ClusterRoleBinding")
-    (subject,) = binding["subjects"]
-    token = cluster.token_for(apps, subject["name"])
-    kubeconfig = cluster.kubeconfig_for(token, cluster.workdir / f"puller-{apps}.kubeconfig", namespace=apps)
-    code = ("from embedfleet.operator.cache.label import label_node; "
-            f"print(label_node('cpu-1', 'sha256:{'cd' * 32}'))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env=child_env({"KUBECONFIG": str(kubeconfig), "KUBERNETES_SERVICE_HOST": None}))
-    assert done.returncode == 0, done.stderr[-2000:]
-    labels = cluster.get_json("node", "cpu-1")["metadata"]["labels"]
-    assert any(k.startswith("cache.embedfleet.dev/") and v == "ready" for k, v in labels.items())
-    run_workload(cluster, proc, apps)
+    agent = f"system:serviceaccount:{namespace}:{fullname(release)}-node-agent"
+    assert rights(cluster, agent, namespace) == NODE_AGENT_RIGHTS
+    assert rights(cluster, agent, apps) == NODE_AGENT_RIGHTS
 
 
 def test_spoke_operator_needs_exactly_the_chart_rbac(strict_cluster: Cluster, tmp_path: Path) -> None:
@@ -213,11 +193,11 @@ def test_spoke_operator_needs_exactly_the_chart_rbac(strict_cluster: Cluster, tm
     errors = proc.unexpected_errors()
     assert errors == [], "\n".join(map(str, errors))
     assert "embedfleet.dev/heartbeat-problem" not in (lease["metadata"].get("annotations") or {})
-    assert {"configmaps", "deployments", "daemonsets", "clusterrolebindings", "leases"} <= created(proc)
+    assert {"configmaps", "deployments", "leases"} <= created(proc)
+    assert not {"daemonsets", "clusterrolebindings"} & created(proc)
 
     user = proc.user
-    cluster_wide = (KOPF_RIGHTS | prepull_rights(release) | _crud("namespaces", "list watch")
-                    | _crud("nodes", "list"))
+    cluster_wide = KOPF_RIGHTS | _crud("namespaces", "list watch") | NODE_READ
     leases = lease_rights("spk-embedfleet-operator", "embedfleet-spoke")
     assert rights(cluster, user, namespace) == cluster_wide | leases
     assert rights(cluster, user, watched[1]) == cluster_wide | WORKLOAD_RIGHTS
@@ -286,11 +266,3 @@ def test_hub_places_on_a_spoke_through_the_charts_hub_access(plane: ControlPlane
     fleet_cluster = hub.get_json("fleetcluster", "eu-a")
     joined = [c for c in fleet_cluster["status"]["conditions"] if c["type"] == "Joined"]
     assert joined and joined[0]["status"] == "True"
-
-
-def test_prepull_binding_names_cannot_collide_across_namespaces() -> None:
-    """The operator's pre-pull ClusterRoleBindings are cluster-scoped: `team-a/x` and `team/a-x` must get
-    two of them (one name would make the second owner's binding NotOwned)."""
-    from embedfleet.operator.render import puller_binding_name
-
-    assert puller_binding_name("team-a", "x-prepull") != puller_binding_name("team", "a-x-prepull")

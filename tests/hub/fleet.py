@@ -80,6 +80,9 @@ class Fleet:
     regions: dict[str, str]
     hub_proc: OperatorProcess | None = None
     spoke_procs: dict[str, OperatorProcess] = field(default_factory=dict)
+    #: Extra chart values (``--set``) per cluster name ("hub" or a spoke's), e.g. its ``platform`` rules:
+    #: used by install *and* start, so the admission policy and the operator enforce the same rules.
+    values: dict[str, dict[str, str]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ setting up
 
@@ -87,6 +90,7 @@ class Fleet:
         sets = {"role": role, **ELECTION}
         if region:
             sets["region"] = region
+        sets.update(self.values.get(cluster.name, {}))
         args = ["install", f"ef-{cluster.name}", str(CHART), "-n", SYSTEM, "--create-namespace", "--wait=false"]
         if cluster.get_json("crd", "embeddingdeployments.embedfleet.dev") is not None:
             args.append("--skip-crds")  # (see tests/operator/real.py)
@@ -97,14 +101,14 @@ class Fleet:
 
     def start_spoke(self, name: str) -> OperatorProcess:
         spoke = self.spokes[name]
-        sets = {"role": "spoke", "region": self.regions[name], **ELECTION}
+        sets = {"role": "spoke", "region": self.regions[name], **ELECTION, **self.values.get(name, {})}
         proc = start_operator(spoke, self.workdir, release=f"ef-{name}", namespace=SYSTEM, sets=sets,
                               env=SPOKE_ENV, name=f"operator-{name}")
         self.spoke_procs[name] = proc
         return proc
 
     def start_hub(self) -> OperatorProcess:
-        sets = {"role": "hub", **ELECTION}
+        sets = {"role": "hub", **ELECTION, **self.values.get(self.hub.name, {})}
         self.hub_proc = start_operator(self.hub, self.workdir, release="ef-hub", namespace=SYSTEM, sets=sets,
                                        env=HUB_ENV, name="operator-hub")
         return self.hub_proc

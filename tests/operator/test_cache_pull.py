@@ -1,27 +1,22 @@
-"""`embedfleet cache pull` against a real local HTTP server, file:// sources and a real API server."""
+"""`embedfleet cache pull` against a real local HTTP server and file:// sources: verification, retries,
+size limits, the entry manifest the runtime re-checks, and the node-cache shortcut of runtime pods."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import os
-import subprocess
-import sys
 import tarfile
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import kubernetes
 import pytest
+from file_server import FileServer, serve_files
 
-from embedfleet.operator.cache.digest import tree_digest
+from embedfleet.operator.cache.digest import VerifyError, tree_digest, verify_entry
 from embedfleet.operator.cache.pull import entry_path, is_ready
 from embedfleet.runtime.cli import main as embedfleet
 
-REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = b"\x00\x01fake-safetensors-bytes" * 1000
 CONFIG = b'{"hidden_size": 384}'
 
@@ -30,50 +25,10 @@ def sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-@dataclass
-class FileServer:
-    """A real HTTP server on 127.0.0.1 serving `files`; `corrupt[path]` = how many answers to spoil."""
-
-    files: dict[str, bytes] = field(default_factory=dict)
-    corrupt: dict[str, int] = field(default_factory=dict)
-    fail_500: dict[str, int] = field(default_factory=dict)
-    requests: list[str] = field(default_factory=list)
-    url: str = ""
-
-
 @pytest.fixture
 def server() -> Iterator[FileServer]:
-    state = FileServer()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            state.requests.append(self.path)
-            if state.fail_500.get(self.path, 0) > 0:
-                state.fail_500[self.path] -= 1
-                self.send_error(500)
-                return
-            body = state.files.get(self.path)
-            if body is None:
-                self.send_error(404)
-                return
-            if state.corrupt.get(self.path, 0) > 0:
-                state.corrupt[self.path] -= 1
-                body = body[:-1] + bytes([body[-1] ^ 0xFF])
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            return
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield state
-    httpd.shutdown()
-    httpd.server_close()
+    with serve_files() as state:
+        yield state
 
 
 def pull(*args: str) -> int:
@@ -163,7 +118,12 @@ def test_pull_archive_is_verified_then_unpacked(server: FileServer, tmp_path: Pa
     cache = tmp_path / "cache"
     assert pull("--source", server.url + "/w.tar.gz", "--digest", digest, "--cache-dir", str(cache)) == 0
     entry = entry_path(cache, digest)
-    assert sorted(p.name for p in entry.iterdir()) == [".ready", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in entry.iterdir()) == [".manifest", ".ready", "config.json", "model.safetensors"]
+    # The manifest records the unpacked tree (the digest covers the archive, which is gone).
+    assert (entry / ".manifest").read_text() == (
+        f"{sha(CONFIG)[7:]}  config.json\n{sha(WEIGHTS)[7:]}  model.safetensors\n"
+    )
+    assert verify_entry(entry, digest) == "manifest"
 
 
 def test_corrupt_download_is_retried_then_succeeds(server: FileServer, tmp_path: Path) -> None:
@@ -308,28 +268,106 @@ def test_bad_digest_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "sha256:<64 lowercase hex>" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- node label (real API server)
+# ---------------------------------------------------------------- size limits
 
 
-def test_label_node_after_verified_pull(kube_cluster, unique: str, tmp_path: Path) -> None:
-    kubeconfig = kube_cluster.kubeconfig
-    core = kubernetes.client.CoreV1Api(kube_cluster.api_client())
-    node = f"gpu-node-{unique}"
-    core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": {"pool": "gpu"}}})
-    src = tmp_path / "w.bin"
-    src.write_bytes(WEIGHTS)
+def test_max_bytes_refuses_an_announced_large_file_before_reading_it(
+    server: FileServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.files["/big.bin"] = WEIGHTS
+    rc = pull("--source", server.url + "/big.bin", "--digest", sha(WEIGHTS), "--cache-dir", str(tmp_path),
+              "--max-bytes", str(len(WEIGHTS) - 1))
+    assert rc == 2  # permanent: retrying downloads the same bytes
+    assert server.requests == ["/big.bin"]
+    assert "Content-Length" in capsys.readouterr().err
+    assert not is_ready(tmp_path, sha(WEIGHTS)) and leftovers(tmp_path) == []
+    assert pull("--source", server.url + "/big.bin", "--digest", sha(WEIGHTS), "--cache-dir", str(tmp_path),
+                "--max-bytes", str(len(WEIGHTS))) == 0
+
+
+def test_max_bytes_stops_a_stream_without_length_and_counts_all_files(
+    server: FileServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.files["/big.bin"] = WEIGHTS
+    server.no_length.add("/big.bin")
+    rc = pull("--source", server.url + "/big.bin", "--digest", sha(WEIGHTS), "--cache-dir", str(tmp_path / "a"),
+              "--max-bytes", "4096")
+    assert rc == 2 and "more than 4096 bytes" in capsys.readouterr().err
+    assert leftovers(tmp_path / "a") == []
+    # A directory source: each file is under the limit, together they are not.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(WEIGHTS)
+    (src / "b.bin").write_bytes(WEIGHTS[::-1])
+    assert embedfleet(["cache", "digest", str(src), "--write-manifest"]) == 0
+    server.publish_dir("/d/", src)
+    limit = str(len(WEIGHTS) + 500)
+    rc = pull("--source", server.url + "/d/", "--digest", tree_digest(src), "--cache-dir", str(tmp_path / "b"),
+              "--max-bytes", limit)
+    assert rc == 2 and not is_ready(tmp_path / "b", tree_digest(src))
+
+
+# ---------------------------------------------------------------- node cache shortcut and verification
+
+
+def test_from_node_cache_links_a_ready_entry_without_fetching(server: FileServer, tmp_path: Path) -> None:
+    server.files["/w.bin"] = WEIGHTS
     digest = sha(WEIGHTS)
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "NODE_NAME": node,
-           "PYTHONPATH": os.pathsep.join(str(REPO / p) for p in ("runtime", "operator", "client"))}
-    env.pop("KUBERNETES_SERVICE_HOST", None)
-    args = [sys.executable, "-m", "embedfleet.runtime.cli", "cache", "pull", "--source", f"file://{src}",
-            "--cache-dir", str(tmp_path / "cache"), "--label-node", "--backoff", "0.01"]
-    bad = subprocess.run([*args, "--digest", sha(b"other"), "--retries", "0"], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1, bad.stderr
-    assert core.read_node(node).metadata.labels == {"pool": "gpu"}  # mismatch: never labelled
-    good = subprocess.run([*args, "--digest", digest], env=env, capture_output=True, text=True, timeout=120)
-    assert good.returncode == 0, good.stderr
-    labels = core.read_node(node).metadata.labels
-    assert labels == {"pool": "gpu", f"cache.embedfleet.dev/sha256-{digest[7:23]}": "ready"}
-    core.delete_node(node)
+    node_root = tmp_path / "node-root"
+    entry_name = f"ml_sha256-{digest[7:]}"
+    assert embedfleet(["cache", "pull", "--source", server.url + "/w.bin", "--digest", digest,
+                       "--cache-dir", str(node_root)]) == 0  # fills node_root/sha256-<hex>
+    (node_root / f"sha256-{digest[7:]}").rename(node_root / entry_name)
+    server.requests.clear()
+    local = tmp_path / "local"
+    assert pull("--source", server.url + "/w.bin", "--digest", digest, "--cache-dir", str(local),
+                "--from-node-cache", str(node_root / entry_name)) == 0
+    link = entry_path(local, digest)
+    assert link.is_symlink() and link.resolve() == (node_root / entry_name).resolve()
+    assert server.requests == []  # no network
+    assert verify_entry(link, digest) == "digest"  # a single file: the digest covers it directly
+
+
+def test_from_node_cache_falls_back_to_pulling_when_the_node_has_nothing(server: FileServer, tmp_path: Path) -> None:
+    server.files["/w.bin"] = WEIGHTS
+    digest = sha(WEIGHTS)
+    empty = tmp_path / "node-entry"
+    empty.mkdir()  # what the kubelet creates for a hostPath the agent has not filled yet
+    other = tmp_path / "other-entry"
+    other.mkdir()
+    (other / ".ready").write_text(sha(b"other weights") + "\n")
+    for node_entry in (empty, other):
+        local = tmp_path / f"local-{node_entry.name}"
+        assert pull("--source", server.url + "/w.bin", "--digest", digest, "--cache-dir", str(local),
+                    "--from-node-cache", str(node_entry)) == 0
+        assert not entry_path(local, digest).is_symlink() and is_ready(local, digest)
+    assert server.requests == ["/w.bin", "/w.bin"]
+
+
+def test_verify_entry_refuses_tampering_and_mixups(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(WEIGHTS)
+    (src / "config.json").write_bytes(CONFIG)
+    digest = tree_digest(src)
+    cache = tmp_path / "cache"
+    assert pull("--source", f"file://{src}", "--digest", digest, "--cache-dir", str(cache)) == 0
+    entry = entry_path(cache, digest)
+    assert verify_entry(entry, digest) == "digest"  # directory source: the manifest hashes to the digest
+    with pytest.raises(VerifyError, match="names"):
+        verify_entry(entry, sha(b"some other model"))
+    os.chmod(entry / "config.json", 0o644)
+    (entry / "config.json").write_bytes(b'{"hidden_size": 1}')
+    with pytest.raises(VerifyError, match="does not match the manifest"):
+        verify_entry(entry, digest)
+    (entry / "config.json").write_bytes(CONFIG)
+    (entry / "extra.py").write_text("import os")
+    with pytest.raises(VerifyError, match="not in the manifest"):
+        verify_entry(entry, digest)
+    (entry / "extra.py").unlink()
+    (entry / "model.safetensors").unlink()
+    with pytest.raises(VerifyError, match="missing"):
+        verify_entry(entry, digest)
+    (entry / ".ready").unlink()
+    with pytest.raises(VerifyError, match=r"no \.ready"):
+        verify_entry(entry, digest)

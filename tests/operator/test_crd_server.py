@@ -62,7 +62,9 @@ def test_example_gets_server_defaults_and_printer_columns(crds_installed: Cluste
     live = crds_installed.get_json("embeddingdeployment", "minilm", "-n", ns)
     # Defaults come from the server's structural schema, nested blocks included.
     assert live["spec"]["runtime"]["port"] == 8080
-    assert live["spec"]["cache"]["storage"]["hostPath"] == "/var/lib/embedfleet/cache"
+    assert live["spec"]["autoscaling"]["targetUtilization"] == 0.7  # as given
+    assert live["spec"]["runtime"]["maxClientBatchSize"] == 2048  # a nested default
+    assert "hostPath" not in live["spec"]["cache"].get("storage", {})  # the platform's choice, not a default
     table = crds_installed.kubectl("get", "embeddingdeployments", "-n", ns).stdout.splitlines()
     assert table[0].split() == ["NAME", "MODEL", "READY", "DESIRED", "IN-FLIGHT", "AGE"]
     assert table[1].split()[:2] == ["minilm", "hf://sentence-transformers/all-MiniLM-L6-v2"]

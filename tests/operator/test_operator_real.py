@@ -176,24 +176,35 @@ def test_invalid_spec_is_rejected_creates_nothing_then_fixed(standalone) -> None
     wait_condition(cluster, "broken", ns, "Available", "True")
 
 
-def test_prepull_daemonsets_report_cache_and_are_pruned(standalone) -> None:
-    cluster, _proc, ns = standalone
+def test_prepull_creates_nothing_with_node_rights_and_counts_cached_nodes(standalone) -> None:
+    """Pre-pull is the node agent's job: the operator renders only the runtime pod (with its tenant's
+    node-cache entry and a preference for nodes labelled ready for that tenant) and counts cachedNodes from
+    the Nodes' labels. Nothing is created in the tenant namespace with a ServiceAccount or a node right."""
+    from embedfleet.operator.crd import naming
+
+    cluster, proc, ns = standalone
     doc = example("cached", ns)
-    cluster.apply(doc)
-    obj = wait_until(lambda: (o := cluster.get_json("ed", "cached", "-n", ns)) and
-                     (o.get("status") or {}).get("cachedNodes") and o, 90, "cachedNodes from the DaemonSet")
-    assert obj["status"]["totalNodes"] >= obj["status"]["cachedNodes"] > 0  # kwok runs the DS pods
-    dep = cluster.get_json("deployment", "cached", "-n", ns)
-    preferred = dep["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
-        "preferredDuringSchedulingIgnoredDuringExecution"]
-    assert preferred[0]["preference"]["matchExpressions"][0]["key"].startswith("cache.embedfleet.dev/")
-    doc["spec"]["cache"] = {"prePull": False}
-    cluster.apply(doc)
-    wait_until(lambda: not cluster.get_json("daemonsets", "-n", ns, "-l", "app.kubernetes.io/instance=cached")
-               ["items"], 60, "pre-pull DaemonSets pruned")
-    wait_until(lambda: not cluster.get_json("clusterrolebindings", "-l", "app.kubernetes.io/instance=cached")
-               ["items"], 60, "pre-pull binding pruned")
-    assert cluster.get_json("deployment", "cached", "-n", ns) is not None
+    digest = doc["spec"]["model"]["digest"]
+    key = naming.cache_label_key(digest, ns)
+    cluster.kubectl("label", "node", "cpu-1", f"{key}=ready")  # what the node agent writes once verified
+    try:
+        cluster.apply(doc)
+        obj = wait_until(lambda: (o := cluster.get_json("ed", "cached", "-n", ns)) and
+                         (o.get("status") or {}).get("totalNodes") and o, 90, "cache status from the Nodes")
+        assert obj["status"]["cachedNodes"] == 1 and obj["status"]["totalNodes"] >= 4  # every kwok node
+        dep = cluster.get_json("deployment", "cached", "-n", ns)
+        pod = dep["spec"]["template"]["spec"]
+        preferred = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert preferred[0]["preference"]["matchExpressions"][0]["key"] == key
+        (node_cache,) = [v for v in pod["volumes"] if v["name"] == "node-cache"]
+        assert node_cache["hostPath"]["path"] == f"/var/lib/embedfleet/cache/{naming.cache_entry(ns, digest)}"
+        for kind in ("daemonsets", "serviceaccounts", "rolebindings"):
+            items = cluster.get_json(kind, "-n", ns)["items"]
+            assert [i["metadata"]["name"] for i in items] == (["default"] if kind == "serviceaccounts" else [])
+        assert not cluster.get_json("clusterrolebindings", "-l", "app.kubernetes.io/instance=cached")["items"]
+        assert not [w for w in operator_writes(proc) if "nodes" in w]  # the operator only reads Nodes
+    finally:
+        cluster.kubectl("label", "node", "cpu-1", f"{key}-")
 
 
 def test_someone_elses_object_is_never_adopted(standalone) -> None:

@@ -11,10 +11,16 @@ from hypothesis import strategies as st
 from schema_helpers import k8s_model_problems
 
 from embedfleet.operator.crd import naming
-from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelCacheSpec
-from embedfleet.operator.render import effective_replicas, render, render_model_cache
+from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
+from embedfleet.operator.render import effective_replicas
+from embedfleet.operator.render import render as render_with_root
 
 DIGEST = "sha256:" + "5e" * 32
+ROOT = "/var/lib/embedfleet/cache"
+NO_CONTROL_PLANE = [
+    {"key": "node-role.kubernetes.io/control-plane", "operator": "DoesNotExist"},
+    {"key": "node-role.kubernetes.io/master", "operator": "DoesNotExist"},
+]
 BASE: dict[str, Any] = {"model": {"source": "https://weights.example/minilm.tar", "digest": DIGEST}}
 CONTRACT_ENV = {
     "EMBEDFLEET_MODEL",
@@ -33,7 +39,13 @@ CONTRACT_ENV = {
     "EMBEDFLEET_API_KEY",
     "EMBEDFLEET_TOKENIZER_WORKERS",
     "EMBEDFLEET_DRAIN_TIMEOUT",
+    "EMBEDFLEET_MODEL_DIGEST",
 }
+
+
+def render(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """render() with the platform's default cache root."""
+    return render_with_root(*args, cache_root=ROOT, **kwargs)
 
 
 def spec_of(**sections: Any) -> EmbeddingDeploymentSpec:
@@ -83,7 +95,8 @@ def test_runtime_contract_env_probes_and_drain() -> None:
     assert set(data) <= CONTRACT_ENV
     assert data["EMBEDFLEET_MAX_BATCH_REQUESTS"] == "64" and data["EMBEDFLEET_MAX_BATCH_TOKENS"] == "8192"
     assert data["EMBEDFLEET_DEVICE"] == "cpu" and data["EMBEDFLEET_DRAIN_TIMEOUT"] == "45"
-    assert data["EMBEDFLEET_MODEL"] == f"/var/cache/embedfleet/sha256-{'5e' * 32}"
+    assert data["EMBEDFLEET_MODEL"] == f"/var/cache/embedfleet/local/sha256-{'5e' * 32}"
+    assert data["EMBEDFLEET_MODEL_DIGEST"] == DIGEST  # the runtime re-verifies what it loads
     container = runtime_container(manifests)
     assert container["envFrom"] == [{"configMapRef": {"name": "minilm-config"}}]
     api_key = next(e for e in container["env"] if e["name"] == "EMBEDFLEET_API_KEY")
@@ -105,13 +118,22 @@ def test_download_without_prepull_uses_an_init_container() -> None:
     pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
     init = pod["initContainers"][0]["command"]
     assert init[:3] == ["embedfleet", "cache", "pull"]
-    assert init[init.index("--digest") + 1] == DIGEST and "--label-node" not in init
+    assert init[init.index("--digest") + 1] == DIGEST
+    assert init[init.index("--cache-dir") + 1] == "/var/cache/embedfleet/local"
+    assert "--from-node-cache" not in init
     assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
-    assert "affinity" not in pod
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+    # The only affinity is the platform's: never on a control-plane node.
+    assert pod["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": NO_CONTROL_PLANE}]}}}
+    allowed = render_with_root("minilm", "ml", "uid-1", spec_of(), cache_root=ROOT, allow_control_plane=True)
+    assert "affinity" not in by_kind(allowed)["Deployment"]["spec"]["template"]["spec"]
 
 
 @pytest.mark.parametrize("required", [False, True])
-def test_prepull_daemonset_affinity_and_readonly_cache(required: bool) -> None:
+def test_prepull_mounts_the_tenants_node_entry_and_prefers_labelled_nodes(required: bool) -> None:
+    """Pre-pull renders no DaemonSet, ServiceAccount or binding in the tenant namespace: only the
+    runtime pod, which mounts its own tenant's entry of the platform's cache root read-only."""
     spec = spec_of(
         cache={
             "prePull": True,
@@ -123,43 +145,60 @@ def test_prepull_daemonset_affinity_and_readonly_cache(required: bool) -> None:
         }
     )
     manifests = render("minilm", "ml", "uid-1", spec)
+    assert [m["kind"] for m in manifests] == ["ConfigMap", "Deployment", "Service", "PodDisruptionBudget"]
     for m in manifests:
         assert k8s_model_problems(m) == [], m["kind"]
-    daemonsets = [m for m in manifests if m["kind"] == "DaemonSet"]
-    assert [d["metadata"]["name"] for d in daemonsets] == ["minilm-prepull-cpu", "minilm-prepull-gpu"]
-    pod = daemonsets[1]["spec"]["template"]["spec"]
-    assert pod["nodeSelector"] == {"pool": "gpu"}
-    pull = pod["initContainers"][0]["command"]
-    assert pull[:3] == ["embedfleet", "cache", "pull"]
+
+    pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    node_volume = next(v for v in pod["volumes"] if v["name"] == "node-cache")
+    assert node_volume["hostPath"] == {"path": f"{ROOT}/ml_sha256-{'5e' * 32}", "type": "DirectoryOrCreate"}
+    assert naming.cache_entry("ml", DIGEST) == f"ml_sha256-{'5e' * 32}"
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["node-cache"] == {"name": "node-cache", "mountPath": "/var/cache/embedfleet/node",
+                                    "readOnly": True}
+    assert mounts["model-cache"]["mountPath"] == "/var/cache/embedfleet/local" and mounts["model-cache"]["readOnly"]
+    init = pod["initContainers"][0]
+    command = init["command"]
     for flag, value in [
         ("--source", BASE["model"]["source"]),
         ("--digest", DIGEST),
-        ("--cache-dir", "/var/cache/embedfleet"),
-        ("--node-name", "$(NODE_NAME)"),
+        ("--cache-dir", "/var/cache/embedfleet/local"),
+        ("--from-node-cache", "/var/cache/embedfleet/node"),
     ]:
-        assert pull[pull.index(flag) + 1] == value
-    assert "--label-node" in pull
-    node_name = pod["initContainers"][0]["env"][0]
-    assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert pod["containers"][0]["command"][-1] == "--hold"
-    binding = by_kind(manifests)["ClusterRoleBinding"]
-    assert binding["subjects"][0] == {"kind": "ServiceAccount", "name": "minilm-prepull", "namespace": "ml"}
-    assert "ownerReferences" not in binding["metadata"]
+        assert command[command.index(flag) + 1] == value
+    init_mounts = {m["name"]: m for m in init["volumeMounts"]}
+    assert init_mounts["node-cache"]["readOnly"] is True and not init_mounts["model-cache"].get("readOnly")
+    assert init["securityContext"]["runAsNonRoot"] is True
+    data = by_kind(manifests)["ConfigMap"]["data"]
+    assert data["EMBEDFLEET_MODEL"] == f"/var/cache/embedfleet/local/sha256-{'5e' * 32}"
 
-    runtime_pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
-    mount = next(m for m in runtime_pod["containers"][0]["volumeMounts"] if m["name"] == "model-cache")
-    assert mount["readOnly"] is True
-    assert "initContainers" not in runtime_pod
-    affinity = runtime_pod["affinity"]["nodeAffinity"]
-    expression = {"key": naming.cache_label_key(DIGEST), "operator": "In", "values": ["ready"]}
-    assert expression["key"] == "cache.embedfleet.dev/sha256-" + "5e" * 8
+    affinity = pod["affinity"]["nodeAffinity"]
+    expression = {"key": naming.cache_label_key(DIGEST, "ml"), "operator": "In", "values": ["ready"]}
+    assert expression["key"] == f"cache.embedfleet.dev/t{naming.tenant_tag('ml')}-sha256-" + "5e" * 8
+    terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][:2] == NO_CONTROL_PLANE
     if required:
-        terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         assert expression in terms[0]["matchExpressions"]
     else:
+        assert expression not in terms[0]["matchExpressions"]
         assert affinity["preferredDuringSchedulingIgnoredDuringExecution"][0]["preference"] == {
             "matchExpressions": [expression]
         }
+
+
+def test_two_tenants_with_one_digest_get_separate_entries_and_labels() -> None:
+    spec = spec_of(cache={"prePull": True})
+
+    def entry(namespace: str) -> tuple[str, str]:
+        pod = by_kind(render("m", namespace, "u", spec))["Deployment"]["spec"]["template"]["spec"]
+        path = next(v for v in pod["volumes"] if v["name"] == "node-cache")["hostPath"]["path"]
+        label = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        return path, label["preference"]["matchExpressions"][0]["key"]
+
+    (path_a, label_a), (path_b, label_b) = entry("team-a"), entry("team-b")
+    assert path_a != path_b and label_a != label_b
+    assert path_a.startswith(ROOT + "/") and "/" not in path_a[len(ROOT) + 1 :]  # flat: no parent to create
 
 
 def test_gpu_request_toleration_and_type_affinity() -> None:
@@ -173,7 +212,7 @@ def test_gpu_request_toleration_and_type_affinity() -> None:
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    assert terms[0]["matchExpressions"][0]["key"] == "nvidia.com/gpu.product"
+    assert terms[0]["matchExpressions"][2]["key"] == "nvidia.com/gpu.product"
     assert k8s_model_problems(by_kind(manifests)["Deployment"]) == []
 
 
@@ -187,6 +226,7 @@ def test_pvc_and_file_sources_are_mounted_not_pulled() -> None:
     local = render("f", "ml", "u", spec_of(model={"source": "file:///opt/models/minilm", "digest": None}))
     assert by_kind(local)["ConfigMap"]["data"]["EMBEDFLEET_MODEL"] == "/opt/models/minilm"
     assert "initContainers" not in by_kind(local)["Deployment"]["spec"]["template"]["spec"]
+    assert "EMBEDFLEET_MODEL_DIGEST" not in by_kind(local)["ConfigMap"]["data"]
 
 
 def test_service_monitor_only_when_asked_and_available() -> None:
@@ -208,17 +248,6 @@ def test_config_changes_roll_the_pods_and_rendering_is_deterministic() -> None:
         ]
 
     assert config_hash(first) != config_hash(changed)
-
-
-def test_model_cache_renders_pullers_owned_by_the_cache() -> None:
-    spec = ModelCacheSpec.model_validate({"model": BASE["model"], "nodeSelector": {"pool": "gpu"}})
-    manifests = render_model_cache("minilm", "ml", "uid-9", spec)
-    assert [m["kind"] for m in manifests] == ["ServiceAccount", "ClusterRoleBinding", "DaemonSet"]
-    ds = by_kind(manifests)["DaemonSet"]
-    assert ds["metadata"]["name"] == "minilm-cache-default"
-    assert ds["metadata"]["ownerReferences"][0]["kind"] == "ModelCache"
-    for m in manifests:
-        assert k8s_model_problems(m) == []
 
 
 @settings(max_examples=40, deadline=None)
@@ -263,11 +292,3 @@ def test_any_valid_spec_renders_valid_objects(
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
     for m in manifests:
         assert k8s_model_problems(m) == []
-
-
-def test_prepull_binding_names_never_collide_across_namespaces() -> None:
-    from embedfleet.operator.render import puller_binding_name
-
-    assert puller_binding_name("team-a", "x") != puller_binding_name("team", "a-x")
-    assert puller_binding_name("team-a", "x") == puller_binding_name("team-a", "x")
-    assert len(puller_binding_name("n" * 63, "p" * 253)) <= 253

@@ -26,8 +26,9 @@ name "embedfleet" it is the operator's default, embedfleet-operator. */ -}}
 embedfleet-spoke
 {{- end -}}
 
-{{- define "embedfleet.cachePullerClusterRole" -}}
-{{- printf "%s-cache-puller" (include "embedfleet.fullname" .) -}}
+{{- /* The node agent's DaemonSet, ServiceAccount and ClusterRole: at most 63 characters like every name. */ -}}
+{{- define "embedfleet.nodeAgentName" -}}
+{{- printf "%s-node-agent" (include "embedfleet.fullname" . | trunc 52 | trimSuffix "-") -}}
 {{- end -}}
 
 {{- define "embedfleet.hubAccessServiceAccountName" -}}
@@ -63,3 +64,10 @@ embedfleet.dev/role: {{ .Values.role | quote }}
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The platform allow-lists as the JSON the operator and the node agent read (EMBEDFLEET_PLATFORM_POLICY).
+*/}}
+{{- define "embedfleet.platformPolicy" -}}
+{{- .Values.platform | toJson -}}
+{{- end }}

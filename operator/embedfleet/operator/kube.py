@@ -251,8 +251,9 @@ class Kube:
         query: list[tuple[str, str]] | None = None,
         content_type: str = "application/json",
         allow_404: bool = False,
+        accept: str = "application/json",
     ) -> Any:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        headers = {"Accept": accept, "Content-Type": content_type}
         method_, url, headers, body_, post = self.client.param_serialize(
             method,
             path,
@@ -277,6 +278,16 @@ class Kube:
 
     def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         return self._request("GET", KINDS[kind].path(namespace, name), allow_404=True)
+
+    def get_metadata(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        """Only the object's metadata (PartialObjectMetadata): for a Secret, its labels without its data,
+        so a value never enters this process (or its logs)."""
+        return self._request(
+            "GET",
+            KINDS[kind].path(namespace, name),
+            allow_404=True,
+            accept="application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1",
+        )
 
     def list(
         self, kind: str, namespace: str | None = None, selector: Mapping[str, str] | None = None

@@ -1,41 +1,46 @@
 """EmbeddingDeployment spec -> the Kubernetes objects that run it. Pure: no I/O, no clock, no kopf.
 
 Everything the operator creates is decided here, so a reader (or a test) can see the whole cluster
-footprint of one spec by calling `render`. Objects carry an owner reference to the custom resource so
-the API server's garbage collector removes them with it; the one cluster-scoped object (the puller's
-ClusterRoleBinding) cannot be owned by a namespaced resource and is deleted explicitly by the handler.
+footprint of one spec by calling `render`. Every object is namespaced and carries an owner reference to
+the custom resource, so the API server's garbage collector removes it with its owner. Nothing rendered
+here holds a node right: pre-pulling is the chart's node agent's job (`embedfleet cache agent`, one
+DaemonSet in the operator's namespace), which reads the same specs and fills the node cache.
 
 Model files reach the runtime in one of three ways, and ``EMBEDFLEET_MODEL`` points at the result:
 
-* pre-pull on: a DaemonSet per node pool runs ``embedfleet cache pull --label-node`` into the node cache
-  ``<cache.storage.hostPath>/sha256-<hex>``; runtime pods prefer (or require) nodes labelled
-  ``cache.embedfleet.dev/sha256-<16 hex>=ready`` and mount the cache root read-only;
-* pre-pull off: an init container runs ``embedfleet cache pull`` into a pod-local emptyDir;
+* downloaded (hf, http(s)): an init container runs ``embedfleet cache pull`` into a pod-local emptyDir
+  mounted at ``/var/cache/embedfleet/local``; ``EMBEDFLEET_MODEL`` is ``local/sha256-<hex>`` and
+  ``EMBEDFLEET_MODEL_DIGEST`` the digest the runtime re-verifies before loading. With pre-pull on, the
+  pod also mounts its tenant's node cache entry ``<platform cache root>/<namespace>_sha256-<hex>``
+  read-only at ``/var/cache/embedfleet/node``: when the agent has filled it, the init container only
+  links ``local/sha256-<hex>`` to it (no download); runtime pods prefer (or require) nodes labelled
+  ``cache.embedfleet.dev/t<tenant>-sha256-<16 hex>=ready``;
 * ``file://`` (a path inside the image) and ``pvc://claim/path`` (mounted read-only) are used in place.
+
+Every runtime pod is kept off control-plane nodes (a required node-affinity term) unless the platform
+allows them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import urllib.parse
 from typing import Any
 
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.gpus import GPU_PRODUCT_LABEL, KNOWN_GPU_TYPES
-from embedfleet.operator.crd.models import (
-    CacheStorage,
-    EmbeddingDeploymentSpec,
-    ModelCacheSpec,
-    ModelSource,
-    NodePool,
-)
+from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelSource, NodePool
+from embedfleet.operator.platform import CONTROL_PLANE_LABELS
 
 Manifest = dict[str, Any]
 
 RUNTIME_UID = 10001
 CONTAINER_CACHE_DIR = "/var/cache/embedfleet"
+#: The pod's own copy (an emptyDir), or links into the node cache: what EMBEDFLEET_MODEL points into.
+LOCAL_CACHE_DIR = f"{CONTAINER_CACHE_DIR}/local"
+#: The tenant's node cache entry, read-only (pre-pull only).
+NODE_CACHE_DIR = f"{CONTAINER_CACHE_DIR}/node"
 PVC_MOUNT_DIR = "/models/pvc"
 #: Seconds preStop waits so endpoints drop the pod before SIGTERM starts the runtime's drain.
 PRESTOP_SLEEP_SECONDS = 5
@@ -43,9 +48,6 @@ PRESTOP_SLEEP_SECONDS = 5
 GRACE_MARGIN_SECONDS = 10
 SERVICE_PORT = 80
 CONFIG_HASH_ANNOTATION = "embedfleet.dev/config-hash"
-#: The chart's ClusterRole for node labelling, named per release (two releases never collide); the chart
-#: passes its name to the operator.
-PULLER_CLUSTER_ROLE = os.environ.get("EMBEDFLEET_PULLER_CLUSTER_ROLE", "embedfleet-cache-puller")
 
 
 # ---------------------------------------------------------------- small helpers
@@ -122,19 +124,10 @@ def config_map_name(name: str) -> str:
     return f"{name}-config"
 
 
-def puller_name(name: str, pool: str) -> str:
-    return f"{name}-prepull-{pool}"
-
-
-def puller_binding_name(namespace: str, ds_prefix: str) -> str:
-    """Cluster-wide unique: `team-a/x` and `team/a-x` must not share a name (they would join up as
-    "team-a-x"), so a hash of the unambiguous ``namespace/name`` follows the readable part."""
-    digest = hashlib.sha256(f"{namespace}/{ds_prefix}".encode()).hexdigest()[:10]
-    return f"embedfleet-{namespace}-{ds_prefix}"[:200] + f"-{digest}"
-
-
 def node_pools(selector: dict[str, str], pools: list[NodePool]) -> list[NodePool]:
-    return list(pools) or [NodePool(name="default", node_selector=selector)]
+    """The node pools a cache spec names; none means one pool of ``selector`` (the node agent and the
+    ModelCache status use this, so both count the same nodes)."""
+    return list(pools) or [NodePool(name="default", node_selector=dict(selector))]
 
 
 def model_dir(model: ModelSource) -> str:
@@ -145,7 +138,11 @@ def model_dir(model: ModelSource) -> str:
     if parsed.scheme == "pvc":
         return PVC_MOUNT_DIR + (parsed.path.rstrip("/") or "")
     assert model.digest is not None, "validate() requires a digest for downloaded models"
-    return f"{CONTAINER_CACHE_DIR}/{naming.cache_subdir(model.digest)}"
+    return f"{LOCAL_CACHE_DIR}/{naming.cache_subdir(model.digest)}"
+
+
+def downloaded(model: ModelSource) -> bool:
+    return urllib.parse.urlsplit(model.source).scheme not in ("file", "pvc")
 
 
 def effective_replicas(spec: EmbeddingDeploymentSpec, autoscaler_desired: int | None) -> int:
@@ -196,6 +193,8 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec) -> dict[str, str]:
         "EMBEDFLEET_TOKENIZER_WORKERS": rt.tokenizer_workers,
     }
     env.update({key: str(value) for key, value in optional.items() if value is not None})
+    if downloaded(spec.model) and spec.model.digest is not None:
+        env["EMBEDFLEET_MODEL_DIGEST"] = spec.model.digest  # the runtime verifies before loading
     return env
 
 
@@ -210,9 +209,11 @@ def render_config_map(name: str, namespace: str, uid: str, spec: EmbeddingDeploy
     }
 
 
-def _cache_affinity(spec: EmbeddingDeploymentSpec) -> dict[str, Any] | None:
+def _affinity(spec: EmbeddingDeploymentSpec, namespace: str, allow_control_plane: bool) -> dict[str, Any] | None:
     required: list[dict[str, Any]] = []
     preferred: list[dict[str, Any]] = []
+    if not allow_control_plane:
+        required += [{"key": key, "operator": "DoesNotExist"} for key in CONTROL_PLANE_LABELS]
     gpu = spec.runtime.gpu
     if gpu.count > 0 and gpu.type is not None:
         required.append(
@@ -220,7 +221,7 @@ def _cache_affinity(spec: EmbeddingDeploymentSpec) -> dict[str, Any] | None:
         )
     if spec.cache.pre_pull and spec.model.digest is not None:
         cached = {
-            "key": naming.cache_label_key(spec.model.digest),
+            "key": naming.cache_label_key(spec.model.digest, namespace),
             "operator": "In",
             "values": [naming.CACHE_LABEL_READY],
         }
@@ -240,6 +241,14 @@ def _cache_affinity(spec: EmbeddingDeploymentSpec) -> dict[str, Any] | None:
     return {"nodeAffinity": node_affinity}
 
 
+def pull_source(model: ModelSource) -> str:
+    """The source as `embedfleet cache pull --source` takes it (an hf:// revision travels as ``@rev``);
+    the node agent pulls with the same string."""
+    if model.source.startswith("hf://") and model.revision:
+        return f"{model.source}@{model.revision}"
+    return model.source
+
+
 def _pull_args(model: ModelSource, cache_dir: str) -> list[str]:
     assert model.digest is not None
     return [
@@ -247,7 +256,7 @@ def _pull_args(model: ModelSource, cache_dir: str) -> list[str]:
         "cache",
         "pull",
         "--source",
-        f"{model.source}@{model.revision}" if model.source.startswith("hf://") and model.revision else model.source,
+        pull_source(model),
         "--digest",
         model.digest,
         "--cache-dir",
@@ -256,7 +265,7 @@ def _pull_args(model: ModelSource, cache_dir: str) -> list[str]:
 
 
 def _model_volumes(
-    spec: EmbeddingDeploymentSpec,
+    spec: EmbeddingDeploymentSpec, namespace: str, cache_root: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, runtime volumeMounts, init containers) that put the model where model_dir() says."""
     parsed = urllib.parse.urlsplit(spec.model.source)
@@ -265,30 +274,34 @@ def _model_volumes(
     if parsed.scheme == "pvc":
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": parsed.netloc, "readOnly": True}}
         return [volume], [{"name": "model", "mountPath": PVC_MOUNT_DIR, "readOnly": True}], []
-    if spec.cache.pre_pull:
-        volume = {
-            "name": "model-cache",
-            "hostPath": {"path": spec.cache.storage.host_path, "type": "DirectoryOrCreate"},
-        }
-        return [volume], [{"name": "model-cache", "mountPath": CONTAINER_CACHE_DIR, "readOnly": True}], []
+    assert spec.model.digest is not None
     empty_dir: dict[str, Any] = {}
     if spec.cache.storage.size_limit is not None:
         empty_dir["sizeLimit"] = spec.cache.storage.size_limit
+    volumes: list[dict[str, Any]] = [{"name": "model-cache", "emptyDir": empty_dir}]
+    runtime_mounts = [{"name": "model-cache", "mountPath": LOCAL_CACHE_DIR, "readOnly": True}]
+    init_mounts = [{"name": "model-cache", "mountPath": LOCAL_CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    command = _pull_args(spec.model, LOCAL_CACHE_DIR)
+    if spec.cache.pre_pull:
+        # The tenant's own entry, never the root: DirectoryOrCreate makes the kubelet create it (empty,
+        # root-owned) when the pod lands before the agent; the agent replaces it with the weights.
+        entry = cache_root.rstrip("/") + "/" + naming.cache_entry(namespace, spec.model.digest)
+        volumes.append({"name": "node-cache", "hostPath": {"path": entry, "type": "DirectoryOrCreate"}})
+        node_mount = {"name": "node-cache", "mountPath": NODE_CACHE_DIR, "readOnly": True}
+        runtime_mounts.append(node_mount)
+        init_mounts.append(node_mount)
+        command += ["--from-node-cache", NODE_CACHE_DIR]
     init = {
         "name": "fetch-model",
         "image": spec.runtime.image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
-        "command": _pull_args(spec.model, CONTAINER_CACHE_DIR),
+        "command": command,
         "env": [{"name": "HOME", "value": "/tmp"}],
         "securityContext": _non_root_container_security(),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "volumeMounts": [
-            {"name": "model-cache", "mountPath": CONTAINER_CACHE_DIR},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
+        "volumeMounts": init_mounts,
     }
-    volume = {"name": "model-cache", "emptyDir": empty_dir}
-    return [volume], [{"name": "model-cache", "mountPath": CONTAINER_CACHE_DIR, "readOnly": True}], [init]
+    return volumes, runtime_mounts, [init]
 
 
 def _resources(spec: EmbeddingDeploymentSpec) -> dict[str, Any]:
@@ -319,10 +332,18 @@ def rollout_strategy(spec: EmbeddingDeploymentSpec) -> dict[str, Any]:
 
 
 def render_deployment(
-    name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec, replicas: int, config_hash: str
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: EmbeddingDeploymentSpec,
+    replicas: int,
+    config_hash: str,
+    *,
+    cache_root: str,
+    allow_control_plane: bool = False,
 ) -> Manifest:
     rt = spec.runtime
-    volumes, mounts, init_containers = _model_volumes(spec)
+    volumes, mounts, init_containers = _model_volumes(spec, namespace, cache_root)
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
@@ -393,7 +414,7 @@ def render_deployment(
         pod_spec["nodeSelector"] = dict(rt.node_selector)
     if tolerations:
         pod_spec["tolerations"] = tolerations
-    affinity = _cache_affinity(spec)
+    affinity = _affinity(spec, namespace, allow_control_plane)
     if affinity is not None:
         pod_spec["affinity"] = affinity
     return {
@@ -463,117 +484,6 @@ def render_service_monitor(name: str, namespace: str, uid: str, spec: EmbeddingD
     }
 
 
-# ---------------------------------------------------------------- pre-pull
-
-
-def render_prepull(
-    *,
-    owner_name: str,
-    owner_kind: str,
-    namespace: str,
-    uid: str,
-    model: ModelSource,
-    pools: list[NodePool],
-    storage: CacheStorage,
-    image: str,
-    pull_policy: str = "IfNotPresent",
-    ds_prefix: str,
-) -> list[Manifest]:
-    """ServiceAccount + ClusterRoleBinding (to label nodes) + one DaemonSet per node pool.
-
-    The pull runs as an init container, so a DaemonSet pod is Ready exactly when its node holds verified
-    weights: ``numberReady / desiredNumberScheduled`` is the cache status, with no node listing needed.
-    """
-    owner = owner_reference(owner_name, uid, owner_kind)
-    sa_name = ds_prefix
-    out: list[Manifest] = [
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": _meta(sa_name, namespace, owner, labels(owner_name, "prepull")),
-            "automountServiceAccountToken": True,
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {
-                "name": puller_binding_name(namespace, ds_prefix),
-                "labels": {
-                    **labels(owner_name, "prepull"),
-                    naming.OWNER_NAMESPACE_LABEL: namespace,
-                    naming.OWNER_KIND_LABEL: owner_kind.lower(),
-                },
-            },
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": PULLER_CLUSTER_ROLE,
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": sa_name, "namespace": namespace}],
-        },
-    ]
-    for pool in pools:
-        ds_labels = {**labels(owner_name, "prepull"), "embedfleet.dev/node-pool": pool.name}
-        ds_selector = {**selector_labels(owner_name, "prepull"), "embedfleet.dev/node-pool": pool.name}
-        pull = {
-            "name": "pull",
-            "image": image,
-            "imagePullPolicy": pull_policy,
-            "command": [
-                *_pull_args(model, CONTAINER_CACHE_DIR),
-                "--node-name",
-                "$(NODE_NAME)",
-                "--label-node",
-            ],
-            "env": [
-                {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                {"name": "HOME", "value": "/tmp"},
-            ],
-            "securityContext": _non_root_container_security(),
-            "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-            "volumeMounts": [
-                {"name": "cache", "mountPath": CONTAINER_CACHE_DIR},
-                {"name": "tmp", "mountPath": "/tmp"},
-            ],
-        }
-        # Re-checks the cache (a no-op when the init container filled it), keeps the label fresh, then
-        # holds until SIGTERM, so the pod stays Ready exactly while its node holds verified weights.
-        hold = {
-            **pull,
-            "name": "hold",
-            "command": [*pull["command"], "--hold"],
-            "resources": {"requests": {"cpu": "5m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
-        }
-        pod_spec: dict[str, Any] = {
-            "serviceAccountName": sa_name,
-            "securityContext": _pod_security(),
-            "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": 5,
-            "initContainers": [pull],
-            "containers": [hold],
-            "volumes": [
-                {"name": "cache", "hostPath": {"path": storage.host_path, "type": "DirectoryOrCreate"}},
-                {"name": "tmp", "emptyDir": {}},
-            ],
-            "tolerations": [{"operator": "Exists"}],
-        }
-        if pool.node_selector:
-            pod_spec["nodeSelector"] = dict(pool.node_selector)
-        out.append(
-            {
-                "apiVersion": "apps/v1",
-                "kind": "DaemonSet",
-                "metadata": _meta(f"{ds_prefix}-{pool.name}", namespace, owner, ds_labels),
-                "spec": {
-                    "selector": {"matchLabels": ds_selector},
-                    "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "25%"}},
-                    "template": {"metadata": {"labels": ds_labels}, "spec": pod_spec},
-                },
-            }
-        )
-    return out
-
-
 # ---------------------------------------------------------------- entry points
 
 
@@ -583,45 +493,25 @@ def render(
     uid: str,
     spec: EmbeddingDeploymentSpec,
     *,
+    cache_root: str,
+    allow_control_plane: bool = False,
     autoscaler_desired: int | None = None,
     service_monitor_available: bool = False,
 ) -> list[Manifest]:
-    """Every object one EmbeddingDeployment needs, in apply order (config before its consumers)."""
+    """Every object one EmbeddingDeployment needs, in apply order (config before its consumers).
+
+    ``cache_root`` is the platform's node cache root (chart value platform.cacheRoot), never the
+    tenant's; ``allow_control_plane`` lifts the rule that keeps runtime pods off control-plane nodes.
+    """
     config = render_config_map(name, namespace, uid, spec)
     replicas = effective_replicas(spec, autoscaler_desired)
-    out = [config]
-    if spec.cache.pre_pull:
-        out += render_prepull(
-            owner_name=name,
-            owner_kind=naming.EMBEDDING_DEPLOYMENT_KIND,
-            namespace=namespace,
-            uid=uid,
-            model=spec.model,
-            pools=node_pools(spec.cache.node_selector, spec.cache.node_pools),
-            storage=spec.cache.storage,
-            image=spec.cache.puller_image or spec.runtime.image,
-            pull_policy=spec.runtime.image_pull_policy,
-            ds_prefix=f"{name}-prepull",
-        )
-    out += [
-        render_deployment(name, namespace, uid, spec, replicas, content_hash(config["data"])),
+    out = [
+        config,
+        render_deployment(name, namespace, uid, spec, replicas, content_hash(config["data"]),
+                          cache_root=cache_root, allow_control_plane=allow_control_plane),
         render_service(name, namespace, uid, spec),
         render_pdb(name, namespace, uid),
     ]
     if spec.monitoring.service_monitor and service_monitor_available:
         out.append(render_service_monitor(name, namespace, uid, spec))
     return out
-
-
-def render_model_cache(name: str, namespace: str, uid: str, spec: ModelCacheSpec) -> list[Manifest]:
-    return render_prepull(
-        owner_name=name,
-        owner_kind=naming.MODEL_CACHE_KIND,
-        namespace=namespace,
-        uid=uid,
-        model=spec.model,
-        pools=node_pools(spec.node_selector, spec.node_pools),
-        storage=spec.storage,
-        image=spec.puller_image,
-        ds_prefix=f"{name}-cache",
-    )

@@ -50,8 +50,7 @@ def without_times(conditions: list[Mapping[str, Any]] | None) -> list[dict[str, 
 def observed_conditions(
     *,
     deployment: Mapping[str, Any] | None,
-    daemonsets: list[Mapping[str, Any]],
-    pre_pull: bool,
+    cache_nodes: tuple[int, int] | None,
     desired: int,
     generation: int | None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -62,9 +61,8 @@ def observed_conditions(
     updated = int(dep_status.get("updatedReplicas") or 0)
     fields: dict[str, Any] = {"replicas": {"current": current, "ready": ready}}
 
-    if pre_pull:
-        cached = sum(int((ds.get("status") or {}).get("numberReady") or 0) for ds in daemonsets)
-        total = sum(int((ds.get("status") or {}).get("desiredNumberScheduled") or 0) for ds in daemonsets)
+    if cache_nodes is not None:  # pre-pull on: (nodes labelled ready for this tenant, nodes its pools select)
+        cached, total = cache_nodes
         fields["cachedNodes"], fields["totalNodes"] = cached, total
         cache = condition(
             "CacheReady",

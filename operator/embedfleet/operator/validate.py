@@ -16,8 +16,15 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 from pydantic import ValidationError
 
+from embedfleet.operator import platform
 from embedfleet.operator.crd.gpus import KNOWN_GPU_TYPES
-from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelCacheSpec, ModelSource
+from embedfleet.operator.crd.models import (
+    UNSUPPORTED_SOURCE,
+    EmbeddingDeploymentSpec,
+    ModelCacheSpec,
+    ModelSource,
+)
+from embedfleet.operator.platform import PlatformPolicy
 
 #: Maximum sequence length of models we know, so a too-small batch is caught without downloading anything.
 KNOWN_MODEL_MAX_TOKENS: dict[str, int] = {
@@ -44,8 +51,6 @@ MAX_NAME_LENGTH = 45
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _HF_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_GS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
 def _field(loc: tuple[Any, ...], root: str) -> str:
@@ -78,11 +83,7 @@ def source_problems(source: str) -> list[str]:
             return [f"{where}: {source!r} is not hf://<org>/<name> (or hf://<name>)"]
         return []
     if scheme in ("s3", "gs"):
-        bucket = parsed.netloc
-        pattern = _S3_BUCKET if scheme == "s3" else _GS_BUCKET
-        if not pattern.match(bucket or ""):
-            return [f"{where}: {bucket!r} is not a valid {scheme} bucket name in {source!r}"]
-        return []
+        return [f"{where}: {UNSUPPORTED_SOURCE}"]
     if scheme in ("http", "https"):
         if not parsed.hostname:
             return [f"{where}: {source!r} has no host"]
@@ -99,7 +100,7 @@ def source_problems(source: str) -> list[str]:
         if not _DNS1123.match(parsed.netloc or "") or len(parsed.netloc) > 253:
             return [f"{where}: {parsed.netloc!r} is not a valid PersistentVolumeClaim name in {source!r}"]
         return []
-    return [f"{where}: unsupported scheme in {source!r} (hf, s3, gs, http, https, file, pvc)"]
+    return [f"{where}: unsupported scheme in {source!r} (hf, http, https, file, pvc)"]
 
 
 def needs_download(source: str) -> bool:
@@ -190,7 +191,7 @@ def validate(spec: EmbeddingDeploymentSpec, name: str | None = None) -> list[str
 
     if spec.model.digest is None and needs_download(spec.model.source):
         problems.append(
-            "spec.model.digest is required for hf/s3/gs/http(s) sources: downloaded weights are verified "
+            "spec.model.digest is required for hf/http(s) sources: downloaded weights are verified "
             "against it and cached under it"
         )
     if cache.require_cached_node and not cache.pre_pull:
@@ -209,22 +210,31 @@ def validate(spec: EmbeddingDeploymentSpec, name: str | None = None) -> list[str
     return problems
 
 
-def check(name: str, raw_spec: Mapping[str, Any]) -> tuple[EmbeddingDeploymentSpec | None, list[str]]:
-    """Parse then validate; the spec is returned only when there is nothing to complain about."""
+def check(
+    name: str, raw_spec: Mapping[str, Any], policy: PlatformPolicy | None = None
+) -> tuple[EmbeddingDeploymentSpec | None, list[str]]:
+    """Parse then validate (against the platform's allow-lists too, when given); the spec is returned
+    only when there is nothing to complain about."""
     try:
         spec = EmbeddingDeploymentSpec.model_validate(dict(raw_spec))
     except ValidationError as exc:
         return None, schema_messages(exc)
     problems = validate(spec, name)
+    if policy is not None:
+        problems += platform.deployment_problems(raw_spec, policy)
     return (None if problems else spec), problems
 
 
-def check_model_cache(name: str, raw_spec: Mapping[str, Any]) -> tuple[ModelCacheSpec | None, list[str]]:
+def check_model_cache(
+    name: str, raw_spec: Mapping[str, Any], policy: PlatformPolicy | None = None
+) -> tuple[ModelCacheSpec | None, list[str]]:
     try:
         spec = ModelCacheSpec.model_validate(dict(raw_spec))
     except ValidationError as exc:
         return None, schema_messages(exc)
     problems = name_problems(name) + source_problems(spec.model.source)
+    if policy is not None:
+        problems += platform.model_cache_problems(raw_spec, policy)
     if spec.model.digest is None:
         problems.append(
             "spec.model.digest is required: it keys the node cache and is verified after download"

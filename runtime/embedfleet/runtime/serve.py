@@ -58,10 +58,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, RuntimeSettings)
 
 
+def verify_model(settings: RuntimeSettings) -> str | None:
+    """With --model-digest: check the model directory is the verified cache entry of that digest before
+    anything is loaded from it (a weight file changed on the node, a half-copied or mixed-up entry);
+    returns the problem, or None when it matches. Costs one read of the weights."""
+    if not settings.model_digest:
+        return None
+    from embedfleet.operator.cache.digest import VerifyError, verify_entry  # stdlib only; no operator deps
+
+    path = settings.models()[0].path
+    try:
+        strength = verify_entry(path, settings.model_digest)
+    except (VerifyError, OSError) as exc:
+        return str(exc)
+    log.info("model %s verified against %s (%s)", path, settings.model_digest, strength)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     settings = settings_or_exit_code(args, "serve")
     if isinstance(settings, int):
         return settings
+    problem = verify_model(settings)
+    if problem is not None:
+        print(f"embedfleet serve: refusing to load the model: {problem}", file=sys.stderr)
+        return 1
     metrics = RuntimeMetrics()
     gate = GateState()
     models = Models(settings, metrics)

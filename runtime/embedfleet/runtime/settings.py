@@ -52,6 +52,10 @@ class RuntimeSettings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="name clients pass as `model` (single-model servers); default: the directory's name")
     task: Task | None = Field(None, description="override the task detected from config.json")
+    model_digest: str | None = Field(
+        None, pattern=r"^sha256:[0-9a-f]{64}$",
+        description="sha256:<hex> the model directory must hold (a cache entry of `embedfleet cache pull`): "
+        "its .ready marker must name it and every file must match its .manifest, else start-up stops")
     host: str = Field("0.0.0.0", description="address to bind")
     port: int = Field(8080, ge=1, le=65535, description="port to bind")
     device: Device = Field("cpu", description="where the engine runs")
@@ -140,6 +144,8 @@ class RuntimeSettings(BaseSettings):
         names = [e.name for e in entries if e.name]
         if len(set(names)) != len(names):
             raise ValueError(f"model: served names must be unique, got {names}")
+        if self.model_digest and len(entries) != 1:
+            raise ValueError("model_digest: names the weights of one model; serve one --model with it")
         if self.served_model_name and len(entries) > 1:
             raise ValueError("served_model_name: only for one model; name each model as NAME=PATH instead")
         return self

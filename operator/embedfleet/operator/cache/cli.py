@@ -1,7 +1,9 @@
-"""``embedfleet cache``: pull verified weights into the node-local cache, or compute a digest.
+"""``embedfleet cache``: the node agent, its one-time root preparation, pulls into a pod's own cache,
+and the digest of a file or directory.
 
-Exit codes: 0 done, 1 failed after retries (never marked ready), 2 bad input or a source this puller
-cannot fetch (the message names the tool or credential that would).
+Exit codes: 0 done, 1 failed after retries (never marked ready) or, for ``agent --once``, a pass with a
+failure, 2 bad input or a source this puller cannot fetch (the message names the tool or credential
+that would) or a cache root the agent cannot write.
 """
 
 from __future__ import annotations
@@ -9,13 +11,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from .digest import MANIFEST_NAME, DigestError, manifest_lines, parse_digest, render_manifest, tree_digest
-from .pull import PullFailed, pull
+from .pull import PullFailed, link_node_entry, pull
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,42 +30,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("pull", help="download weights into <cache-dir>/sha256-<hex>/ and verify them")
     p.add_argument("--source", required=True,
                    help="http(s)://host/file (a .tar/.tar.gz is unpacked), http(s)://host/dir/ (with a "
-                        "SHA256SUMS manifest), file:///path (file or directory)")
+                        "SHA256SUMS manifest), hf://org/name[@rev], file:///path (file or directory)")
     p.add_argument("--digest", required=True, help="sha256:<hex> of the file/archive, or the dir digest")
-    p.add_argument("--cache-dir", required=True, type=Path, help="node-local cache root")
-    p.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
-                   help="node to label (default: $NODE_NAME, set from the downward API)")
-    p.add_argument("--label-node", action="store_true",
-                   help="label the node cache.embedfleet.dev/sha256-<16 hex of digest>=ready once verified")
+    p.add_argument("--cache-dir", required=True, type=Path, help="cache directory (a pod's own emptyDir)")
+    p.add_argument("--from-node-cache", type=Path, metavar="DIR",
+                   help="the node cache's entry for this digest, mounted read-only: when its .ready names "
+                        "the digest, <cache-dir>/sha256-<hex> becomes a link to it and nothing is fetched")
     p.add_argument("--retries", type=int, default=3, help="attempts after the first (default 3)")
     p.add_argument("--backoff", type=float, default=1.0, help="first wait between attempts, doubling (s)")
     p.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout per request (s)")
-    p.add_argument("--hold", action="store_true",
-                   help="after success keep running until SIGTERM (for a DaemonSet's main container)")
+    p.add_argument("--max-bytes", type=_positive_int, default=None,
+                   help="refuse a source larger than this many bytes (http(s) and hf; default: no limit)")
+
+    a = sub.add_parser("agent", help="keep this node's cache as the cluster's specs want it (node DaemonSet)")
+    a.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
+                   help="this node (default: $NODE_NAME, set from the downward API)")
+    a.add_argument("--cache-root", required=True, type=Path,
+                   help="where the platform's cache root is mounted in this container")
+    a.add_argument("--interval", type=float, default=30.0, help="seconds between passes (default 30)")
+    a.add_argument("--retention-seconds", type=float, default=3600.0,
+                   help="keep an entry nobody wants this long before deleting it (default 3600)")
+    a.add_argument("--max-pull-bytes", type=_positive_int, default=None,
+                   help="refuse to download a model larger than this many bytes (default: no limit)")
+    a.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout per request (s)")
+    a.add_argument("--once", action="store_true", help="one pass, then exit (1 if anything in it failed)")
+
+    r = sub.add_parser("prepare", help="as root: create the cache root and hand it to the agent's uid")
+    r.add_argument("--cache-root", required=True, type=Path)
+    r.add_argument("--owner", required=True, metavar="UID:GID", help="the agent's uid and gid, e.g. 10001:10001")
+
     d = sub.add_parser("digest", help="print the sha256 digest of a file or directory (see docs/cache.md)")
     d.add_argument("path", type=Path)
     d.add_argument("--write-manifest", action="store_true",
                    help=f"also write DIR/{MANIFEST_NAME} so the directory can be served over http(s)")
 
 
-def _hold() -> None:
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-
-
 def _pull(args: argparse.Namespace) -> int:
     if args.retries < 0:
         print("embedfleet cache pull: --retries must be >= 0", file=sys.stderr)
         return 2
-    if args.label_node and not args.node_name:
-        print("embedfleet cache pull: --label-node needs --node-name or $NODE_NAME", file=sys.stderr)
-        return 2
     try:
         parse_digest(args.digest)
+        if args.from_node_cache is not None:
+            link = link_node_entry(args.from_node_cache, args.digest, args.cache_dir)
+            if link is not None:
+                print(f"ready: {link} -> {args.from_node_cache} (node cache)")
+                return 0
         result = pull(args.source, args.digest, args.cache_dir, retries=args.retries,
-                      backoff_s=args.backoff, timeout_s=args.timeout)
+                      backoff_s=args.backoff, timeout_s=args.timeout, max_bytes=args.max_bytes)
     except DigestError as exc:
         print(f"embedfleet cache pull: {exc}", file=sys.stderr)
         return 2
@@ -66,13 +85,38 @@ def _pull(args: argparse.Namespace) -> int:
         print(f"embedfleet cache pull: {exc}; not marked ready", file=sys.stderr)
         return 2 if exc.permanent else 1
     print(f"ready: {result.path} ({result.fetched}; attempts: {result.attempts})")
-    if args.label_node:
-        from .label import label_key, label_node  # imported here: the kubernetes client is slow to import
+    return 0
 
-        label_node(args.node_name, args.digest)
-        print(f"labelled node {args.node_name} {label_key(args.digest)}=ready")
-    if args.hold:
-        _hold()
+
+def _agent(args: argparse.Namespace) -> int:
+    from embedfleet.operator import platform
+
+    from .agent import AgentConfig, RootNotWritable
+    from .agent import run as run_agent
+
+    if not args.node_name:
+        print("embedfleet cache agent: needs --node-name or $NODE_NAME", file=sys.stderr)
+        return 2
+    config = AgentConfig(node_name=args.node_name, root=args.cache_root, policy=platform.load(),
+                         retention_s=args.retention_seconds, max_pull_bytes=args.max_pull_bytes,
+                         pull_timeout_s=args.timeout)
+    try:
+        return run_agent(config, args.interval, args.once)
+    except RootNotWritable as exc:
+        print(f"embedfleet cache agent: {exc}", file=sys.stderr)
+        return 2
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from .prepare import parse_owner, prepare
+
+    try:
+        uid, gid = parse_owner(args.owner)
+        changed = prepare(args.cache_root, uid, gid)
+    except (ValueError, OSError) as exc:
+        print(f"embedfleet cache prepare: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.cache_root}: owned by {uid}:{gid}, mode 0755 ({changed} path(s) handed over)")
     return 0
 
 
@@ -92,4 +136,5 @@ def _digest(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return _pull(args) if args.action == "pull" else _digest(args)
+    actions = {"pull": _pull, "agent": _agent, "prepare": _prepare, "digest": _digest}
+    return actions[args.action](args)

@@ -9,10 +9,13 @@ the ``sha256sum`` format, so a shell can reproduce it::
     (cd DIR && find . -type f ! -name .ready ! -name SHA256SUMS -printf '%P\\n' | LC_ALL=C sort \\
         | xargs -d '\\n' sha256sum) | sha256sum
 
-Two names at the top level are left out because they describe the directory rather than belong to it:
-``SHA256SUMS`` (the manifest itself, published next to the files for http(s) directory sources) and
-``.ready`` (the cache's own marker). Symlinks and empty directories are not part of a model and are
-ignored; file modes and times never count.
+Three names at the top level are left out because they describe the directory rather than belong to
+it: ``SHA256SUMS`` (the manifest itself, published next to the files for http(s) directory sources),
+``.ready`` and ``.manifest`` (the cache's own marker and its record of the unpacked tree). Symlinks and
+empty directories are not part of a model and are ignored; file modes and times never count.
+
+`verify_entry` is what the runtime runs before it loads a cache entry. This module imports only the
+standard library, so the runtime (``embedfleet serve``) imports it without the operator's dependencies.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from pathlib import Path, PurePosixPath
 
 MANIFEST_NAME = "SHA256SUMS"
 READY_MARKER = ".ready"
-EXCLUDED_TOP_LEVEL = frozenset({MANIFEST_NAME, READY_MARKER})
+#: Written by the puller next to ``.ready``: the verified, unpacked tree in ``sha256sum`` format.
+ENTRY_MANIFEST = ".manifest"
+EXCLUDED_TOP_LEVEL = frozenset({MANIFEST_NAME, READY_MARKER, ENTRY_MANIFEST})
 DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 _CHUNK = 1 << 20
 
@@ -111,3 +116,54 @@ def tree_digest(root: Path) -> str:
     if not root.is_dir():
         raise FileNotFoundError(f"no such file or directory: {root}")
     return "sha256:" + hashlib.sha256(render_manifest(manifest_lines(root))).hexdigest()
+
+
+class VerifyError(DigestError):
+    """A cache entry that is not what its digest says: the runtime refuses to load it."""
+
+
+def verify_entry(root: Path, digest: str) -> str:
+    """Check a cache entry before loading it; return how strongly it was checked, or raise VerifyError.
+
+    ``.ready`` must name ``digest`` (an entry of other weights, or a half-written one, is refused), and
+    every regular file in the tree must be listed in ``.manifest`` with its sha256, and nothing more or
+    less. When the manifest itself hashes to the digest (directory sources) or the tree is the single
+    file the digest names, the files are proven to be the published ones ("digest"); for archives the
+    digest covers the archive, which is gone, so the files are proven to be what the puller verified
+    and unpacked ("manifest"). An entry without a manifest (an older puller) is checked by recomputing
+    the tree digest.
+    """
+    expected_hex = parse_digest(digest)
+    marker = root / READY_MARKER
+    if not marker.is_file():
+        raise VerifyError(f"{root}: no {READY_MARKER} marker: the weights were never verified there")
+    named = marker.read_text(errors="replace").strip()
+    if named != f"sha256:{expected_hex}":
+        raise VerifyError(f"{root}/{READY_MARKER} names {named[:80]!r}, not the expected sha256:{expected_hex}")
+    manifest = root / ENTRY_MANIFEST
+    if not manifest.is_file():
+        actual = tree_digest(root)
+        if actual != f"sha256:{expected_hex}":
+            raise VerifyError(f"{root}: has no {ENTRY_MANIFEST} and its tree digest is {actual}, "
+                              f"not sha256:{expected_hex}")
+        return "digest"
+    try:
+        entries = parse_manifest(manifest.read_bytes())
+    except (DigestError, UnicodeDecodeError) as exc:
+        raise VerifyError(f"{root}/{ENTRY_MANIFEST}: {exc}") from exc
+    listed = {rel: sha for sha, rel in entries}
+    present = set(_files(root))
+    if missing := sorted(set(listed) - present):
+        raise VerifyError(f"{root}: {len(missing)} file(s) of the manifest are missing, e.g. {missing[0]!r}")
+    if extra := sorted(present - set(listed)):
+        raise VerifyError(f"{root}: {len(extra)} file(s) not in the manifest, e.g. {extra[0]!r}")
+    for rel, sha in sorted(listed.items()):
+        actual_sha = file_sha256(root / rel)
+        if actual_sha != sha:
+            raise VerifyError(f"{root}/{rel}: sha256 {actual_sha} does not match the manifest's {sha} "
+                              "(changed after it was verified)")
+    if hashlib.sha256(render_manifest(entries)).hexdigest() == expected_hex:
+        return "digest"
+    if len(entries) == 1 and entries[0][0] == expected_hex:
+        return "digest"
+    return "manifest"

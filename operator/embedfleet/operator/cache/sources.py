@@ -2,7 +2,11 @@
 
 Each fetcher leaves ``dest`` holding exactly the model's files and raises `FetchError` (worth a retry:
 network trouble, a server error, bytes that do not match the digest) or `UnsupportedSource` (retrying
-cannot help: unknown scheme, missing tool or credentials, malformed manifest).
+cannot help: unknown scheme, missing tool or credentials, malformed manifest, more bytes than allowed).
+
+``max_bytes`` bounds what one pull may download over http(s) (all files together): a source that
+announces more (Content-Length) is refused before its body is read, and a stream that goes past the
+limit is cut off there, so a wrong or hostile URL cannot fill a node's disk.
 """
 
 from __future__ import annotations
@@ -37,6 +41,30 @@ class UnsupportedSource(Exception):
     """A failure no retry can fix; the message says what would."""
 
 
+class TooLarge(UnsupportedSource):
+    """The source is larger than ``max_bytes``; retrying would download the same bytes again."""
+
+
+class _Budget:
+    """Bytes one pull may still download (None: unlimited), shared by all the files of a source."""
+
+    def __init__(self, max_bytes: int | None) -> None:
+        self.max_bytes = max_bytes
+        self.used = 0
+
+    def announce(self, url: str, length: str | None) -> None:
+        if self.max_bytes is None or length is None or not length.isdigit():
+            return
+        if self.used + int(length) > self.max_bytes:
+            raise TooLarge(f"GET {url}: Content-Length {length} would take this pull past its limit of "
+                           f"{self.max_bytes} bytes (--max-bytes)")
+
+    def take(self, url: str, n: int) -> None:
+        self.used += n
+        if self.max_bytes is not None and self.used > self.max_bytes:
+            raise TooLarge(f"GET {url}: more than {self.max_bytes} bytes downloaded (--max-bytes); stopped")
+
+
 _NEEDS = {
     "s3": "s3:// needs the AWS CLI or boto3 and credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an "
     "IRSA role); use a presigned https:// URL to a .tar archive, or an http(s) directory with a SHA256SUMS "
@@ -48,15 +76,18 @@ _NEEDS = {
 }
 
 
-def fetch(source: str, dest: Path, expected_hex: str, timeout: float = 60.0) -> str:
+def fetch(
+    source: str, dest: Path, expected_hex: str, timeout: float = 60.0, max_bytes: int | None = None
+) -> str:
     """Fill ``dest`` from ``source``; return a short description of what was fetched."""
     scheme = urlparse(source).scheme.lower()
+    budget = _Budget(max_bytes)
     if scheme in ("http", "https"):
-        return _fetch_http(source, dest, expected_hex, timeout)
+        return _fetch_http(source, dest, expected_hex, timeout, budget)
     if scheme == "file":
         return _fetch_file(Path(unquote(urlparse(source).path)), dest, expected_hex)
     if scheme == "hf":
-        return _fetch_hf(source, dest, expected_hex, timeout)
+        return _fetch_hf(source, dest, expected_hex, timeout, budget)
     if scheme in _NEEDS:
         raise UnsupportedSource(_NEEDS[scheme])
     raise UnsupportedSource(f"unsupported source scheme {scheme!r} in {source!r}; use http(s):// or file://")
@@ -97,7 +128,7 @@ def _fetch_file(path: Path, dest: Path, expected_hex: str) -> str:
     return f"file {path}"
 
 
-def _download(client: httpx.Client, url: str, target: Path) -> str:
+def _download(client: httpx.Client, url: str, target: Path, budget: _Budget) -> str:
     """Stream ``url`` into ``target``; return the sha256 hex of what arrived."""
     h = hashlib.sha256()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -107,8 +138,10 @@ def _download(client: httpx.Client, url: str, target: Path) -> str:
                 raise FetchError(f"GET {url}: HTTP {response.status_code}")
             if response.status_code >= 400:
                 raise UnsupportedSource(f"GET {url}: HTTP {response.status_code}")
+            budget.announce(url, response.headers.get("content-length"))
             with target.open("wb") as fh:
                 for chunk in response.iter_bytes(_CHUNK):
+                    budget.take(url, len(chunk))
                     h.update(chunk)
                     fh.write(chunk)
     except httpx.HTTPError as exc:
@@ -116,24 +149,24 @@ def _download(client: httpx.Client, url: str, target: Path) -> str:
     return h.hexdigest()
 
 
-def _fetch_http(url: str, dest: Path, expected_hex: str, timeout: float) -> str:
+def _fetch_http(url: str, dest: Path, expected_hex: str, timeout: float, budget: _Budget) -> str:
     with httpx.Client(timeout=timeout, follow_redirects=True) as client:
         if url.endswith("/"):
-            return _fetch_http_directory(client, url, dest, expected_hex)
+            return _fetch_http_directory(client, url, dest, expected_hex, budget)
         name = Path(unquote(urlparse(url).path)).name or "model"
         target = dest / name
-        _check(_download(client, url, target), expected_hex, url)
+        _check(_download(client, url, target, budget), expected_hex, url)
         if _is_archive(name):
             _extract(target, dest)
             return f"archive {url}"
         return f"file {url}"
 
 
-def _fetch_http_directory(client: httpx.Client, url: str, dest: Path, expected_hex: str) -> str:
+def _fetch_http_directory(client: httpx.Client, url: str, dest: Path, expected_hex: str, budget: _Budget) -> str:
     """A directory published as ``<url>SHA256SUMS`` plus the files it lists, relative to ``url``."""
     manifest_path = dest.parent / (dest.name + ".manifest")
     try:
-        _download(client, url + MANIFEST_NAME, manifest_path)
+        _download(client, url + MANIFEST_NAME, manifest_path, budget)
         try:
             entries = parse_manifest(manifest_path.read_bytes())
         except (DigestError, UnicodeDecodeError) as exc:
@@ -143,7 +176,7 @@ def _fetch_http_directory(client: httpx.Client, url: str, dest: Path, expected_h
     # The directory digest is the sha256 of the canonical manifest: check it before fetching any file.
     _check(hashlib.sha256(render_manifest(entries)).hexdigest(), expected_hex, f"{url}{MANIFEST_NAME}")
     for sha, rel in entries:
-        _check(_download(client, url + quote(rel), dest / rel), sha, url + rel)
+        _check(_download(client, url + quote(rel), dest / rel, budget), sha, url + rel)
     _check(tree_digest(dest).removeprefix("sha256:"), expected_hex, f"directory {url}")
     return f"directory {url} ({len(entries)} files)"
 
@@ -174,7 +207,7 @@ def hf_files(siblings: list[str]) -> list[str]:
     return sorted(set(files))
 
 
-def _fetch_hf(source: str, dest: Path, expected_hex: str, timeout: float) -> str:
+def _fetch_hf(source: str, dest: Path, expected_hex: str, timeout: float, budget: _Budget) -> str:
     """The Hub's public HTTP API: list the revision's files, then resolve each one (HF_TOKEN if set)."""
     repo, revision = parse_hf(source)
     headers = {"authorization": f"Bearer {os.environ['HF_TOKEN']}"} if os.environ.get("HF_TOKEN") else {}
@@ -194,6 +227,6 @@ def _fetch_hf(source: str, dest: Path, expected_hex: str, timeout: float) -> str
         if "config.json" not in files:
             raise UnsupportedSource(f"{repo}@{revision} has no config.json: not a model repository")
         for rel in files:
-            _download(client, f"{base}/{repo}/resolve/{commit}/{quote(rel)}", dest / rel)
+            _download(client, f"{base}/{repo}/resolve/{commit}/{quote(rel)}", dest / rel, budget)
     _check(tree_digest(dest).removeprefix("sha256:"), expected_hex, f"{repo}@{revision}")
     return f"hf {repo}@{commit} ({len(files)} files)"

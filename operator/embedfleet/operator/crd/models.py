@@ -22,6 +22,12 @@ from pydantic.alias_generators import to_camel
 #: The schema checks the scheme only; embedfleet.operator.validate checks each scheme's shape with a message.
 MODEL_SOURCE_PATTERN = r"^(hf|s3|gs|https?|file|pvc)://\S+$"
 DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
+#: One sentence, shared by the CRD's CEL rule and the operator's validation.
+UNSUPPORTED_SOURCE = (
+    "s3:// and gs:// sources are not supported by the node cache puller: publish the weights over https "
+    "(a presigned/signed URL to a .tar archive, or a directory with a SHA256SUMS manifest from "
+    "`embedfleet cache digest --write-manifest`), or mount them with pvc://"
+)
 #: Kubernetes resource quantity (e.g. 500m, 2Gi, 1.5).
 QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -68,8 +74,13 @@ class ModelSource(CamelModel):
     source: str = Field(
         pattern=MODEL_SOURCE_PATTERN,
         max_length=1024,
-        description="hf://org/name, s3://bucket/prefix, gs://bucket/prefix, http(s)://host/path, "
-        "file:///abs/path or pvc://claim/path.",
+        description="hf://org/name, http(s)://host/path, file:///abs/path or pvc://claim/path "
+        "(s3:// and gs:// are refused: publish over https with a SHA256SUMS manifest).",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "!self.startsWith('s3://') && !self.startsWith('gs://')", "message": UNSUPPORTED_SOURCE}
+            ]
+        },
     )
     revision: str | None = Field(
         default=None, max_length=255, description="Branch, tag or commit (hf://); ignored by other schemes."
@@ -212,8 +223,15 @@ class AutoscalingSpec(CamelModel):
 
 
 class CacheStorage(CamelModel):
-    host_path: str = Field(default="/var/lib/embedfleet/cache", pattern=r"^/\S*$")
-    size_limit: Quantity | None = None
+    host_path: str | None = Field(
+        default=None,
+        pattern=r"^/\S*$",
+        description="Deprecated: the node cache root is the platform's (chart value platform.cacheRoot); "
+        "only that value is accepted here.",
+    )
+    size_limit: Quantity | None = Field(
+        default=None, description="Size limit of the pod-local copy when the node cache does not hold it."
+    )
 
 
 class NodePool(CamelModel):
@@ -233,9 +251,6 @@ class CacheSpec(CamelModel):
     storage: CacheStorage = Field(default_factory=CacheStorage)
     require_cached_node: bool = Field(
         default=False, description="Require (not just prefer) nodes labelled as holding the weights."
-    )
-    puller_image: str | None = Field(
-        default=None, description="Image running `embedfleet cache pull`; defaults to runtime.image."
     )
 
 
@@ -384,7 +399,6 @@ class ModelCacheSpec(CamelModel):
     node_pools: list[NodePool] = Field(default_factory=list)
     node_selector: dict[str, str] = Field(default_factory=dict)
     storage: CacheStorage = Field(default_factory=CacheStorage)
-    puller_image: str = Field(default="ghcr.io/embedfleet/runtime:0.1.0", min_length=1)
 
 
 class NodeCacheState(CamelModel):

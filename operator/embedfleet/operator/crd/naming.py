@@ -6,6 +6,7 @@ runtime pods), so they live in one place instead of being spelled out where they
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 GROUP = "embedfleet.dev"
@@ -47,11 +48,33 @@ def digest_hex(digest: str) -> str:
     return match.group(1)
 
 
-def cache_label_key(digest: str) -> str:
-    """The node label key that says a node holds these weights (16 hex digits keep it under 63 chars)."""
-    return f"{CACHE_LABEL_PREFIX}sha256-{digest_hex(digest)[:16]}"
+def tenant_tag(namespace: str) -> str:
+    """10 hex digits naming a tenant (namespace) inside a node label key, which has no room for 63."""
+    return hashlib.sha256(namespace.encode()).hexdigest()[:10]
+
+
+def cache_label_key(digest: str, namespace: str) -> str:
+    """The node label key that says a node holds these weights *for this namespace*:
+    ``cache.embedfleet.dev/t<10 hex of namespace>-sha256-<16 hex>`` (44 characters after the prefix).
+
+    Per tenant because each namespace has its own cache entry (one tenant's pods never see another
+    tenant's files, not even the same digest), so "team-a holds it" says nothing about team-b.
+    """
+    return f"{CACHE_LABEL_PREFIX}t{tenant_tag(namespace)}-sha256-{digest_hex(digest)[:16]}"
 
 
 def cache_subdir(digest: str) -> str:
-    """Directory, relative to the node cache root, holding one model's files: ``sha256-<64 hex>``."""
+    """Directory name of one model's files: ``sha256-<64 hex>``."""
     return f"sha256-{digest_hex(digest)}"
+
+
+def cache_entry(namespace: str, digest: str) -> str:
+    """A tenant's cache entry, relative to the platform's cache root: ``<namespace>_sha256-<64 hex>``.
+
+    Flat, not ``<namespace>/sha256-...``: the kubelet creates a missing hostPath directory *and its
+    parents* owned by root, so a runtime pod that lands on a node before the node agent would leave a
+    root-owned ``<namespace>/`` the non-root agent could never write into. A root-owned empty entry in
+    the agent-owned root is harmless: the agent replaces it with an atomic rename. ``_`` never occurs
+    in a namespace name, so the name splits back unambiguously.
+    """
+    return f"{namespace}_{cache_subdir(digest)}"

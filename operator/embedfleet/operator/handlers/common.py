@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
 from embedfleet.operator import status as st
+from embedfleet.operator.cache.wanted import cache_node_counts
+from embedfleet.operator.crd.models import NodePool
+from embedfleet.operator.kube import Kube
 
 
 def now() -> str:
@@ -48,3 +51,10 @@ def stop_background(slot: MutableMapping[str, Any], timeout: float) -> None:
     if worker is not None:
         worker.stop.set()
         slot["thread"].join(timeout=timeout)
+
+
+def cache_nodes(kube: Kube, namespace: str, digest: str, selector: Mapping[str, str], pools: Iterable[NodePool],
+                allow_control_plane: bool) -> tuple[int, int]:
+    """(nodes the node agent reports ready for this tenant's digest, nodes the pools select), read from
+    the Nodes' labels: the agent labels a node only once the weights are verified on its disk."""
+    return cache_node_counts(kube.list("Node"), namespace, digest, selector, pools, allow_control_plane)

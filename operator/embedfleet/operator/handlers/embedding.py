@@ -3,7 +3,7 @@ what is live. Nothing else.
 
 Two kinds of trigger, one path (`converge`):
 - the EmbeddingDeployment itself is created, changed or found at start-up (``resume``);
-- an object it owns (Deployment, Service, ConfigMap, PDB, pre-pull DaemonSet) is changed or deleted,
+- an object it owns (Deployment, Service, ConfigMap, PDB) is changed or deleted,
   by a person or a controller: the watch on that kind brings the event, the owner is re-read and
   converged. A hand edit of the image or a deleted Service is reverted within one reconcile; a
   Deployment's pods becoming ready update ``Available`` as it happens (no polling timer).
@@ -24,27 +24,33 @@ from typing import Any
 
 import kopf
 
+from embedfleet.operator import platform
 from embedfleet.operator import status as st
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
+from embedfleet.operator.handlers.common import cache_nodes, reject
 from embedfleet.operator.handlers.common import now as _now
-from embedfleet.operator.handlers.common import reject
-from embedfleet.operator.kube import Kube, KubeError, NotOwned, up_to_date
+from embedfleet.operator.kube import OWNED_KINDS, Kube, KubeError, NotOwned, up_to_date
 from embedfleet.operator.render import effective_replicas, render, runtime_name, selector_string
 from embedfleet.operator.validate import check
 
 KUBE = Kube()
+#: The chart's platform allow-lists (EMBEDFLEET_PLATFORM_POLICY), read once at start-up.
+POLICY = platform.load()
 RESOURCE = (naming.GROUP, naming.VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL)
 KIND = naming.EMBEDDING_DEPLOYMENT_KIND
 #: Kinds whose changes re-converge their owner: (group, version, plural).
 OWNED_WATCHES = (
     ("apps", "v1", "deployments"),
-    ("apps", "v1", "daemonsets"),
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
     ("policy", "v1", "poddisruptionbudgets"),
 )
 MANAGED = {naming.MANAGED_BY_LABEL: naming.MANAGED_BY}
+#: Everything namespaced an EmbeddingDeployment may own, today's objects and the pre-pull DaemonSet and
+#: ServiceAccount older operators rendered (deleted on the next converge). Cluster-scoped objects are not
+#: looked for: older operators' ClusterRoleBindings point at a ClusterRole the chart no longer installs.
+PRUNED_KINDS = tuple(kind for kind in OWNED_KINDS if kind != "ClusterRoleBinding")
 #: Every object is also converged this often (reads only when nothing drifted), like controller-runtime's
 #: resync period: self-healing stays bounded even if a watch goes silent (seen once after an API server
 #: restart: a resumed stream that delivered nothing).
@@ -91,18 +97,16 @@ def wanted_status(
     desired: int,
     deployment: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """Status from the runtime Deployment (as read, or as a watch event just showed it) and the pre-pull
-    DaemonSets. ``replicas.desired`` is written here only while autoscaling is off; with it on, the
-    autoscaler is its one writer."""
-    daemonsets = []
-    if spec.cache.pre_pull:
-        daemonsets = KUBE.list(
-            "DaemonSet", namespace, {naming.INSTANCE_LABEL: name, naming.COMPONENT_LABEL: "prepull"}
-        )
+    """Status from the runtime Deployment (as read, or as a watch event just showed it) and, with
+    pre-pull on, the node agents' cache labels on the Nodes. ``replicas.desired`` is written here only
+    while autoscaling is off; with it on, the autoscaler is its one writer."""
+    counts = None
+    if spec.cache.pre_pull and spec.model.digest is not None:
+        counts = cache_nodes(KUBE, namespace, spec.model.digest, spec.cache.node_selector, spec.cache.node_pools,
+                             POLICY.allow_control_plane)
     observed, fields = st.observed_conditions(
         deployment=deployment,
-        daemonsets=daemonsets,
-        pre_pull=spec.cache.pre_pull,
+        cache_nodes=counts,
         desired=desired,
         generation=generation,
     )
@@ -120,6 +124,29 @@ def wanted_status(
     }
 
 
+def admit(obj: Mapping[str, Any]) -> tuple[EmbeddingDeploymentSpec | None, list[str]]:
+    """The spec's own checks, the platform's allow-lists, and the one check that needs a read: a
+    referenced Secret must carry the platform's label (only its metadata is fetched, never its data).
+
+    The same allow-lists run earlier as the chart's ValidatingAdmissionPolicy; this is the check that
+    holds when that policy is absent (or the spec predates it). A Secret labelled later is picked up by
+    the next resync.
+    """
+    meta = obj.get("metadata") or {}
+    parsed, problems = check(meta["name"], dict(obj.get("spec") or {}), POLICY)
+    ref = parsed.runtime.api_key_secret if parsed is not None else None
+    if ref is not None:
+        try:
+            secret = KUBE.get_metadata("Secret", ref.name, meta["namespace"])
+        except KubeError as exc:
+            raise kopf.TemporaryError(f"cannot read Secret {ref.name!r}'s labels: {exc}", delay=30) from exc
+        labels = None if secret is None else dict((secret.get("metadata") or {}).get("labels") or {})
+        problems = platform.secret_problems(ref.name, meta["namespace"], labels, POLICY)
+        if problems:
+            return None, problems
+    return parsed, problems
+
+
 def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec) -> tuple[int, list[dict[str, Any]]]:
     """(replicas to run, manifests) for a parsed, valid object."""
     meta = obj["metadata"]
@@ -128,6 +155,7 @@ def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec) -> tuple[in
     )
     autoscaler_desired = _autoscaler_desired(obj.get("status"))
     manifests = render(meta["name"], meta["namespace"], meta["uid"], parsed,
+                       cache_root=POLICY.cache_root, allow_control_plane=POLICY.allow_control_plane,
                        autoscaler_desired=autoscaler_desired, service_monitor_available=service_monitor)
     return effective_replicas(parsed, autoscaler_desired), manifests
 
@@ -147,7 +175,7 @@ def converge(
         return
     status = obj.get("status") or {}
     generation = meta.get("generation")
-    parsed, problems = check(name, dict(obj.get("spec") or {}))
+    parsed, problems = admit(obj)
     if parsed is None:
         if patch is not None:
             reject(obj, patch, status, problems, generation, logger)
@@ -160,7 +188,7 @@ def converge(
     with LOCKS(namespace, name):
         try:
             results = {f"{m['kind']}/{m['metadata']['name']}": KUBE.apply(m) for m in manifests}
-            pruned = KUBE.prune(KIND, name, uid, namespace, manifests) if prune else []
+            pruned = KUBE.prune(KIND, name, uid, namespace, manifests, kinds=PRUNED_KINDS) if prune else []
         except NotOwned as exc:
             _report_conflict(obj, status, generation, str(exc))
             return
@@ -254,7 +282,7 @@ def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, log
     refs = (body.get("metadata") or {}).get("ownerReferences") or []
     if not any(r.get("uid") == owner["metadata"].get("uid") for r in refs):
         return  # a leftover of an older object of the same name
-    parsed, _ = check(owner_name, dict(owner.get("spec") or {}))
+    parsed, _ = admit(owner)
     if parsed is None:
         return
     desired, manifests = _render(owner, parsed)
@@ -282,10 +310,10 @@ for _group, _version, _plural in OWNED_WATCHES:
 
 @kopf.on.delete(*RESOURCE)
 def cleanup(meta: kopf.Meta, name: str, namespace: str, logger: kopf.Logger, **_: Any) -> None:
-    """Owner references let the cluster's garbage collector do this; deleting explicitly also covers the
-    cluster-scoped ClusterRoleBinding (which no namespaced owner can own)."""
+    """Owner references let the cluster's garbage collector do this; deleting explicitly makes the
+    objects go before the EmbeddingDeployment does (its finalizer), not some time after."""
     with LOCKS(namespace, name):
-        deleted = KUBE.prune(KIND, name, meta.get("uid"), namespace, keep=[])
+        deleted = KUBE.prune(KIND, name, meta.get("uid"), namespace, keep=[], kinds=PRUNED_KINDS)
     LOCKS.forget(namespace, name)
     LAST_CONVERGED.pop((namespace, name), None)
     if deleted:

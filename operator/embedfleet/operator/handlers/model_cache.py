@@ -1,4 +1,14 @@
-"""kopf handlers for ModelCache: keep weights on the nodes of some pools, independent of deployments."""
+"""kopf handlers for ModelCache: keep weights on the nodes of some pools, independent of deployments.
+
+The operator creates nothing for a ModelCache: the chart's node agent (`embedfleet cache agent`, one per
+node) reads every ModelCache, pulls the weights into the tenant's entry of the node cache and labels the
+node. This handler validates the spec (``Accepted``) and reports how far the agents got, counted from
+the Nodes' labels (``cachedNodes/totalNodes``, ``CacheReady``).
+
+Objects an older operator rendered per ModelCache (a pre-pull DaemonSet and ServiceAccount in the
+tenant's namespace) are deleted on sight; their ClusterRoleBindings point at a ClusterRole the chart no
+longer has, so they grant nothing (docs/cache.md says how to remove them).
+"""
 
 from __future__ import annotations
 
@@ -9,27 +19,30 @@ import kopf
 
 from embedfleet.operator import status as st
 from embedfleet.operator.crd import naming
+from embedfleet.operator.crd.models import ModelCacheSpec
+from embedfleet.operator.handlers.common import cache_nodes, reject, write_status
 from embedfleet.operator.handlers.common import now as _now
-from embedfleet.operator.handlers.common import reject, write_status
-from embedfleet.operator.handlers.embedding import KUBE
+from embedfleet.operator.handlers.embedding import KUBE, POLICY
 from embedfleet.operator.kube import KubeError
-from embedfleet.operator.render import render_model_cache
 from embedfleet.operator.validate import check_model_cache
 
-#: Seconds between cache status refreshes (DaemonSets filling in); short in tests.
+#: Seconds between cache status refreshes (the agents filling nodes in); short in tests.
 STATUS_INTERVAL = float(os.environ.get("EMBEDFLEET_STATUS_INTERVAL", "15"))
 RESOURCE = (naming.GROUP, naming.VERSION, naming.MODEL_CACHE_PLURAL)
 KIND = naming.MODEL_CACHE_KIND
-PULLER_KINDS = ("DaemonSet", "ClusterRoleBinding", "ServiceAccount")
+#: What older operators rendered for a ModelCache, namespaced and owned: removed by `_retire_pullers`.
+LEGACY_KINDS = ("DaemonSet", "ServiceAccount")
 
 
-def _cache_status(name: str, namespace: str, status: Any, generation: int | None) -> dict[str, Any]:
-    daemonsets = KUBE.list(
-        "DaemonSet", namespace, {naming.INSTANCE_LABEL: name, naming.COMPONENT_LABEL: "prepull"}
-    )
-    owned = [ds for ds in daemonsets if ds["metadata"]["name"].startswith(f"{name}-cache-")]
-    cached = sum(int((ds.get("status") or {}).get("numberReady") or 0) for ds in owned)
-    total = sum(int((ds.get("status") or {}).get("desiredNumberScheduled") or 0) for ds in owned)
+def _cache_status(
+    name: str, namespace: str, spec: ModelCacheSpec, status: Any, generation: int | None
+) -> dict[str, Any]:
+    assert spec.model.digest is not None  # check_model_cache requires it
+    try:
+        cached, total = cache_nodes(KUBE, namespace, spec.model.digest, spec.node_selector, spec.node_pools,
+                                    POLICY.allow_control_plane)
+    except KubeError as exc:
+        raise kopf.TemporaryError(f"cannot list nodes for the cache status: {exc}", delay=30) from exc
     conditions = st.merge_conditions(
         (status or {}).get("conditions"),
         [
@@ -37,7 +50,7 @@ def _cache_status(name: str, namespace: str, status: Any, generation: int | None
             st.condition(
                 "CacheReady",
                 cached > 0 and cached == total,
-                "Cached" if cached == total and total else "Pulling",
+                "Cached" if cached == total and total else ("NoNodes" if not total else "Pulling"),
                 f"weights verified on {cached}/{total} nodes",
                 generation,
             ),
@@ -50,6 +63,13 @@ def _cache_status(name: str, namespace: str, status: Any, generation: int | None
         "cachedNodes": cached,
         "totalNodes": total,
     }
+
+
+def _retire_pullers(name: str, uid: str | None, namespace: str) -> None:
+    try:
+        KUBE.prune(KIND, name, uid, namespace, keep=[], kinds=LEGACY_KINDS)
+    except KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=10) from exc
 
 
 @kopf.on.resume(*RESOURCE)
@@ -67,21 +87,12 @@ def reconcile_cache(
     **_: Any,
 ) -> None:
     generation = meta.get("generation")
-    parsed, problems = check_model_cache(name, dict(spec))
+    parsed, problems = check_model_cache(name, dict(spec), POLICY)
     if parsed is None:
         reject(body, patch, status, problems, generation)
         return
-    uid = meta.get("uid")
-    if not uid:
-        raise kopf.TemporaryError("metadata.uid is not set yet; owner references need it", delay=5)
-    manifests = render_model_cache(name, namespace, uid, parsed)
-    try:
-        for manifest in manifests:
-            KUBE.apply(manifest)
-        KUBE.prune(KIND, name, uid, namespace, manifests, kinds=PULLER_KINDS)
-    except KubeError as exc:
-        raise kopf.TemporaryError(str(exc), delay=10) from exc
-    write_status(patch, status, _cache_status(name, namespace, status, generation))
+    _retire_pullers(name, meta.get("uid"), namespace)
+    write_status(patch, status, _cache_status(name, namespace, parsed, status, generation))
 
 
 @kopf.timer(*RESOURCE, interval=STATUS_INTERVAL, initial_delay=STATUS_INTERVAL)
@@ -94,11 +105,7 @@ def refresh_cache_status(
     patch: kopf.Patch,
     **_: Any,
 ) -> None:
-    if check_model_cache(name, dict(spec))[0] is None:
+    parsed, _ = check_model_cache(name, dict(spec), POLICY)
+    if parsed is None:
         return
-    write_status(patch, status, _cache_status(name, namespace, status, meta.get("generation")))
-
-
-@kopf.on.delete(*RESOURCE)
-def cleanup_cache(meta: kopf.Meta, name: str, namespace: str, **_: Any) -> None:
-    KUBE.prune(KIND, name, meta.get("uid"), namespace, keep=[], kinds=PULLER_KINDS)
+    write_status(patch, status, _cache_status(name, namespace, parsed, status, meta.get("generation")))

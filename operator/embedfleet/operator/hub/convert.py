@@ -6,12 +6,16 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
+from embedfleet.operator import platform
 from embedfleet.operator import status as st
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import FleetClusterSpec, PlacementPolicySpec
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, PlacementSpec
 from embedfleet.operator.hub.health import Health
 from embedfleet.operator.kube import covers
+from embedfleet.operator.platform import PlatformPolicy
 from embedfleet.operator.scheduling import (
     Cluster,
     ClusterPlacement,
@@ -30,9 +34,16 @@ HUB_MANAGED_LABEL = "embedfleet.dev/hub-managed"
 HUB_UID_ANNOTATION = "embedfleet.dev/hub-uid"
 #: How a status row's reasons mark the problem of that cluster (first reason, when there is one).
 PROBLEM_PREFIX = "problem: "
+#: How many of a spoke's problems with a spec its refusal quotes (the rest are counted): enough to act on,
+#: short enough for a condition message naming every refusing spoke.
+REFUSAL_PROBLEMS = 2
+#: Key of a policy the hub could not read; such a spoke is sent nothing (its rules are unknown).
+UNREADABLE_POLICY = "unreadable:"
 
 
-def cluster_from(name: str, spec: FleetClusterSpec, health: Health, cached: list[str]) -> Cluster:
+def cluster_from(
+    name: str, spec: FleetClusterSpec, health: Health, cached: list[str], policy: str = "",
+) -> Cluster:
     return Cluster(
         name=name,
         region=spec.region,
@@ -46,7 +57,44 @@ def cluster_from(name: str, spec: FleetClusterSpec, health: Health, cached: list
         available_since=health.available_since,
         taints=tuple(Taint(t.key, t.value, t.effect) for t in spec.taints),
         cached_digests=frozenset(cached),
+        platform_policy=policy,
     )
+
+
+def read_policy(raw: str | None) -> tuple[str, PlatformPolicy | str]:
+    """(key, rules) of the platform policy a spoke's heartbeat published; rules is a sentence when the hub
+    cannot read them. The key is the canonical JSON, so spokes with the same rules share one verdict per
+    deployment however their charts spelled them. No policy published (a spoke older than this hub): the
+    default PlatformPolicy, the rules a spoke without ``platform`` values enforces."""
+    if not raw:
+        policy = PlatformPolicy()
+    else:
+        try:
+            policy = PlatformPolicy.model_validate_json(raw)
+        except ValidationError as exc:
+            fields = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'policy'}: {e['msg']}"
+                               for e in exc.errors()[:3])
+            return UNREADABLE_POLICY + raw, f"the hub cannot read this spoke's platform policy ({fields})"
+    return policy.model_dump_json(by_alias=True), policy
+
+
+def refusals(raw_spec: Mapping[str, Any], policies: Mapping[str, PlatformPolicy | str]) -> dict[str, str]:
+    """Policy key -> why a spoke with that policy would refuse this EmbeddingDeployment spec (raw, camelCase:
+    the spoke checks the same fields of the copy it is sent, which differs only in placement, replicas and
+    GPU type). Keys it passes are left out. One check per distinct policy, not per cluster or replica.
+
+    A referenced Secret's labels are not checked here: the Secret lives on the spoke, which reports a
+    missing label itself (``Accepted=False`` on its copy, shown in the hub's status row)."""
+    out: dict[str, str] = {}
+    for key, policy in policies.items():
+        if isinstance(policy, str):
+            out[key] = policy
+            continue
+        problems = platform.deployment_problems(raw_spec, policy)
+        if problems:
+            rest = len(problems) - REFUSAL_PROBLEMS
+            out[key] = "; ".join(problems[:REFUSAL_PROBLEMS]) + (f" (and {rest} more)" if rest > 0 else "")
+    return out
 
 
 def _tolerations(items: list[Any]) -> tuple[Toleration, ...]:
@@ -80,12 +128,13 @@ def policy_from(name: str, spec: PlacementPolicySpec) -> Policy:
     )
 
 
-def digest_key(digest: str | None) -> str | None:
-    """The form spokes report cached weights in (the node label key's suffix, see crd/naming.py)."""
+def digest_key(digest: str | None, namespace: str) -> str | None:
+    """The form spokes report cached weights in (the node label key's suffix, see crd/naming.py and
+    spoke/heartbeat.py): per namespace, since a node caches weights for one tenant at a time."""
     if not digest:
         return None
     try:
-        return naming.cache_label_key(digest)[len(naming.CACHE_LABEL_PREFIX):]
+        return naming.cache_label_key(digest, namespace)[len(naming.CACHE_LABEL_PREFIX):]
     except ValueError:
         return None
 
@@ -93,7 +142,10 @@ def digest_key(digest: str | None) -> str | None:
 def deployment_from(
     key: str, spec: EmbeddingDeploymentSpec, namespace_labels: Mapping[str, str], target: int,
     previous: Mapping[str, int], running: Mapping[str, int] | None = None,
+    refused: Mapping[str, str] | None = None,
 ) -> Deployment:
+    """``key`` is ``namespace/name``; ``refused`` comes from `refusals`."""
+    namespace = key.split("/", 1)[0]
     return Deployment(
         key=key,
         target=target,
@@ -102,9 +154,10 @@ def deployment_from(
         namespace_labels=tuple(sorted(namespace_labels.items())),
         gpu_type=spec.runtime.gpu.type,
         gpus_per_replica=spec.runtime.gpu.count,
-        digest=digest_key(spec.model.digest),
+        digest=digest_key(spec.model.digest, namespace),
         previous=dict(previous),
         running=dict(running or {}),
+        refused=dict(refused or {}),
     )
 
 

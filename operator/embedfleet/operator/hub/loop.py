@@ -1,7 +1,9 @@
 """One scheduling round of the hub, and the thread that repeats it every interval.
 
 A round: read every FleetCluster's heartbeat lease on its spoke (through the kubeconfig Secret) and update
-its health; list, once per spoke, the copies the hub manages there; read each hub EmbeddingDeployment,
+its health, cached models and platform policy (the spoke's allow-lists: a deployment they forbid is not
+placed there, and when it is short of replicas for that reason ``Placed=False`` names the spokes and
+why); list, once per spoke, the copies the hub manages there; read each hub EmbeddingDeployment,
 compute fleet-wide targets, call the pure ``place()``, then bring each spoke's copy to its share and write
 the hub object's status. Everything is re-derived each round from what the API servers show plus an
 in-memory health table, so a restarted hub resumes where the last one stopped (previous shares come from
@@ -50,8 +52,14 @@ from embedfleet.operator.hub import convert
 from embedfleet.operator.hub.autoscale import fleet_target
 from embedfleet.operator.hub.health import Health, observe
 from embedfleet.operator.kube import KINDS, Kube, KubeError
+from embedfleet.operator.platform import PlatformPolicy
 from embedfleet.operator.scheduling import Cluster, Deployment, Placement, place
-from embedfleet.operator.spoke.heartbeat import CACHED_ANNOTATION, LEASE_NAME, PROBLEM_ANNOTATION
+from embedfleet.operator.spoke.heartbeat import (
+    CACHED_ANNOTATION,
+    LEASE_NAME,
+    POLICY_ANNOTATION,
+    PROBLEM_ANNOTATION,
+)
 from embedfleet.operator.validate import check
 
 log = logging.getLogger(__name__)
@@ -138,6 +146,8 @@ class SpokeView:
     error: str | None  # why the spoke could not be read this round
     last_seen: str | None
     copies: dict[str, dict[str, Any]] | None = None  # hub-managed copies by namespace/name; None: not listed
+    #: The spoke's platform allow-lists (the key is ``cluster.platform_policy``); a sentence when unreadable.
+    policy: PlatformPolicy | str = field(default_factory=PlatformPolicy)
 
 
 @dataclass
@@ -145,6 +155,9 @@ class HubState:
     health: dict[str, Health] = field(default_factory=dict)
     links: dict[str, SpokeLink] = field(default_factory=dict)
     seen: dict[str, tuple[float, str]] = field(default_factory=dict)  # (monotonic, wall) of the last renewal seen
+    #: The platform policy annotation each spoke last published: kept over a round that cannot read the
+    #: lease, so a spoke in its grace period is not judged by other rules (and its shares do not flap).
+    policies: dict[str, str | None] = field(default_factory=dict)
 
 
 class HubLoop:
@@ -188,18 +201,23 @@ class HubLoop:
         cached: list[str] = []
         problem: str | None = None
         error: str | None = None
+        published = self.state.policies.get(name)
         lease_read = False
         try:
             link = self._link(name, spec)
             lease = link.kube.get("Lease", LEASE_NAME, spec.connection.namespace)
             lease_read = True
+            annotations = ((lease or {}).get("metadata") or {}).get("annotations") or {}
             if lease is not None:
                 renew = (lease.get("spec") or {}).get("renewTime")
-                annotations = (lease.get("metadata") or {}).get("annotations") or {}
                 cached = [c for c in (annotations.get(CACHED_ANNOTATION) or "").split(",") if c]
                 problem = annotations.get(PROBLEM_ANNOTATION) or None
+            published = self.state.policies[name] = annotations.get(POLICY_ANNOTATION)
         except SPOKE_ERRORS as exc:
             error = describe(exc)
+        policy_key, policy = convert.read_policy(published)
+        if isinstance(policy, str):  # nothing is placed there until it can be read: say why, on the FleetCluster
+            problem = f"{problem}; {policy}" if problem else policy
         if not lease_read:  # unknown this round: keep what the spoke last reported
             cached = list(live_status.get("cachedModels") or [])
         previous = self.state.health.get(name, Health())
@@ -240,8 +258,8 @@ class HubLoop:
             "cachedModels": sorted(cached),
             "allocatable": spec.capacity.model_dump(by_alias=True),
         })
-        cluster = convert.cluster_from(name, spec, health, cached)
-        return SpokeView(name, spec.region, cluster, health, link, error, last_seen)
+        cluster = convert.cluster_from(name, spec, health, cached, policy_key)
+        return SpokeView(name, spec.region, cluster, health, link, error, last_seen, policy=policy)
 
     def _seen_at(self, name: str, health: Health, now: float) -> str | None:
         """The hub's wall time of the renewal ``health`` last saw (kept, so it reads the same each time)."""
@@ -291,6 +309,8 @@ class HubLoop:
                 continue
             policies.append(convert.policy_from(pp["metadata"]["name"], spec))
 
+        # Each distinct spoke policy once; every deployment is checked against each of them once per round.
+        spoke_policies = {v.cluster.platform_policy: v.policy for v in views.values()}
         hub_objects = _list_all(self.hub, ED_PATH)
         deployments: list[Deployment] = []
         info: dict[str, tuple[dict[str, Any], int]] = {}
@@ -314,8 +334,9 @@ class HubLoop:
                        for c, o in copies.items()}
             if meta["namespace"] not in ns_labels:
                 ns_labels[meta["namespace"]] = self._namespace_labels(meta["namespace"])
+            refused = convert.refusals(obj.get("spec") or {}, spoke_policies)
             deployments.append(convert.deployment_from(key, parsed, ns_labels[meta["namespace"]], target, previous,
-                                                       running))
+                                                       running, refused))
             info[key] = (obj, target)
 
         placements = place(deployments, [v.cluster for v in views.values()], policies, now, ramp_seconds=self.ramp)

@@ -4,11 +4,16 @@ Filters never look at free capacity (that changes as other deployments are place
 into caps), so their verdict depends only on (rules, resource needs, cluster) and is cached per rules.
 A NoSchedule taint is not a filter: the cluster keeps what it runs but receives nothing new (see
 ``place``); only NoExecute and unavailability make a cluster lose its replicas.
+
+One filter depends on the deployment itself: `SpokePolicy`, a spoke's platform allow-lists (a spoke
+refuses what they forbid). Its verdicts come precomputed with the deployment, so the filter is a lookup
+and its results are cached per (rules, verdicts) like the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from embedfleet.operator.scheduling.model import CPU, Cluster
 from embedfleet.operator.scheduling.policy import Rules
@@ -47,16 +52,49 @@ def taints(rules: Rules, gpu: bool, cluster: Cluster) -> str | None:
     return None
 
 
-#: Order matters only for which reason is reported: the cheapest and most fundamental first.
-FILTERS: tuple[Filter, ...] = (region_lock, residency, gpu_type, taints, health)
+#: How a SpokePolicy reason starts (after it, the spoke's first problem(s) with the spec).
+REFUSED = "its platform policy refuses it: "
 
 
-def run_filters(rules: Rules, gpu: bool, clusters: tuple[Cluster, ...]) -> tuple[list[Cluster], dict[str, str]]:
+@dataclass(frozen=True, slots=True)
+class SpokePolicy:
+    """Keeps a deployment off spokes whose platform allow-lists forbid it (image, Secret reference,
+    tolerations, node cache hostPath, control-plane targeting): such a spoke would only set
+    ``Accepted=False`` on its copy and run nothing, while the replicas could have gone elsewhere.
+
+    ``refused``: (policy key, why) pairs, sorted, from ``Deployment.refused``; hashable, so the filter
+    cache keys on it and deployments refused the same way share one filter run.
+    """
+
+    refused: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, refused: Mapping[str, str]) -> SpokePolicy | None:
+        """The filter for a deployment's verdicts; None when every spoke's policy accepts it."""
+        return cls(tuple(sorted(refused.items()))) if refused else None
+
+    def __call__(self, rules: Rules, gpu: bool, cluster: Cluster) -> str | None:
+        for key, why in self.refused:
+            if key == cluster.platform_policy:
+                return REFUSED + why
+        return None
+
+
+#: Order matters only for which reason is reported: the cheapest and most fundamental first. Per-deployment
+#: filters (SpokePolicy) run after these and before health, the one verdict that comes and goes by itself.
+RULE_FILTERS: tuple[Filter, ...] = (region_lock, residency, gpu_type, taints)
+FILTERS: tuple[Filter, ...] = (*RULE_FILTERS, health)
+
+
+def run_filters(
+    rules: Rules, gpu: bool, clusters: tuple[Cluster, ...], extra: tuple[Filter, ...] = ()
+) -> tuple[list[Cluster], dict[str, str]]:
     """(clusters passing every filter, {cluster: first failing filter's reason})."""
+    checks = (*RULE_FILTERS, *extra, health) if extra else FILTERS
     passed: list[Cluster] = []
     rejected: dict[str, str] = {}
     for cluster in clusters:
-        for check in FILTERS:
+        for check in checks:
             reason = check(rules, gpu, cluster)
             if reason is not None:
                 rejected[cluster.name] = reason

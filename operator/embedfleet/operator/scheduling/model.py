@@ -68,6 +68,9 @@ class Cluster:
     available_since: float | None = None
     taints: tuple[Taint, ...] = ()
     cached_digests: frozenset[str] = frozenset()
+    #: The spoke's platform allow-lists as an opaque key (the hub uses their canonical JSON): spokes with the
+    #: same rules share it, so a deployment is checked once per distinct policy (``Deployment.refused``).
+    platform_policy: str = ""
 
     def capacity(self, resource: str) -> int:
         if resource == CPU:
@@ -120,7 +123,10 @@ class Deployment:
     the ceiling spokes may autoscale to; ``previous`` is the last placement (cluster -> desired), which
     keeps placements sticky and lets clusters drain instead of being emptied at once; ``running`` is what
     each spoke last reported ready, so a spoke that comes back from a partition with pods still serving
-    keeps them instead of being scaled to zero and ramped up again.
+    keeps them instead of being scaled to zero and ramped up again. ``refused`` maps a spoke platform
+    policy key (``Cluster.platform_policy``) to why a spoke with those rules would refuse this deployment;
+    the hub fills it (it needs the raw spec, which the scheduler never sees), and the SpokePolicy filter
+    keeps the deployment off such spokes.
     """
 
     key: str
@@ -133,6 +139,7 @@ class Deployment:
     digest: str | None = None
     previous: Mapping[str, int] = field(default_factory=dict)
     running: Mapping[str, int] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

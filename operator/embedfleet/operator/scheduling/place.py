@@ -3,7 +3,9 @@
 For each deployment, in key order (deterministic; earlier ones see more free capacity):
 
 1. policy   resolve the applicable PlacementPolicy; a contradicting inline field rejects the deployment.
-2. filter   health, region lock, residency, GPU type, NoExecute taints (cached per rules).
+2. filter   health, region lock, residency, GPU type, NoExecute taints, the spoke's platform policy
+            (cached per rules and policy verdicts). When replicas stay unplaced, the spokes whose policy
+            refuses the deployment are named among its problems (the hub's ``Placed=False`` message).
 3. caps     free capacity of the chosen resource pool, per-cluster max, NoSchedule (keep, don't grow),
             and the *return ramp*: a cluster that came back less than ``ramp_seconds`` ago may grow only to
             ``max(previous, ceil(fraction_elapsed * fair share))``; what it may not take yet stays where it
@@ -29,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from embedfleet.operator.scheduling.divide import divide, duplicate
-from embedfleet.operator.scheduling.filters import no_schedule, resource_for, run_filters
+from embedfleet.operator.scheduling.filters import SpokePolicy, no_schedule, resource_for, run_filters
 from embedfleet.operator.scheduling.model import (
     CPU,
     Cluster,
@@ -270,7 +272,8 @@ def _place_one(
 
     problems: list[str] = []
     if short > 0:
-        problems.append(f"{short} replica(s) unplaced: not enough capacity on allowed clusters")
+        why = "not enough capacity on allowed clusters" if cands else "no cluster passes the filters"
+        problems.append(f"{short} replica(s) unplaced: {why}")
     if rules.mode == "ActiveActive" and target > 0:
         covered = {by_name[n].cluster.region for n, k in alloc.items() if k > 0}
         if len(covered) < rules.min_regions:
@@ -307,6 +310,19 @@ def _place_one(
     return out, not_chosen, target, problems
 
 
+def _refusals(
+    spoke: SpokePolicy, rules: Rules, gpu: bool, inventory: tuple[Cluster, ...], rejected: Mapping[str, str]
+) -> list[str]:
+    """``<cluster>: <why its policy refuses it>`` for each cluster left out for that reason (not for one an
+    earlier filter already excluded); only worked out for a deployment that is short."""
+    out = []
+    for cluster in inventory:
+        reason = rejected.get(cluster.name)
+        if reason is not None and reason == spoke(rules, gpu, cluster):
+            out.append(f"{cluster.name}: {reason}")
+    return out
+
+
 def place(
     deployments: Iterable[Deployment],
     clusters: Iterable[Cluster],
@@ -324,7 +340,7 @@ def place(
             pool[g.type] += g.count
         pool["cpu"] = c.cpu_replicas
         free[c.name] = pool
-    filtered_cache: dict[tuple[Rules, bool], tuple[list[_Static], dict[str, str]]] = {}
+    filtered_cache: dict[tuple[Rules, bool, SpokePolicy | None], tuple[list[_Static], dict[str, str]]] = {}
     resolved_cache: dict[tuple[object, ...], tuple[Rules | None, str | None, list[str]]] = {}
     result: dict[str, Placement] = {}
     for d in sorted(deployments, key=lambda x: x.key):
@@ -336,11 +352,14 @@ def place(
             result[d.key] = Placement({}, {}, accepted=False, policy=policy_name, problems=tuple(problems))
             continue
         gpu = d.gpus_per_replica > 0
-        if (rules, gpu) not in filtered_cache:
-            passed, rejected = run_filters(rules, gpu, inventory)
-            filtered_cache[(rules, gpu)] = (_group(rules, gpu, passed), rejected)
-        group, rejected = filtered_cache[(rules, gpu)]
+        spoke = SpokePolicy.of(d.refused)
+        if (rules, gpu, spoke) not in filtered_cache:
+            passed, rejected = run_filters(rules, gpu, inventory, (spoke,) if spoke else ())
+            filtered_cache[(rules, gpu, spoke)] = (_group(rules, gpu, passed), rejected)
+        group, rejected = filtered_cache[(rules, gpu, spoke)]
         chosen, not_chosen, target, problems = _place_one(d, rules, group, free, now, ramp_seconds)
+        if spoke is not None and (problems or sum(c.range.desired for c in chosen.values()) < target):
+            problems += _refusals(spoke, rules, gpu, inventory, rejected)
         filtered: Mapping[str, str] = {**rejected, **not_chosen} if not_chosen else rejected
         result[d.key] = Placement(
             chosen, filtered, accepted=True, policy=policy_name, mode=rules.mode, target=target,

@@ -5,6 +5,10 @@ what the scheduler scores on: the weights cached on this spoke's nodes (node lab
 ``embedfleet cache pull --label-node``), and, when the spoke could not find that out (its identity may
 not list nodes), why: ``embedfleet.dev/heartbeat-problem``, which the hub shows on the FleetCluster.
 A heartbeat that reports "nothing cached" must mean nothing is cached, never "I was not allowed to look".
+
+It also publishes this spoke's platform allow-lists (``embedfleet.dev/platform-policy``, the compact JSON
+of `platform.load()`): this spoke's operator refuses any deployment outside them, so the hub reads them to
+place a deployment only where it would be accepted, and to say why not (docs/hub.md, "Spoke rules").
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
+from embedfleet.operator import platform
 from embedfleet.operator.crd import naming
 from embedfleet.operator.kube import Kube, KubeError
 
@@ -28,13 +33,22 @@ CACHED_ANNOTATION = "embedfleet.dev/cached-models"
 #: Set while the heartbeat cannot report everything it should (e.g. listing nodes is refused); removed once it can.
 PROBLEM_ANNOTATION = "embedfleet.dev/heartbeat-problem"
 REGION_ANNOTATION = "embedfleet.dev/region"
+#: This spoke's PlatformPolicy as compact camelCase JSON; absent on spokes older than the hub's reading of it.
+POLICY_ANNOTATION = "embedfleet.dev/platform-policy"
 ENV_NAMESPACE = "EMBEDFLEET_NAMESPACE"
 ENV_INTERVAL = "EMBEDFLEET_HEARTBEAT_INTERVAL"
 ENV_DURATION = "EMBEDFLEET_LEASE_DURATION"
 
 
+def policy_json(policy: platform.PlatformPolicy) -> str:
+    """The annotation value: compact, by alias, every field written (defaults too), so the hub reads the
+    same rules this spoke enforces even when the hub's defaults differ from the spoke's."""
+    return policy.model_dump_json(by_alias=True)
+
+
 def lease_body(
     namespace: str, holder: str, duration: int, cached: list[str], region: str | None, problem: str | None = None,
+    policy: str | None = None,
 ) -> dict[str, Any]:
     """The Lease as the spoke writes it; a ``None`` annotation value removes that annotation (merge patch)."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -42,6 +56,7 @@ def lease_body(
         CACHED_ANNOTATION: ",".join(sorted(cached)),
         PROBLEM_ANNOTATION: problem,
         REGION_ANNOTATION: region or None,
+        POLICY_ANNOTATION: policy,
     }
     return {
         "apiVersion": "coordination.k8s.io/v1",
@@ -61,7 +76,11 @@ def _refusal(exc: KubeError) -> str:
 
 
 def cached_models(kube: Kube) -> tuple[list[str], str | None]:
-    """(digest keys some node reports ready, ``sha256-<16 hex>``; why they are unknown, or None)."""
+    """(cache keys some node reports ready; why they are unknown, or None).
+
+    A key is the node label key without its prefix, ``t<10 hex of namespace>-sha256-<16 hex>``
+    (`naming.cache_label_key`): per tenant, so the hub matches it against each deployment's namespace.
+    """
     try:
         nodes = kube.list("Node")
     except KubeError as exc:
@@ -74,10 +93,10 @@ def cached_models(kube: Kube) -> tuple[list[str], str | None]:
     return sorted(found), None
 
 
-def renew(kube: Kube, namespace: str, holder: str, duration: int) -> str | None:
+def renew(kube: Kube, namespace: str, holder: str, duration: int, policy: str | None = None) -> str | None:
     """Create or renew the Lease; returns the problem it reported (None: a complete heartbeat)."""
     cached, problem = cached_models(kube)
-    body = lease_body(namespace, holder, duration, cached, os.environ.get("EMBEDFLEET_REGION"), problem)
+    body = lease_body(namespace, holder, duration, cached, os.environ.get("EMBEDFLEET_REGION"), problem, policy)
     if kube.get("Lease", LEASE_NAME, namespace) is None:
         meta = body["metadata"]
         meta["annotations"] = {k: v for k, v in meta["annotations"].items() if v is not None}
@@ -88,8 +107,10 @@ def renew(kube: Kube, namespace: str, holder: str, duration: int) -> str | None:
 
 
 class Heartbeat:
-    def __init__(self, kube: Kube | None = None) -> None:
+    def __init__(self, kube: Kube | None = None, policy: platform.PlatformPolicy | None = None) -> None:
         self.kube = kube or Kube()
+        # The rules this spoke's operator enforces (the same env it reads), published for the hub.
+        self.policy = policy_json(policy if policy is not None else platform.load())
         # The chart's namespace (POD_NAMESPACE), where its Role lets the operator write Leases.
         self.namespace = (os.environ.get(ENV_NAMESPACE) or os.environ.get("POD_NAMESPACE")
                           or "embedfleet-system")
@@ -101,7 +122,7 @@ class Heartbeat:
 
     def beat(self) -> None:
         """One renewal; a problem is logged when it appears or changes, not every beat."""
-        problem = renew(self.kube, self.namespace, self.holder, self.duration)
+        problem = renew(self.kube, self.namespace, self.holder, self.duration, self.policy)
         if problem != self.problem:
             if problem:
                 log.warning("heartbeat incomplete (the hub sees this on the FleetCluster): %s", problem)

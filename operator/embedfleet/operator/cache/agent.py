@@ -1,0 +1,206 @@
+"""``embedfleet cache agent``: the one process per node that owns the node's weight cache.
+
+It runs in the chart's node-agent DaemonSet (the operator's namespace, its own ServiceAccount: nodes
+get/patch, EmbeddingDeployments and ModelCaches list; nothing else), so no tenant identity ever holds a
+node right and the cache root is the platform's, never a tenant's choice. Each pass:
+
+1. reads its own Node (labels: which pools it is in, whether it is a control-plane node);
+2. lists EmbeddingDeployments and ModelCaches in all namespaces with ``resourceVersion=0``, which the
+   API server answers from its watch cache (no etcd read). A periodic list rather than a watch: the
+   agent acts on a timescale of seconds to minutes anyway (downloads take longer), a list every
+   ``--interval`` seconds from each node costs the API server one cached read per node per interval,
+   and a process that holds no watch has no resync, bookmark or reconnect logic to get wrong;
+3. decides with the pure functions in `wanted` what this node should hold, pulls each missing entry
+   into ``<cache-root>/<namespace>_sha256-<hex>`` (one failing pull is logged and retried next pass;
+   the others go on), deletes entries nobody has wanted for ``--retention-seconds``;
+4. merge-patches the node's ``cache.embedfleet.dev/t<tenant>-sha256-<16 hex>=ready`` labels to match
+   exactly the wanted entries that are ready on disk (no write when they already do).
+
+When each entry became unwanted is kept in ``<cache-root>/.agent-state.json``, so a restarted agent (or
+``--once`` runs) keeps the retention clock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from embedfleet.operator.crd import naming
+from embedfleet.operator.platform import PlatformPolicy
+
+from .digest import READY_MARKER
+from .pull import PullFailed, pull
+from .wanted import ENTRY_NAME, label_patch, plan, wanted_entries
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = ".agent-state.json"
+TMP_PREFIX = ".tmp-"
+
+
+class RootNotWritable(Exception):
+    """The cache root cannot be written by this process; the message says how to fix it."""
+
+
+def check_root(root: Path) -> None:
+    """Fail early and clearly: a root the kubelet created (owned by root, 0755) makes every pull fail
+    with EACCES, pass after pass, which reads like a network problem in the logs."""
+    uid, gid = os.getuid(), os.getgid()
+    fix = (f"run `embedfleet cache prepare --cache-root {root} --owner {uid}:{gid}` as root; the chart's "
+           "init container does")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + "probe-", dir=root))
+        probe.rmdir()
+    except OSError as exc:
+        try:
+            st = root.stat()
+            owner = f"owned by uid {st.st_uid} (mode {st.st_mode & 0o7777:o})"
+        except OSError:
+            owner = "missing and cannot be created"
+        raise RootNotWritable(
+            f"cache root {root} is {owner} and not writable by uid {uid} ({exc.strerror}): {fix}"
+        ) from exc
+
+
+@dataclass
+class AgentConfig:
+    node_name: str
+    root: Path
+    policy: PlatformPolicy
+    retention_s: float = 3600.0
+    max_pull_bytes: int | None = None
+    pull_retries: int = 1
+    pull_timeout_s: float = 60.0
+
+
+class Cluster:
+    """The agent's only reads and writes, through the official client (get/patch its Node, list the two
+    custom resources cluster-wide from the watch cache)."""
+
+    def __init__(self, api_client: Any = None) -> None:
+        import kubernetes  # here: the client is slow to import and `cache pull` never needs it
+
+        from embedfleet.operator.kube import load_client
+
+        self._client = api_client or load_client()
+        self.core = kubernetes.client.CoreV1Api(self._client)
+        self.custom = kubernetes.client.CustomObjectsApi(self._client)
+
+    def node_labels(self, name: str) -> dict[str, str]:
+        node = self.core.read_node(name)
+        return dict(node.metadata.labels or {})
+
+    def list_all(self, plural: str) -> list[dict[str, Any]]:
+        data = self.custom.list_cluster_custom_object(
+            naming.GROUP, naming.VERSION, plural, resource_version="0"
+        )
+        return list(data.get("items") or [])
+
+    def patch_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
+        self.core.patch_node(
+            name, {"metadata": {"labels": dict(labels)}}, _content_type="application/merge-patch+json"
+        )
+
+
+def scan(root: Path) -> dict[str, bool]:
+    """Cache entries in the root -> whether each is ready (its marker exists)."""
+    out: dict[str, bool] = {}
+    for child in root.iterdir():
+        if ENTRY_NAME.match(child.name) and (child.is_dir() or child.is_symlink()):
+            out[child.name] = (child / READY_MARKER).is_file()
+    return out
+
+
+def _load_state(root: Path) -> dict[str, float]:
+    try:
+        raw = json.loads((root / STATE_FILE).read_text())
+        return {str(k): float(v) for k, v in (raw.get("unwantedSince") or {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _save_state(root: Path, unwanted_since: Mapping[str, float]) -> None:
+    tmp = root / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps({"unwantedSince": dict(sorted(unwanted_since.items()))}))
+    tmp.replace(root / STATE_FILE)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
+def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None) -> list[str]:
+    """One pass (see the module docstring); returns the problems met (empty: all done)."""
+    now = time.time() if now is None else now
+    root = config.root
+    problems: list[str] = []
+    node_labels = cluster.node_labels(config.node_name)
+    deployments = cluster.list_all(naming.EMBEDDING_DEPLOYMENT_PLURAL)
+    caches = cluster.list_all(naming.MODEL_CACHE_PLURAL)
+    wanted = wanted_entries(node_labels, deployments, caches, config.policy)
+
+    # Pulls run one at a time in this process, so a temp dir seen here is a crashed pass's leftover.
+    for child in root.glob(TMP_PREFIX + "*"):
+        shutil.rmtree(child, ignore_errors=True)
+    decided = plan(wanted, scan(root), _load_state(root), now, config.retention_s)
+    for name in decided.delete:
+        try:
+            _remove(root / name)
+            log.info("deleted %s: unwanted for %.0fs or more", name, config.retention_s)
+        except OSError as exc:
+            problems.append(f"delete {name}: {exc}")
+    _save_state(root, decided.unwanted_since)
+    for want in decided.pull:
+        try:
+            result = pull(want.source, want.digest, root, retries=config.pull_retries,
+                          timeout_s=config.pull_timeout_s, entry=want.entry, max_bytes=config.max_pull_bytes)
+            log.info("ready: %s for %s (%s)", result.path, want.namespace, result.fetched)
+        except (PullFailed, OSError) as exc:
+            problems.append(f"pull {want.entry} from {want.source}: {exc}")
+            log.error("pull %s from %s failed (retried next pass): %s", want.entry, want.source, exc)
+
+    ready = [name for name, is_ready in scan(root).items() if is_ready]
+    patch = label_patch(wanted, ready, node_labels)
+    if patch:
+        cluster.patch_labels(config.node_name, patch)
+        log.info("node %s labels: %s", config.node_name,
+                 ", ".join(f"{k}={v if v is not None else '(removed)'}" for k, v in sorted(patch.items())))
+    return problems
+
+
+def run(config: AgentConfig, interval_s: float, once: bool, cluster: Cluster | None = None) -> int:
+    """Pass after pass until SIGTERM; ``once``: one pass, exit 1 if anything in it failed."""
+    check_root(config.root)
+    cluster = cluster or Cluster()
+    stop = threading.Event()
+    if not once:
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while True:
+        try:
+            problems = run_pass(config, cluster)
+        except Exception as exc:  # an API hiccup must not end the agent; the next pass retries
+            if once:
+                raise
+            log.exception("pass failed: %s", exc)
+            problems = [str(exc)]
+        if once:
+            for problem in problems:
+                log.error("%s", problem)
+            return 1 if problems else 0
+        if stop.wait(interval_s):
+            return 0

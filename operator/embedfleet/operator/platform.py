@@ -1,0 +1,209 @@
+"""The platform's allow-lists: what a tenant's EmbeddingDeployment or ModelCache may ask the operator for.
+
+The operator creates pods with its own rights, so every field that reaches a pod spec is a way past
+the tenant's own rights unless the platform bounds it (a confused deputy): which images run, which
+host path is mounted, which Secrets are referenced, which taints are tolerated, which nodes are
+targeted. The platform team sets the bounds once in the chart's ``platform`` values; the chart hands
+them to the operator as JSON (``EMBEDFLEET_PLATFORM_POLICY``) and renders the *same* rules as a
+``ValidatingAdmissionPolicy`` (CEL, templates/admission-policy.yaml), so a forbidden spec is refused by
+the API server at ``kubectl apply`` and, where that policy is absent, by the operator's validation
+(``Accepted=False``, nothing created). tests/operator/test_tenant_real.py checks that the two agree.
+
+Pure: no I/O. Secret labels need a read, so `secret_problems` takes the labels the caller fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+ENV = "EMBEDFLEET_PLATFORM_POLICY"
+DEFAULT_CACHE_ROOT = "/var/lib/embedfleet/cache"
+DEFAULT_IMAGE_PREFIX = "ghcr.io/embedfleet/"
+DEFAULT_SECRET_LABEL = "embedfleet.dev/tenant-secret"
+#: Node labels that mark control-plane nodes; tenants' pods never target them.
+CONTROL_PLANE_LABELS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
+
+
+class _Camel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class TolerationRule(_Camel):
+    """A toleration tenants may use: same key, and the same effect unless the rule leaves it open."""
+
+    key: str = Field(min_length=1, description="Taint key; '*' allows a toleration of every taint.")
+    effect: str | None = None
+
+
+class SecretRules(_Camel):
+    allowed: bool = Field(default=True, description="May spec.runtime.apiKeySecret be set at all?")
+    required_labels: dict[str, str] = Field(
+        default_factory=lambda: {DEFAULT_SECRET_LABEL: "true"},
+        description="Labels the referenced Secret (in the deployment's own namespace) must carry.",
+    )
+
+
+class PlatformPolicy(_Camel):
+    allowed_images: list[str] = Field(
+        default_factory=lambda: [DEFAULT_IMAGE_PREFIX],
+        description="'reg/path/' (ends in /): every image under it; 'reg/repo': any tag or digest of that "
+        "repository; 'reg/repo:tag' or 'reg/repo@sha256:...': exactly that; '*': every image.",
+    )
+    allowed_tolerations: list[TolerationRule] = Field(
+        default_factory=lambda: [TolerationRule(key="nvidia.com/gpu")]
+    )
+    secrets: SecretRules = Field(default_factory=SecretRules)
+    cache_root: str = Field(default=DEFAULT_CACHE_ROOT, pattern=r"^/[^\s]*[^/\s]$|^/$")
+    allow_control_plane: bool = Field(
+        default=False, description="May runtime pods and caches target control-plane nodes?"
+    )
+
+
+def load(environ: Mapping[str, str] | None = None) -> PlatformPolicy:
+    """The policy the chart passed in; the safe defaults above when run without one."""
+    raw = (os.environ if environ is None else environ).get(ENV, "").strip()
+    if not raw:
+        return PlatformPolicy()
+    try:
+        return PlatformPolicy.model_validate(json.loads(raw))
+    except (ValueError, ValidationError) as exc:
+        raise SystemExit(f"{ENV} is not a valid platform policy: {exc}") from exc
+
+
+# ---------------------------------------------------------------- single rules
+
+
+def image_allowed(image: str, allowed: list[str]) -> bool:
+    """Prefix entries must end in '/': 'ghcr.io/embedfleet' would also allow 'ghcr.io/embedfleet-evil'."""
+    for entry in allowed:
+        if entry == "*" or image == entry:
+            return True
+        if entry.endswith("/") and image.startswith(entry):
+            return True
+        if not entry.endswith("/") and image.startswith((entry + ":", entry + "@")):
+            return True
+    return False
+
+
+def toleration_allowed(toleration: Mapping[str, Any], rules: list[TolerationRule]) -> bool:
+    key, effect = toleration.get("key"), toleration.get("effect")
+    for rule in rules:
+        key_ok = rule.key == "*" or (key is not None and key == rule.key)
+        effect_ok = rule.effect is None or (effect is not None and effect == rule.effect)
+        if key_ok and effect_ok:
+            return True
+    return False
+
+
+def _describe(toleration: Mapping[str, Any]) -> str:
+    parts = [f"{k}={toleration[k]}" for k in ("key", "operator", "value", "effect") if toleration.get(k)]
+    return "{" + ", ".join(parts) + "}" if parts else "{} (every taint)"
+
+
+def selector_problems(where: str, selector: Mapping[str, str], policy: PlatformPolicy) -> list[str]:
+    if policy.allow_control_plane:
+        return []
+    return [
+        f"{where}: {key} targets control-plane nodes, which the platform reserves"
+        for key in selector
+        if key in CONTROL_PLANE_LABELS
+    ]
+
+
+def host_path_problems(where: str, host_path: str | None, policy: PlatformPolicy) -> list[str]:
+    if host_path is None or host_path in (policy.cache_root, policy.cache_root + "/"):
+        return []
+    return [
+        f"{where}: {host_path!r} is not allowed: the node cache root is fixed by the platform "
+        f"({policy.cache_root}); leave the field out"
+    ]
+
+
+# ---------------------------------------------------------------- whole specs
+
+
+def _get(raw: Mapping[str, Any], *path: str) -> Any:
+    node: Any = raw
+    for part in path:
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _pool_selectors(raw_cache: Mapping[str, Any] | None, where: str) -> list[tuple[str, Mapping[str, str]]]:
+    out: list[tuple[str, Mapping[str, str]]] = []
+    if not isinstance(raw_cache, Mapping):
+        return out
+    out.append((f"{where}.nodeSelector", raw_cache.get("nodeSelector") or {}))
+    for i, pool in enumerate(raw_cache.get("nodePools") or []):
+        if isinstance(pool, Mapping):
+            out.append((f"{where}.nodePools[{i}].nodeSelector", pool.get("nodeSelector") or {}))
+    return out
+
+
+def deployment_problems(raw_spec: Mapping[str, Any], policy: PlatformPolicy) -> list[str]:
+    """Everything in an EmbeddingDeployment spec (camelCase, as stored) outside the allow-lists.
+
+    Works on the raw spec, like the admission policy does, so both see exactly the same fields.
+    """
+    problems: list[str] = []
+    runtime = _get(raw_spec, "runtime") or {}
+    image = runtime.get("image")
+    if isinstance(image, str) and not image_allowed(image, policy.allowed_images):
+        problems.append(
+            f"spec.runtime.image: {image!r} is not from a registry the platform allows "
+            f"({', '.join(policy.allowed_images) or 'none'})"
+        )
+    for i, toleration in enumerate(runtime.get("tolerations") or []):
+        if isinstance(toleration, Mapping) and not toleration_allowed(toleration, policy.allowed_tolerations):
+            allowed = ", ".join(r.key + (f":{r.effect}" if r.effect else "") for r in policy.allowed_tolerations)
+            problems.append(
+                f"spec.runtime.tolerations[{i}]: {_describe(toleration)} is not allowed by the platform "
+                f"(allowed keys: {allowed or 'none'})"
+            )
+    if runtime.get("apiKeySecret") is not None and not policy.secrets.allowed:
+        problems.append("spec.runtime.apiKeySecret: the platform does not let deployments reference Secrets")
+    problems += selector_problems("spec.runtime.nodeSelector", runtime.get("nodeSelector") or {}, policy)
+    for where, selector in _pool_selectors(_get(raw_spec, "cache"), "spec.cache"):
+        problems += selector_problems(where, selector, policy)
+    problems += host_path_problems(
+        "spec.cache.storage.hostPath", _get(raw_spec, "cache", "storage", "hostPath"), policy
+    )
+    return problems
+
+
+def model_cache_problems(raw_spec: Mapping[str, Any], policy: PlatformPolicy) -> list[str]:
+    problems: list[str] = []
+    for where, selector in _pool_selectors(raw_spec, "spec"):
+        problems += selector_problems(where, selector, policy)
+    problems += host_path_problems("spec.storage.hostPath", _get(raw_spec, "storage", "hostPath"), policy)
+    return problems
+
+
+def secret_problems(
+    secret_name: str, namespace: str, labels: Mapping[str, str] | None, policy: PlatformPolicy
+) -> list[str]:
+    """The referenced Secret must exist in the deployment's namespace and carry the platform's labels.
+
+    ``labels`` is None when the Secret does not exist (or the operator may not read it).
+    """
+    where = "spec.runtime.apiKeySecret"
+    if not policy.secrets.allowed:
+        return [f"{where}: the platform does not let deployments reference Secrets"]
+    if labels is None:
+        return [f"{where}: Secret {secret_name!r} not found in namespace {namespace!r}"]
+    missing = {k: v for k, v in policy.secrets.required_labels.items() if labels.get(k) != v}
+    if missing:
+        wanted = ", ".join(f"{k}={v}" for k, v in sorted(missing.items()))
+        return [
+            f"{where}: Secret {secret_name!r} lacks the label(s) {wanted} that the platform requires "
+            "of Secrets deployments may use"
+        ]
+    return []

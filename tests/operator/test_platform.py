@@ -1,0 +1,125 @@
+"""The platform allow-lists as pure rules (platform.py); the API server's CEL twin is in test_tenant_real.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embedfleet.operator import platform
+from embedfleet.operator.platform import PlatformPolicy, TolerationRule
+
+_part = st.from_regex(r"[a-z0-9][a-z0-9.-]{0,12}", fullmatch=True)
+
+
+@given(_part, _part, _part, st.sampled_from([":1", "@sha256:" + "ab" * 32, ":latest"]))
+def test_a_path_prefix_allows_exactly_what_is_under_it(reg: str, path: str, repo: str, ref: str) -> None:
+    allowed = [f"{reg}/{path}/"]
+    assert platform.image_allowed(f"{reg}/{path}/{repo}{ref}", allowed)
+    # A look-alike that only shares the characters (no '/' boundary) is someone else's registry path.
+    assert not platform.image_allowed(f"{reg}/{path}{repo}x/{repo}{ref}", allowed)
+
+
+@given(_part, _part, st.sampled_from([":1", "@sha256:" + "ab" * 32]))
+def test_a_repository_entry_allows_its_tags_and_digests_only(reg: str, repo: str, ref: str) -> None:
+    allowed = [f"{reg}/{repo}"]
+    assert platform.image_allowed(f"{reg}/{repo}{ref}", allowed)
+    assert platform.image_allowed(f"{reg}/{repo}", allowed)
+    assert not platform.image_allowed(f"{reg}/{repo}-evil{ref}", allowed)
+    assert not platform.image_allowed(f"{reg}/{repo}/sub{ref}", allowed)
+
+
+def test_exact_and_wildcard_entries() -> None:
+    assert platform.image_allowed("r/x:1", ["r/x:1"]) and not platform.image_allowed("r/x:2", ["r/x:1"])
+    assert platform.image_allowed("anything/at:all", ["*"])
+    assert not platform.image_allowed("r/x:1", [])
+
+
+@given(st.sampled_from(["a", "b", "nvidia.com/gpu"]), st.sampled_from([None, "NoSchedule", "NoExecute"]),
+       st.sampled_from([None, "NoSchedule", "NoExecute"]))
+def test_toleration_rules(key: str, effect: str | None, rule_effect: str | None) -> None:
+    rules = [TolerationRule(key="nvidia.com/gpu", effect=rule_effect)]
+    toleration = {"key": key, "operator": "Exists", **({"effect": effect} if effect else {})}
+    expected = key == "nvidia.com/gpu" and (rule_effect is None or effect == rule_effect)
+    assert platform.toleration_allowed(toleration, rules) is expected
+    # A toleration with no key tolerates every taint: only a '*' rule allows it.
+    assert not platform.toleration_allowed({"operator": "Exists"}, rules)
+    assert platform.toleration_allowed({"operator": "Exists"}, [TolerationRule(key="*")])
+
+
+def test_each_forbidden_field_is_named() -> None:
+    policy = PlatformPolicy()
+    spec = {
+        "runtime": {"image": "docker.io/evil/x:1", "tolerations": [{"operator": "Exists"}],
+                    "nodeSelector": {"node-role.kubernetes.io/control-plane": ""}},
+        "cache": {"storage": {"hostPath": "/proc"},
+                  "nodePools": [{"name": "p", "nodeSelector": {"node-role.kubernetes.io/master": ""}}]},
+    }
+    problems = platform.deployment_problems(spec, policy)
+    fields = sorted(p.split(":")[0] for p in problems)
+    assert fields == ["spec.cache.nodePools[0].nodeSelector", "spec.cache.storage.hostPath",
+                      "spec.runtime.image", "spec.runtime.nodeSelector", "spec.runtime.tolerations[0]"]
+    assert platform.deployment_problems({"runtime": {"image": "ghcr.io/embedfleet/runtime:0.1.0"}}, policy) == []
+    allow_cp = PlatformPolicy(allow_control_plane=True)
+    assert not any("control-plane" in p for p in platform.deployment_problems(spec, allow_cp))
+
+
+def test_host_path_only_the_platform_root() -> None:
+    policy = PlatformPolicy(cache_root="/data/cache")
+    assert platform.host_path_problems("f", None, policy) == []
+    assert platform.host_path_problems("f", "/data/cache", policy) == []
+    assert platform.host_path_problems("f", "/data/cache/", policy) == []
+    for bad in ("/data", "/data/cache/../../etc", "/proc", "/", "/data/cache//"):
+        assert platform.host_path_problems("f", bad, policy), bad
+
+
+def test_secret_rules() -> None:
+    policy = PlatformPolicy()
+    assert platform.secret_problems("s", "ns", {"embedfleet.dev/tenant-secret": "true"}, policy) == []
+    assert "not found" in platform.secret_problems("s", "ns", None, policy)[0]
+    assert "embedfleet.dev/tenant-secret=true" in platform.secret_problems("s", "ns", {}, policy)[0]
+    closed = PlatformPolicy(secrets=platform.SecretRules(allowed=False))
+    assert platform.secret_problems("s", "ns", {"embedfleet.dev/tenant-secret": "true"}, closed)
+    assert platform.deployment_problems({"runtime": {"apiKeySecret": {"name": "s", "key": "k"}}}, closed)
+
+
+def test_load_reads_the_charts_json_and_refuses_garbage() -> None:
+    assert platform.load({}) == PlatformPolicy()
+    policy = platform.load({platform.ENV: json.dumps({
+        "allowedImages": ["r/"], "allowedTolerations": [{"key": "k"}], "cacheRoot": "/c",
+        "secrets": {"allowed": False, "requiredLabels": {}}, "allowControlPlane": False})})
+    assert policy.allowed_images == ["r/"] and policy.cache_root == "/c" and not policy.secrets.allowed
+    with pytest.raises(SystemExit, match="not a valid platform policy"):
+        platform.load({platform.ENV: "{not json"})
+    with pytest.raises(SystemExit, match="not a valid platform policy"):
+        platform.load({platform.ENV: json.dumps({"allowedImages": "r/", "bogus": 1})})
+
+
+def test_the_charts_defaults_are_the_operators_defaults() -> None:
+    """values.yaml's platform block, passed as JSON, is exactly PlatformPolicy()'s defaults."""
+    import yaml
+    from tests.kube.controlplane import ROOT
+
+    values = yaml.safe_load((ROOT / "charts" / "embedfleet" / "values.yaml").read_text())
+    assert PlatformPolicy.model_validate(values["platform"]) == PlatformPolicy()
+
+
+def test_the_example_values_reach_the_operator_as_its_policy() -> None:
+    """examples/platform-values.yaml through `helm template`: the operator's EMBEDFLEET_PLATFORM_POLICY
+    is that file's platform block, and both admission policies are rendered."""
+    import yaml
+    from tests.chart.helm import by_kind, operator_container, template
+    from tests.kube.controlplane import ROOT
+
+    path = ROOT / "examples" / "platform-values.yaml"
+    objects = template([path])
+    env = {e["name"]: e.get("value") for e in operator_container(objects)["env"]}
+    policy = platform.load(env)
+    assert policy == PlatformPolicy.model_validate(yaml.safe_load(path.read_text())["platform"])
+    assert policy.cache_root == "/mnt/nvme/embedfleet-cache"
+    assert len(by_kind(objects, "ValidatingAdmissionPolicy")) == 2
+    assert len(by_kind(objects, "ValidatingAdmissionPolicyBinding")) == 2
+    off = template([path], sets={"admissionPolicy.enabled": "false"})
+    assert by_kind(off, "ValidatingAdmissionPolicy") == []
