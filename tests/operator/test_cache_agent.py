@@ -209,22 +209,46 @@ def test_cache_status_counts_the_nodes_the_agents_serve(
 # ---------------------------------------------------------------- a real non-root agent and its cache root
 
 
-def _agent_python(tmp: Path) -> list[str] | None:
-    """An interpreter uid 10001 can run with this checkout and its dependencies importable, or None."""
+#: How a test runs a process as the agent's uid: either a plain user switch, or, where the checkout
+#: lives under a directory only root may enter (a CI clone in a 0700 temp dir), setpriv with the one
+#: capability CAP_DAC_READ_SEARCH (read and traverse anything). That capability never grants a write,
+#: so a root-owned 0755 cache root still refuses the process, which is what these tests are about.
+AgentRunner = tuple[list[str], dict[str, object]]
+
+
+def _as_uid_plain() -> AgentRunner:
+    return [], {"user": AGENT_UID, "group": AGENT_UID, "extra_groups": []}
+
+
+def _as_uid_reading_everything() -> AgentRunner | None:
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    return [setpriv, f"--reuid={AGENT_UID}", f"--regid={AGENT_UID}", "--clear-groups",
+            "--inh-caps=-all,+dac_read_search", "--ambient-caps=-all,+dac_read_search"], {}
+
+
+def _agent_python(tmp: Path) -> tuple[list[str], dict[str, object]] | None:
+    """(argv prefix ending in an interpreter, subprocess kwargs) that run as uid 10001 with this checkout
+    and its dependencies importable, or None."""
     site = [p for p in sys.path if p.endswith("site-packages")]
     path = os.pathsep.join([str(REPO / d) for d in ("runtime", "operator", "client")] + site)
-    for python in (sys.executable, "/usr/bin/python3.11", shutil.which("python3") or ""):
-        if not python or not os.path.exists(python):
+    for runner in (_as_uid_plain(), _as_uid_reading_everything()):
+        if runner is None:
             continue
-        try:
-            done = subprocess.run(
-                [python, "-c", "import embedfleet.operator.cache.agent, kubernetes, httpx, pydantic"],
-                user=AGENT_UID, group=AGENT_UID, extra_groups=[], capture_output=True, timeout=120, cwd=tmp,
-                env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "PYTHONPATH": path})
-        except OSError:  # e.g. the interpreter lives under a directory only root may enter
-            continue
-        if done.returncode == 0:
-            return [python]
+        prefix, kwargs = runner
+        for python in (sys.executable, "/usr/bin/python3.11", shutil.which("python3") or ""):
+            if not python or not os.path.exists(python):
+                continue
+            try:
+                done = subprocess.run(
+                    [*prefix, python, "-c", "import embedfleet.operator.cache.agent, kubernetes, httpx, pydantic"],
+                    capture_output=True, timeout=120, cwd=tmp,
+                    env={"PATH": "/usr/bin:/bin", "HOME": str(tmp), "PYTHONPATH": path}, **kwargs)  # type: ignore[arg-type]
+            except OSError:  # e.g. the interpreter lives under a directory only root may enter
+                continue
+            if done.returncode == 0:
+                return [*prefix, python], kwargs
     return None
 
 
@@ -243,19 +267,21 @@ def as_agent(shared_tmp: Path):
     machine cannot switch users."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as uid 10001")
-    python = _agent_python(shared_tmp)
-    if python is None:
+    found = _agent_python(shared_tmp)
+    if found is None:
         pytest.skip("no Python interpreter that uid 10001 can run with this checkout's dependencies")
+    python, as_uid = found
     site = [p for p in sys.path if p.endswith("site-packages")]
     path = os.pathsep.join([str(REPO / d) for d in ("runtime", "operator", "client")] + site)
 
     def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([*python, "-m", "embedfleet.runtime.cli", "cache", *args], user=AGENT_UID,
-                              group=AGENT_UID, extra_groups=[], capture_output=True, text=True, timeout=timeout,
+        return subprocess.run([*python, "-m", "embedfleet.runtime.cli", "cache", *args], **as_uid,  # type: ignore[arg-type]
+                              capture_output=True, text=True, timeout=timeout,
                               cwd=shared_tmp, env={"PATH": "/usr/bin:/bin", "HOME": str(shared_tmp),
                                                    "PYTHONPATH": path, **(env or {})})
 
     run.python = python  # type: ignore[attr-defined]
+    run.as_uid = as_uid  # type: ignore[attr-defined]
     return run
 
 
@@ -299,7 +325,7 @@ def test_non_root_agent_needs_prepare_and_then_replaces_root_owned_entries(as_ag
 
     code = ("import sys; from pathlib import Path; from embedfleet.operator.cache.pull import pull; "
             f"r = pull('file://{src}', '{digest}', Path('{root}'), entry='{kubelet_made.name}'); print(r.path)")
-    done = subprocess.run([*as_agent.python, "-c", code], user=AGENT_UID, group=AGENT_UID, extra_groups=[],
+    done = subprocess.run([*as_agent.python, "-c", code], **as_agent.as_uid,
                           capture_output=True, text=True, timeout=120, cwd=shared_tmp,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(shared_tmp), "PYTHONPATH": os.pathsep.join(
                               [str(REPO / d) for d in ("runtime", "operator", "client")]
