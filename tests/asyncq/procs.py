@@ -17,7 +17,12 @@ from pathlib import Path
 
 import redis
 
+from embedfleet.runtime.asyncq.keys import Keys
+from embedfleet.runtime.settings import DEFAULT_MODEL_NAME
 from tests.procs import ROOT, child_env, free_port, spawn, stop_process
+
+# the keys of a runtime or worker started without --model / --redis-prefix: its deployment is the default model
+KEYS = Keys.for_deployment([DEFAULT_MODEL_NAME])
 
 
 @dataclass
@@ -101,9 +106,11 @@ def start_worker(redis_url: str, *flags: str) -> WorkerProcess:
     return WorkerProcess(proc, Path(log_file.name))
 
 
-def jobs_cli(redis_url: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "embedfleet.runtime.cli", "jobs", "--redis-url", redis_url, *args],
-                          capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=60)
+def jobs_cli(redis_url: str, *args: str, deployment: str | None = DEFAULT_MODEL_NAME) -> subprocess.CompletedProcess:
+    named = ["--deployment", deployment] if deployment else []
+    return subprocess.run([sys.executable, "-m", "embedfleet.runtime.cli", "jobs", "--redis-url", redis_url, *named,
+                           *args], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env=child_env({"EMBEDFLEET_SERVED_MODEL_NAME": None, "EMBEDFLEET_REDIS_PREFIX": None}))
 
 
 @dataclass

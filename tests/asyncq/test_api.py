@@ -8,9 +8,8 @@ import httpx
 import numpy as np
 import pytest
 
-from embedfleet.runtime.asyncq.keys import Keys
 from embedfleet.runtime.asyncq.store import JobStore, connect
-from tests.asyncq.procs import start_redis, wait_for
+from tests.asyncq.procs import KEYS, start_redis, wait_for
 from tests.procs import RuntimeServer, start_runtime
 
 
@@ -64,12 +63,12 @@ def test_bad_input_is_refused_exactly_like_the_sync_route(stack, body: dict) -> 
     srv, redis_server = stack
     with srv.client() as c:
         sync = c.post("/v1/embeddings", json=body)
-        before = redis_server.client().zcard(Keys().unfinished)
+        before = redis_server.client().zcard(KEYS.unfinished)
         refused = c.post("/async/v1/embeddings", json=body)
     assert 400 <= sync.status_code < 500
     assert refused.status_code == sync.status_code
     assert refused.json()["error"]["code"] == sync.json()["error"]["code"]
-    assert redis_server.client().zcard(Keys().unfinished) == before  # nothing was stored
+    assert redis_server.client().zcard(KEYS.unfinished) == before  # nothing was stored
 
 
 @pytest.mark.parametrize("url,fragment", [
@@ -98,7 +97,7 @@ def test_job_that_fails_in_the_worker_ends_failed_with_the_reason(stack) -> None
     srv, redis_server = stack
 
     async def submit() -> str | None:
-        store = JobStore(connect(redis_server.url))
+        store = JobStore(connect(redis_server.url), KEYS)
         try:
             return await store.submit("embeddings", b'{"input": []}', None, 1000)
         finally:

@@ -6,11 +6,9 @@ import asyncio
 
 import httpx
 
-from embedfleet.runtime.asyncq.keys import JOB_GROUP, Keys
-from tests.asyncq.procs import wait_for
+from embedfleet.runtime.asyncq.keys import JOB_GROUP
+from tests.asyncq.procs import KEYS, wait_for
 from tests.procs import free_port
-
-KEYS = Keys()
 
 
 async def submit_many(url: str, bodies: list[dict], concurrency: int = 16) -> list[httpx.Response]:

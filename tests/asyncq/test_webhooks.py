@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from embedfleet.runtime.asyncq.keys import Keys
-from tests.asyncq.procs import WebhookReceiver, jobs_cli, start_redis, wait_for
+from tests.asyncq.procs import KEYS, WebhookReceiver, jobs_cli, start_redis, wait_for
 from tests.procs import start_runtime
 
 SECRET = "whsec-test-only"
@@ -69,7 +68,7 @@ def test_always_failing_receiver_dead_letters_then_replay_delivers(stack) -> Non
     with srv.client() as c:
         job = c.post("/async/v1/embeddings", json={"input": "nobody listens",
                                                    "webhook_url": f"{receiver.url}/down"}).json()
-        wait_for(lambda: redis_server.client().xlen(Keys().dead_letters) >= 1, 60, "a dead letter")
+        wait_for(lambda: redis_server.client().xlen(KEYS.dead_letters) >= 1, 60, "a dead letter")
         assert c.get(f"/async/jobs/{job['id']}").json()["webhook"] == {"status": "dead", "attempts": 3}
     assert len(receiver.to("/down")) == 3
 
@@ -88,7 +87,7 @@ def test_always_failing_receiver_dead_letters_then_replay_delivers(stack) -> Non
     with srv.client() as c:
         wait_for(lambda: c.get(f"/async/jobs/{job['id']}").json()["webhook"]["status"] == "delivered", 30,
                  "the job to record the replayed delivery")
-    assert redis_server.client().xlen(Keys().dead_letters) == 0
+    assert redis_server.client().xlen(KEYS.dead_letters) == 0
     assert jobs_cli(redis_server.url, "dlq", "list").stdout == ""
     stats = json.loads(jobs_cli(redis_server.url, "stats").stdout)
     assert stats["dead_letters"] == 0 and stats["queue_depth"] == 0 and stats["succeeded"] >= 1

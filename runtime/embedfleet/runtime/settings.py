@@ -107,6 +107,9 @@ class RuntimeSettings(BaseSettings):
     # -- async queue, webhooks and embedding cache (embedfleet.runtime.asyncq) --------------
     redis_url: str | None = Field(
         None, description="Redis for the async API (/async/...), its workers and the embedding cache; unset: off")
+    redis_prefix: str | None = Field(
+        None, description="prefix of every Redis key of this deployment (jobs, webhooks, cache); default: "
+        "embedfleet:<served model name>, so deployments sharing one Redis never see each other's keys")
     async_enabled: bool = Field(
         True, description="with --redis-url: serve POST /async/v1/embeddings and GET /async/jobs/ID")
     async_worker: bool = Field(True, description="with --redis-url: also run an async worker inside this replica")

@@ -1,4 +1,7 @@
-"""`embedfleet jobs`: operator tooling for the async queue.
+"""`embedfleet jobs`: operator tooling for the async queue of one deployment.
+
+Every command names the deployment whose keys it reads, as the runtime derives them: its served
+model name (`--deployment`, env EMBEDFLEET_SERVED_MODEL_NAME) or its explicit `--redis-prefix`.
 
   embedfleet jobs --redis-url URL stats            queue depth, oldest job, counters
   embedfleet jobs --redis-url URL show ID          one job's document (as GET /async/jobs/ID)
@@ -23,6 +26,11 @@ from embedfleet.runtime.asyncq.store import JobStore, connect
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=os.environ.get("EMBEDFLEET_REDIS_URL"),
                         help="Redis of the async queue (default: env EMBEDFLEET_REDIS_URL)")
+    parser.add_argument("--deployment", default=os.environ.get("EMBEDFLEET_SERVED_MODEL_NAME"),
+                        help="the deployment's served model name(s), comma-separated for a multi-model server "
+                        "(default: env EMBEDFLEET_SERVED_MODEL_NAME)")
+    parser.add_argument("--redis-prefix", default=os.environ.get("EMBEDFLEET_REDIS_PREFIX"),
+                        help="the deployment's --redis-prefix, when it sets one (default: env EMBEDFLEET_REDIS_PREFIX)")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("stats", help="queue depth, oldest job age and counters")
     show = sub.add_parser("show", help="one job's status document")
@@ -37,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    store = JobStore(connect(args.redis_url), Keys())
+    names = [n.strip() for n in (args.deployment or "").split(",") if n.strip()]
+    store = JobStore(connect(args.redis_url), Keys.for_deployment(names, args.redis_prefix))
     try:
         if args.action == "stats":
             depth, oldest = await store.depth()
@@ -77,5 +86,9 @@ async def _run(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if not args.redis_url:
         print("embedfleet jobs: --redis-url (or EMBEDFLEET_REDIS_URL) is required", file=sys.stderr)
+        return 2
+    if not args.deployment and not args.redis_prefix:
+        print("embedfleet jobs: name the deployment: --deployment SERVED_MODEL_NAME or --redis-prefix PREFIX",
+              file=sys.stderr)
         return 2
     return asyncio.run(_run(args))

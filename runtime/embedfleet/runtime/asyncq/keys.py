@@ -1,21 +1,53 @@
-"""Every Redis key the async path uses, in one place, under one prefix."""
+"""Every Redis key the async path uses, in one place, under one prefix per deployment.
+
+The prefix carries the deployment (by default its served model name), so two deployments can share
+one Redis without running, counting, reading or cache-probing each other's jobs: every key, the
+vector cache's included, lives under `embedfleet:<deployment>:`. `--redis-prefix` replaces the
+whole prefix, e.g. to keep the keys of an older release (`embedfleet`) or to tell apart two
+deployments that serve the same model name.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from urllib.parse import quote
 
 JOB_GROUP = "workers"
 WEBHOOK_GROUP = "senders"
+NAMESPACE = "embedfleet"
+
+
+def deployment_prefix(served_names: Iterable[str]) -> str:
+    """`embedfleet:<names>`: the served model names, sorted, percent-encoded and joined by `+`.
+
+    Encoding (`:` and `+` included) keeps the mapping one-to-one: no name, nor set of names, can
+    produce another deployment's prefix or a prefix that ends inside another's key names.
+    """
+    names = sorted(set(served_names))
+    if not names:
+        raise ValueError("a deployment serves at least one model name")
+    return f"{NAMESPACE}:" + "+".join(quote(name, safe="._-") for name in names)
 
 
 @dataclass(frozen=True)
 class Keys:
-    prefix: str = "embedfleet"
+    prefix: str = NAMESPACE  # the layout before deployments had their own keys; use `for_deployment`
+
+    @classmethod
+    def for_deployment(cls, served_names: Iterable[str], redis_prefix: str | None = None) -> Keys:
+        """The keys of one deployment: an explicit prefix as given, else derived from its model names."""
+        return cls(redis_prefix if redis_prefix else deployment_prefix(served_names))
 
     @property
     def jobs(self) -> str:
         """Stream of job ids to run (consumer group `workers`)."""
         return f"{self.prefix}:jobs"
+
+    @property
+    def jobs_delayed(self) -> str:
+        """Sorted set: job id -> time it goes back onto `jobs` after a transient failure (backoff)."""
+        return f"{self.prefix}:jobs:delayed"
 
     @property
     def unfinished(self) -> str:

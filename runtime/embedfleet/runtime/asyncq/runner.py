@@ -28,7 +28,8 @@ class AsyncRuntime:
         assert settings.redis_url, "the async path needs --redis-url"
         self.models = models
         self.settings = settings
-        self.store = JobStore(connect(settings.redis_url), Keys())
+        keys = Keys.for_deployment([entry.name for entry in settings.models()], settings.redis_prefix)
+        self.store = JobStore(connect(settings.redis_url), keys)
         self.name = name or consumer_name()
         self.worker = Worker(self.store, models, self.name) if run_worker else None
         self.sender = WebhookSender(self.store, settings, self.name) if run_worker else None

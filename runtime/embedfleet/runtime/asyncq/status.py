@@ -23,6 +23,10 @@ def job_document(job_id: str, fields: dict[str, bytes]) -> bytes:
         "created_at": _seconds(fields, "created_at"), "started_at": _seconds(fields, "started_at"),
         "finished_at": _seconds(fields, "finished_at"), "attempts": int(fields.get("attempts", b"0")),
     }
+    retries = int(fields.get("retries", b"0"))
+    if retries:  # sent back by transient conditions (queue full, OOM, draining); still on its way
+        head["retries"] = retries
+        head["retry_reason"] = text(fields.get("retry_reason", b""))
     if fields.get("webhook_url"):
         head["webhook"] = {"status": text(fields.get("webhook_status", b"waiting")),
                            "attempts": int(fields.get("webhook_attempts", b"0"))}

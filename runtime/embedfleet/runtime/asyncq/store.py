@@ -3,7 +3,10 @@
 Invariants the scripts keep, whatever crashes in between:
 - a job is accepted only together with its stream entry and its place in `unfinished` (no lost job);
 - a result is written once: the first `finish` wins, later ones only acknowledge (no double result,
-  no double webhook); acknowledging happens in the same step as storing, never before.
+  no double webhook); acknowledging happens in the same step as storing, never before;
+- a job sent back by a transient failure (`retry`) leaves the stream in the same step that puts it in
+  `jobs_delayed`, and `release_due_jobs` moves it back onto the stream in one step: it is always in
+  exactly one of the two, and it never stops being `unfinished`.
 """
 
 from __future__ import annotations
@@ -39,8 +42,32 @@ if not st then return {'gone'} end
 if st == 'succeeded' or st == 'failed' then return {'done'} end
 local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
-local f = redis.call('HMGET', KEYS[1], 'kind', 'request')
-return {'run', tostring(n), f[1], f[2]}
+local f = redis.call('HMGET', KEYS[1], 'kind', 'request', 'retries')
+return {'run', tostring(n), f[1], f[2], f[3] or '0'}
+"""
+
+RETRY = """
+local st = redis.call('HGET', KEYS[1], 'status')
+redis.call('XACK', KEYS[2], ARGV[5], ARGV[2])
+redis.call('XDEL', KEYS[2], ARGV[2])
+if not st then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  return -1
+end
+if st == 'succeeded' or st == 'failed' then return 0 end
+redis.call('HINCRBY', KEYS[1], 'retries', 1)
+redis.call('HSET', KEYS[1], 'status', 'queued', 'retry_reason', ARGV[4], 'retry_at', ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
+return 1
+"""
+
+RELEASE_DUE_JOBS = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+for _, m in ipairs(due) do
+  redis.call('ZREM', KEYS[1], m)
+  redis.call('XADD', KEYS[2], '*', 'id', m)
+end
+return #due
 """
 
 FINISH = """
@@ -99,6 +126,12 @@ class Started:
     attempts: int = 0
     kind: str = ""
     request: bytes = b""
+    retries: int = 0  # times a transient failure sent the job back; they do not count against max attempts
+
+    @property
+    def crashes(self) -> int:
+        """Starts that ended neither in a result nor in a retry: the workers running it stopped."""
+        return self.attempts - self.retries
 
 
 @dataclass
@@ -106,6 +139,7 @@ class Entry:
     entry_id: str
     job_id: str
     attempt: int = 1
+    taken: int = 1  # times the stream handed this entry to a consumer (known after a reclaim; 1 otherwise)
 
 
 def entries(messages: list) -> list[Entry]:
@@ -124,7 +158,9 @@ class JobStore:
         self._submit = redis.register_script(SUBMIT)
         self._start = redis.register_script(START)
         self._finish = redis.register_script(FINISH)
+        self._retry = redis.register_script(RETRY)
         self._release = redis.register_script(RELEASE_DUE)
+        self._release_jobs = redis.register_script(RELEASE_DUE_JOBS)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -195,7 +231,7 @@ class JobStore:
         state = text(reply[0])
         if state != "run":
             return Started(state)
-        return Started(state, int(reply[1]), text(reply[2]), reply[3] or b"")
+        return Started(state, int(reply[1]), text(reply[2]), reply[3] or b"", int(reply[4]))
 
     async def finish(self, entry: Entry, status: str, payload: bytes, ttl: int) -> int:
         """1: stored; 0: a result was already there (duplicate dropped); -1: the job expired."""
@@ -204,6 +240,28 @@ class JobStore:
             keys=[self.keys.job(entry.job_id), self.keys.jobs, self.keys.unfinished, self.keys.webhooks,
                   self.keys.stats],
             args=[entry.job_id, entry.entry_id, status, payload, f"{time.time():.6f}", ttl, JOB_GROUP]))
+
+    async def retry(self, entry: Entry, delay: float, why: str) -> int:
+        """Send a job back for a transient failure: queued again after `delay` s, never failed.
+
+        1: scheduled; 0: another run already finished it (nothing to do); -1: the job is gone.
+        """
+        return int(await self._retry(
+            keys=[self.keys.job(entry.job_id), self.keys.jobs, self.keys.jobs_delayed, self.keys.unfinished],
+            args=[entry.job_id, entry.entry_id, f"{time.time() + delay:.6f}", why, JOB_GROUP]))
+
+    async def release_due_jobs(self, limit: int = 100) -> int:
+        """Move jobs whose retry backoff has passed back onto the jobs stream."""
+        return int(await self._release_jobs(keys=[self.keys.jobs_delayed, self.keys.jobs],
+                                            args=[f"{time.time():.6f}", limit]))
+
+    async def times_taken(self, stream: str, group: str, entry_ids: list[str]) -> dict[str, int]:
+        """How often each pending entry was handed to a consumer (read once, plus every reclaim)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id in entry_ids:
+                pipe.xpending_range(stream, group, min=entry_id, max=entry_id, count=1)
+            replies = await pipe.execute()
+        return {text(row["message_id"]): int(row["times_delivered"]) for reply in replies for row in reply}
 
     # -- webhooks -----------------------------------------------------------------------------------
     async def delivered(self, entry: Entry) -> None:

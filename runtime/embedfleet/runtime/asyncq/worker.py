@@ -5,6 +5,11 @@ stores the result. If this process dies, its entries stay pending and any worker
 with XAUTOCLAIM once they have been idle for the visibility timeout; while we still work on an
 entry we reset its idle time (XCLAIM JUSTID), so a slow job is not run twice for nothing. When a
 job does run twice, `finish` keeps the first result and drops the second.
+
+A run that fails for a condition of the replica (see `failures.classify`: queue full, out of
+memory, loading, draining) sends the job back: `queued` again after a growing backoff, in the same
+atomic step that acknowledges the entry. Such a job is never marked failed, and its retries do not
+count against `--async-max-attempts`, which bounds only runs that never came back (dead workers).
 """
 
 from __future__ import annotations
@@ -14,33 +19,27 @@ import logging
 import os
 import socket
 
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from embedfleet.runtime.api.errors import ApiError
+from embedfleet.runtime.asyncq.failures import Failure, classify, reason, retry_after
 from embedfleet.runtime.asyncq.keys import JOB_GROUP
-from embedfleet.runtime.asyncq.kinds import KINDS, JobFailed
-from embedfleet.runtime.asyncq.store import Entry, JobStore
-from embedfleet.runtime.core.tokenize import InputTooLong
+from embedfleet.runtime.asyncq.kinds import KINDS
+from embedfleet.runtime.asyncq.store import Entry, JobStore, Started
+from embedfleet.runtime.asyncq.webhooks import retry_delay
 from embedfleet.runtime.service import Models
 
 log = logging.getLogger(__name__)
 
-PERMANENT = (ApiError, InputTooLong, ValidationError, JobFailed, ValueError)
+DRAINING = "draining: the worker stopped before finishing the job; it runs again on another worker"
 
 
 def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def reason(exc: BaseException) -> str:
-    if isinstance(exc, ApiError):
-        return f"{exc.code}: {exc.message}"
-    return f"{type(exc).__name__}: {exc}"
-
-
 class Worker:
-    def __init__(self, store: JobStore, models: Models, name: str | None = None) -> None:
+    def __init__(self, store: JobStore, models: Models, name: str | None = None, retry_backoff: float = 1.0,
+                 retry_cap: float = 60.0) -> None:
         settings = models.settings
         self.store = store
         self.models = models
@@ -49,6 +48,8 @@ class Worker:
         self.visibility_ms = int(settings.async_visibility_timeout * 1000)
         self.max_attempts = settings.async_max_attempts
         self.ttl = settings.async_result_ttl
+        self.retry_backoff = retry_backoff  # first wait after a transient failure; doubles up to retry_cap
+        self.retry_cap = retry_cap
         self.inflight: dict[str, asyncio.Task] = {}
         self._slot_freed = asyncio.Event()
 
@@ -58,7 +59,8 @@ class Worker:
             await asyncio.sleep(0.1)
         loops = [asyncio.create_task(self._consume(stop), name="asyncq-consume"),
                  asyncio.create_task(self._reclaim(stop), name="asyncq-reclaim"),
-                 asyncio.create_task(self._heartbeat(stop), name="asyncq-heartbeat")]
+                 asyncio.create_task(self._heartbeat(stop), name="asyncq-heartbeat"),
+                 asyncio.create_task(self._release(stop), name="asyncq-release")]
         try:
             await stop.wait()
         finally:
@@ -121,6 +123,15 @@ class Worker:
             except RedisError as exc:
                 log.warning("job heartbeat failed: %s", exc)
 
+    async def _release(self, stop: asyncio.Event) -> None:
+        """Put jobs whose transient-failure backoff has passed back onto the stream (any worker may)."""
+        while not stop.is_set():
+            try:
+                await self.store.release_due_jobs()
+            except RedisError as exc:
+                log.warning("moving due job retries failed: %s", exc)
+            await asyncio.sleep(0.2)
+
     @staticmethod
     async def _with_retry(step) -> None:
         while True:
@@ -142,32 +153,50 @@ class Worker:
         task.add_done_callback(done)
 
     async def _process(self, entry: Entry) -> None:
+        started: Started | None = None
         try:
             started = await self.store.start(entry.job_id, self.name)
             if started.state != "run":  # finished already, or expired: only the entry is left
                 await self.store.ack(self.store.keys.jobs, JOB_GROUP, entry.entry_id)
                 return
-            if started.attempts > self.max_attempts:
+            if started.crashes > self.max_attempts:
                 status, payload = "failed", (f"gave up after {self.max_attempts} attempts: the workers running "
                                              "this job stopped before finishing it").encode()
             else:
-                status, payload = await self._execute(started.kind, started.request)
+                try:
+                    status, payload = "succeeded", await self._run(started)
+                except RedisError:
+                    raise
+                except Exception as exc:
+                    if classify(exc) is Failure.TRANSIENT:
+                        delay = max(retry_after(exc), retry_delay(started.retries + 1, self.retry_backoff,
+                                                                  self.retry_cap))
+                        log.warning("job %s hit a transient condition (%s); queued again in %.1fs", entry.job_id,
+                                    reason(exc), delay)
+                        await self.store.retry(entry, delay, reason(exc))
+                        return
+                    if not isinstance(exc, ValueError):  # not bad input: worth a traceback
+                        log.exception("job %s failed permanently", entry.job_id)
+                    status, payload = "failed", reason(exc).encode()
             outcome = await self.store.finish(entry, status, payload, self.ttl)
             if outcome == 0:
                 log.info("job %s was already finished by another worker; dropped the duplicate", entry.job_id)
+        except asyncio.CancelledError:  # draining: hand the job back now rather than after the visibility timeout
+            if started is not None and started.state == "run":
+                await self._send_back_on_drain(entry)
+            raise
         except RedisError as exc:  # not acknowledged: the job stays pending and is claimed again
             log.warning("job %s: Redis failed (%s); it will be retried", entry.job_id, exc)
 
-    async def _execute(self, kind: str, request: bytes) -> tuple[str, bytes]:
-        spec = KINDS.get(kind)
-        if spec is None:
-            return "failed", f"unknown job kind {kind!r}".encode()
+    async def _send_back_on_drain(self, entry: Entry) -> None:
+        """Queue a job cut off by shutdown for another worker at once; bounded, as the process is stopping."""
         try:
-            return "succeeded", await spec.run(self.models, request)
-        except PERMANENT as exc:
-            return "failed", reason(exc).encode()
-        except RedisError:
-            raise
-        except Exception as exc:  # the engine refused it: running it again would fail again
-            log.exception("job failed in the engine")
-            return "failed", f"engine error: {reason(exc)}".encode()
+            await asyncio.wait_for(self.store.retry(entry, 0.0, DRAINING), timeout=2.0)
+        except (RedisError, TimeoutError) as exc:  # still pending in the stream: reclaimed after the timeout
+            log.warning("job %s could not be handed back while draining (%s)", entry.job_id, exc)
+
+    async def _run(self, started: Started) -> bytes:
+        spec = KINDS.get(started.kind)
+        if spec is None:
+            raise ValueError(f"unknown job kind {started.kind!r}")
+        return await spec.run(self.models, started.request)

@@ -27,6 +27,17 @@ class InputTooLong(ValueError):
         self.index, self.tokens, self.limit = index, tokens, limit
 
 
+class TooManyTokens(ValueError):
+    """A /tokenize request whose answer would be over the cap: one JSON object per token, with its
+    text and offsets, is ~30x the input's bytes, so the cap bounds the response, not the work."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"the inputs have {tokens} tokens in all, more than the limit of {limit} tokens per /tokenize "
+            "request; send fewer or shorter inputs")
+        self.tokens, self.limit = tokens, limit
+
+
 @dataclass(frozen=True, slots=True)
 class Tokenized:
     """One engine input. `type_ids` only for pairs (query, document) on models that use segments."""
@@ -142,8 +153,11 @@ class TokenizerPool:
             out.append(Tokenized(truncate_ids(ids, limit, direction), len(ids)))
         return out
 
-    def _details_sync(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+    def _details_sync(self, texts: list[str], add_special_tokens: bool, max_tokens: int | None) -> list[list[dict]]:
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        total = sum(len(enc.ids) for enc in encodings)
+        if max_tokens is not None and total > max_tokens:  # refused before the large part is built
+            raise TooManyTokens(total, max_tokens)
         return [
             [
                 {"id": tid, "text": tok, "special": bool(sp), "start": None if sp else s, "stop": None if sp else e}
@@ -153,8 +167,10 @@ class TokenizerPool:
             for enc in encodings
         ]
 
-    async def details(self, texts: list[str], add_special_tokens: bool = True) -> list[list[dict]]:
-        return await self._run(self._details_sync, texts, add_special_tokens)
+    async def details(self, texts: list[str], add_special_tokens: bool = True,
+                      max_tokens: int | None = None) -> list[list[dict]]:
+        """Every token with its id, text and offsets; TooManyTokens when they are over `max_tokens` in all."""
+        return await self._run(self._details_sync, texts, add_special_tokens, max_tokens)
 
     def _decode_sync(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
         return self.tokenizer.decode_batch(ids, skip_special_tokens=skip_special_tokens)
