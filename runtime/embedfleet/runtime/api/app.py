@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -44,8 +45,10 @@ from embedfleet.runtime.api.schemas import (
     TEIEmbedRequest,
     TokenizeRequest,
 )
+from embedfleet.runtime.core.batcher import QueueFull
+from embedfleet.runtime.core.oom import is_out_of_memory
 from embedfleet.runtime.core.postprocess import finish
-from embedfleet.runtime.core.tokenize import Tokenized
+from embedfleet.runtime.core.tokenize import Tokenized, TooManyTokens
 from embedfleet.runtime.service import ClientGone, Models, ModelService
 
 log = logging.getLogger(__name__)
@@ -153,6 +156,16 @@ def create_app(models: Models, gate_state: GateState,
         except ClientGone:
             log.debug("client went away; its queued inputs were dropped")
             raise errors.ApiError(499, "client closed the request", "client_closed") from None
+        except QueueFull as exc:
+            # A condition of this replica now, not of the request: say when to come back, never 500.
+            raise errors.ApiError(429, str(exc), "overloaded",
+                                  {"retry-after": str(max(1, math.ceil(exc.retry_after)))}) from None
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            log.warning("engine out of memory on a batch: %s", exc)
+            raise errors.ApiError(503, "the engine ran out of memory on this batch; retry shortly (a smaller "
+                                  "batch may fit)", "out_of_memory", {"retry-after": "1"}) from None
 
     @app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, tags=["OpenAI"],
               openapi_extra=body_of(OpenAIEmbeddingRequest))
@@ -242,7 +255,11 @@ def create_app(models: Models, gate_state: GateState,
         body = await parse(request, TokenizeRequest)
         svc = select(models, body.model, "/tokenize")
         texts = as_batch(body.inputs, settings.max_client_batch_size, svc.tokenizer.tokenizer.get_vocab_size())
-        return JSON(await svc.tokenizer.details(texts, body.add_special_tokens))
+        try:
+            details = await svc.tokenizer.details(texts, body.add_special_tokens, max_tokens=settings.max_batch_tokens)
+        except TooManyTokens as exc:
+            raise errors.ApiError(413, str(exc), "too_many_tokens") from None
+        return JSON(details)
 
     @app.get("/v1/models", response_model=ModelList, tags=["OpenAI"])
     async def list_models():

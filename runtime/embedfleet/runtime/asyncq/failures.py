@@ -13,27 +13,16 @@ from enum import Enum
 
 from embedfleet.runtime.api.errors import ApiError
 from embedfleet.runtime.core.batcher import QueueFull
+from embedfleet.runtime.core.oom import is_out_of_memory
 
 # ApiError statuses that describe the replica, not the request: 429 (overloaded, queue full) and 503
 # (loading, draining). Every other status is the request's own fault and would be answered again.
 TRANSIENT_STATUSES = frozenset({429, 503})
-OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
 class Failure(Enum):
     TRANSIENT = "transient"  # back to the queue with backoff; never ends the job
     PERMANENT = "permanent"  # the job ends `failed` with the reason
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA OOM (`torch.OutOfMemoryError`, a RuntimeError) or a host allocation that failed.
-
-    Matched by message as well as by type because torch raises plain RuntimeErrors for OOM from
-    some kernels (cuBLAS, the CPU allocator), and importing torch here would tie this module to it.
-    """
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in OOM_MESSAGES)
 
 
 def classify(exc: BaseException) -> Failure:
