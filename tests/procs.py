@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,20 +122,31 @@ class RuntimeServer:
         return total
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def exited() -> None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()[-3000:]}")
+
+        if not wait_url_ready(self.url, timeout, exited):
+            raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()[-3000:]}")
 
     def stop(self) -> None:
         stop_process(self.proc, signal.SIGINT)
+
+
+def wait_url_ready(url: str, timeout: float = 120, check: Callable[[], None] | None = None) -> bool:
+    """Poll ``url/ready`` until it answers 200 (True) or ``timeout`` passes (False); ``check`` runs
+    between polls and may raise (a server process that died)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check is not None:
+            check()
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def start_runtime(*flags: str, env: dict[str, str | None] | None = None, wait_ready: bool = True) -> RuntimeServer:

@@ -9,7 +9,6 @@ definition of "out of memory" (core/oom.py).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -24,7 +23,7 @@ from embedfleet.runtime.core.oom import is_out_of_memory
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.service import Models
 from embedfleet.runtime.settings import RuntimeSettings
-from tests.procs import free_port
+from tests.procs import free_port, wait_url_ready
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +35,7 @@ def server() -> Iterator[tuple[str, Models]]:
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
+    if not wait_url_ready(url):
         pytest.fail("the server never became ready")
     yield url, models
     srv.should_exit = True
