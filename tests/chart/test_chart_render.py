@@ -345,6 +345,24 @@ def test_two_releases_never_share_an_object() -> None:
                 assert seen.setdefault(key, release) == release, f"{key} rendered by {seen[key]} and {owner}"
 
 
+def test_the_admission_policy_governs_every_secret_reference() -> None:
+    """platform.secrets covers each spec.runtime field that names a Secret (platform.SECRET_REF_FIELDS): the
+    ValidatingAdmissionPolicy has a rule per field, naming it, like the operator's own check."""
+    from embedfleet.operator import platform
+
+    vap = next(p for p in by_kind(template([]), "ValidatingAdmissionPolicy")
+               if p["metadata"]["name"].endswith("-embeddingdeployments"))
+    secret_rules = [v for v in vap["spec"]["validations"] if "variables.secretsAllowed" in v["expression"]]
+    by_field = {rule["message"].split(":")[0]: rule for rule in secret_rules}
+    assert sorted(by_field) == sorted(f"spec.runtime.{field}" for field in platform.SECRET_REF_FIELDS)
+    for field in platform.SECRET_REF_FIELDS:
+        rule = by_field[f"spec.runtime.{field}"]
+        assert f"has(object.spec.runtime.{field})" in rule["expression"] and rule["reason"] == "Forbidden"
+        assert rule["message"] == platform.deployment_problems(
+            {"runtime": {field: {"name": "s", "key": "k"}}},
+            platform.PlatformPolicy(secrets=platform.SecretRules(allowed=False)))[0]
+
+
 # ---------------------------------------------------------------- CRDs and notes
 
 

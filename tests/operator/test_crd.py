@@ -91,6 +91,43 @@ def test_example_validates_and_parses() -> None:
     EmbeddingDeploymentSpec.model_validate(example["spec"])
 
 
+def test_tenants_example_is_a_labelled_secret_and_a_valid_deployment() -> None:
+    """examples/tenants.yaml: its Secret carries the platform's default label and holds a keys file the
+    runtime accepts for the served model; its EmbeddingDeployment validates and names that Secret key."""
+    from embedfleet.operator import platform
+    from embedfleet.operator.validate import check
+
+    secret, deployment = yaml.safe_load_all((ROOT / "examples" / "tenants.yaml").read_text())
+    assert (secret["kind"], secret["type"]) == ("Secret", "Opaque")
+    assert cr_errors("EmbeddingDeployment", deployment) == []
+    parsed, problems = check(deployment["metadata"]["name"], deployment["spec"], platform.PlatformPolicy())
+    assert problems == [] and parsed is not None
+    ref = parsed.runtime.api_keys_secret
+    assert ref is not None and parsed.runtime.api_key_secret is None
+    assert ref.name == secret["metadata"]["name"] and ref.key in secret["stringData"]
+    assert secret["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    labels = secret["metadata"]["labels"]
+    assert platform.secret_problems(ref.name, "default", labels, platform.PlatformPolicy()) == []
+    tenants = pytest.importorskip("embedfleet.runtime.tenants")
+    keys_file = tenants.KeysFile.model_validate(yaml.safe_load(secret["stringData"][ref.key]))
+    assert len(keys_file.tenants) == 2 and {t.priority for t in keys_file.tenants} == {"interactive", "batch"}
+    served = parsed.model.served_model_name
+    assert all(m in ("*", served) for t in keys_file.tenants for m in t.models)
+
+
+def test_the_crd_refuses_both_api_key_references() -> None:
+    """The CEL rule on spec.runtime (evaluated by the API server: test_tenant_real.py) and validate.py
+    share one message."""
+    from embedfleet.operator.crd.models import EXCLUSIVE_API_KEYS
+
+    runtime = openapi_schema("EmbeddingDeployment")["properties"]["spec"]["properties"]["runtime"]
+    assert runtime["x-kubernetes-validations"] == [
+        {"rule": "!has(self.apiKeySecret) || !has(self.apiKeysSecret)", "message": EXCLUSIVE_API_KEYS}
+    ]
+    assert {"apiKeySecret", "apiKeysSecret"} <= set(runtime["properties"])
+    assert runtime["properties"]["apiKeysSecret"]["required"] == ["name", "key"]
+
+
 @pytest.mark.parametrize(
     ("path", "value", "field"),
     [

@@ -93,6 +93,24 @@ def test_server_refuses_wrong_types_and_unknown_fields(crds_installed: Cluster, 
     crds_installed.kubectl("delete", "namespace", ns, "--wait=false")
 
 
+def test_server_refuses_one_key_and_a_keys_file_together(crds_installed: Cluster, unique: str) -> None:
+    """The CEL rule on spec.runtime: apiKeySecret or apiKeysSecret, not both; an explicit null is absent
+    (as for the operator's validation)."""
+    ns = f"crdkeys-{unique}"
+    crds_installed.kubectl("create", "namespace", ns)
+    ref = {"name": "s", "key": "k"}
+    both = _minimal("both", ns, {"runtime": {"apiKeySecret": ref, "apiKeysSecret": ref}})
+    done = crds_installed.kubectl("create", "-f", "-", input=json.dumps(both), check=False)
+    assert done.returncode != 0, done.stdout
+    assert "spec.runtime" in done.stderr and "apiKeySecret and apiKeysSecret are mutually exclusive" in done.stderr
+    one = _minimal("one", ns, {"runtime": {"apiKeySecret": None, "apiKeysSecret": ref}})
+    done = crds_installed.kubectl("create", "-f", "-", input=json.dumps(one), check=False)
+    assert done.returncode == 0, done.stderr
+    stored = crds_installed.get_json("embeddingdeployment", "one", "-n", ns)["spec"]["runtime"]
+    assert stored["apiKeysSecret"] == ref
+    crds_installed.kubectl("delete", "namespace", ns, "--wait=false")
+
+
 def _minimal(name: str, namespace: str, extra_spec: dict) -> dict:
     spec = {"model": {"source": "hf://BAAI/bge-small-en-v1.5", "digest": DIGEST}, **extra_spec}
     return {"apiVersion": "embedfleet.dev/v1alpha1", "kind": "EmbeddingDeployment",

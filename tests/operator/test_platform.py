@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -85,6 +86,26 @@ def test_secret_rules() -> None:
     assert platform.deployment_problems({"runtime": {"apiKeySecret": {"name": "s", "key": "k"}}}, closed)
 
 
+@pytest.mark.parametrize("field", platform.SECRET_REF_FIELDS)
+def test_both_secret_references_follow_the_same_rules(field: str) -> None:
+    """apiKeySecret (one key) and apiKeysSecret (a tenants keys file): the same allow-list and label,
+    and each refusal names its own field."""
+    where = f"spec.runtime.{field}"
+    spec = {"runtime": {field: {"name": "s", "key": "k"}}}
+    assert platform.deployment_problems(spec, PlatformPolicy()) == []
+    closed = PlatformPolicy(secrets=platform.SecretRules(allowed=False))
+    assert platform.deployment_problems(spec, closed) == [
+        f"{where}: the platform does not let deployments reference Secrets"
+    ]
+    unlabelled = platform.secret_problems("s", "ns", {}, PlatformPolicy(), where=where)
+    assert len(unlabelled) == 1 and unlabelled[0].startswith(where + ":")
+    assert "embedfleet.dev/tenant-secret=true" in unlabelled[0]
+    assert platform.secret_problems("s", "ns", None, PlatformPolicy(), where=where)[0].startswith(where + ":")
+    labelled = {"embedfleet.dev/tenant-secret": "true"}
+    assert platform.secret_problems("s", "ns", labelled, PlatformPolicy(), where=where) == []
+    assert platform.secret_problems("s", "ns", labelled, closed, where=where)[0].startswith(where + ":")
+
+
 def test_load_reads_the_charts_json_and_refuses_garbage() -> None:
     assert platform.load({}) == PlatformPolicy()
     policy = platform.load({platform.ENV: json.dumps({
@@ -123,3 +144,44 @@ def test_the_example_values_reach_the_operator_as_its_policy() -> None:
     assert len(by_kind(objects, "ValidatingAdmissionPolicyBinding")) == 2
     off = template([path], sets={"admissionPolicy.enabled": "false"})
     assert by_kind(off, "ValidatingAdmissionPolicy") == []
+
+
+def test_admit_checks_each_referenced_secrets_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator's admission (no API server): a Secret named by apiKeysSecret must exist and carry the
+    platform's label, and only its metadata is asked for."""
+    from embedfleet.operator.handlers import embedding
+
+    labelled = {"embedfleet.dev/tenant-secret": "true"}
+    secrets = {"tenants": labelled, "plain": {}}
+    asked: list[tuple[str, str, str]] = []
+
+    class FakeKube:
+        def get_metadata(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+            asked.append((kind, name, namespace))
+            return None if name not in secrets else {"metadata": {"name": name, "labels": secrets[name]}}
+
+    monkeypatch.setattr(embedding, "KUBE", FakeKube())
+    monkeypatch.setattr(embedding, "POLICY", PlatformPolicy())
+
+    def admit(runtime: dict[str, Any]) -> tuple[Any, list[str]]:
+        spec = {"model": {"source": "hf://BAAI/bge-small-en-v1.5", "digest": "sha256:" + "0f" * 32},
+                "runtime": runtime}
+        return embedding.admit({"metadata": {"name": "bge", "namespace": "team"}, "spec": spec})
+
+    parsed, problems = admit({"apiKeysSecret": {"name": "tenants", "key": "keys.yaml"}})
+    assert problems == [] and parsed is not None and parsed.runtime.api_keys_secret is not None
+    assert asked == [("Secret", "tenants", "team")]
+    parsed, problems = admit({"apiKeysSecret": {"name": "plain", "key": "keys.yaml"}})
+    assert parsed is None and len(problems) == 1
+    assert problems[0].startswith("spec.runtime.apiKeysSecret: Secret 'plain' lacks the label(s)")
+    parsed, problems = admit({"apiKeysSecret": {"name": "nope", "key": "keys.yaml"}})
+    assert parsed is None and problems[0].startswith("spec.runtime.apiKeysSecret: Secret 'nope' not found")
+    # Both references: refused by validation before any Secret is read.
+    asked.clear()
+    parsed, problems = admit({"apiKeySecret": {"name": "tenants", "key": "k"},
+                              "apiKeysSecret": {"name": "tenants", "key": "keys.yaml"}})
+    assert parsed is None and any("mutually exclusive" in p for p in problems) and asked == []
+    monkeypatch.setattr(embedding, "POLICY", PlatformPolicy(secrets=platform.SecretRules(allowed=False)))
+    parsed, problems = admit({"apiKeysSecret": {"name": "tenants", "key": "keys.yaml"}})
+    assert parsed is None
+    assert problems == ["spec.runtime.apiKeysSecret: the platform does not let deployments reference Secrets"]

@@ -113,6 +113,37 @@ def test_runtime_contract_env_probes_and_drain() -> None:
     assert "nvidia.com/gpu" not in str(container["resources"])
 
 
+def test_a_tenants_keys_file_is_mounted_from_its_secret() -> None:
+    """apiKeysSecret: the Secret's key as a read-only file named by EMBEDFLEET_API_KEYS; no single key."""
+    spec = spec_of(runtime={"apiKeysSecret": {"name": "emb-tenants", "key": "tenants.yaml"}})
+    manifests = render("minilm", "ml", "uid-1", spec)
+    for m in manifests:
+        assert k8s_model_problems(m) == [], m["kind"]
+    pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert volume == {"name": "api-keys", "secret": {
+        "secretName": "emb-tenants", "items": [{"key": "tenants.yaml", "path": "keys.yaml"}], "defaultMode": 0o440}}
+    # 0440 reads for the group: the pod's fsGroup, which the runtime's user belongs to.
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["api-keys"] == {"name": "api-keys", "mountPath": "/etc/embedfleet/api-keys", "readOnly": True}
+    assert mounts["tmp"]["mountPath"] == "/tmp"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["EMBEDFLEET_API_KEYS"] == {"name": "EMBEDFLEET_API_KEYS",
+                                         "value": "/etc/embedfleet/api-keys/keys.yaml"}
+    assert "EMBEDFLEET_API_KEY" not in env
+    data = by_kind(manifests)["ConfigMap"]["data"]
+    assert not {"EMBEDFLEET_API_KEY", "EMBEDFLEET_API_KEYS"} & set(data)
+    # Without the field: no volume, no mount, no variable.
+    plain = by_kind(render("minilm", "ml", "uid-1", spec_of()))["Deployment"]["spec"]["template"]["spec"]
+    assert not [v for v in plain["volumes"] if "secret" in v]
+    assert "EMBEDFLEET_API_KEYS" not in {e["name"] for e in plain["containers"][0]["env"]}
+    # Naming another Secret (or key) changes the pod template, so the pods roll onto it.
+    other = render("minilm", "ml", "uid-1", spec_of(runtime={"apiKeysSecret": {"name": "emb-t2", "key": "k"}}))
+    assert by_kind(other)["Deployment"]["spec"]["template"] != by_kind(manifests)["Deployment"]["spec"]["template"]
+
+
 def test_download_without_prepull_uses_an_init_container() -> None:
     manifests = render("minilm", "ml", "uid-1", spec_of())
     pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]

@@ -140,6 +140,13 @@ def test_the_admission_policy_refuses_each_forbidden_spec_with_its_reason(
         cross["spec"]["runtime"]["apiKeySecret"] = {"name": "key", "key": "k", "namespace": "kube-system"}
         done = _as(kube_cluster, user, "apply", "-f", "-", input=json.dumps(cross))
         assert done.returncode != 0 and "namespace" in done.stderr, done.stderr
+        # One key or a tenants keys file, not both: the CRD's own CEL rule on spec.runtime.
+        both = small("both-keys", ns)
+        both["spec"]["runtime"]["apiKeySecret"] = {"name": "key", "key": "k"}
+        both["spec"]["runtime"]["apiKeysSecret"] = {"name": "keys", "key": "keys.yaml"}
+        done = _as(kube_cluster, user, "apply", "-f", "-", input=json.dumps(both))
+        assert done.returncode != 0 and "spec.runtime" in done.stderr, done.stderr
+        assert "apiKeySecret and apiKeysSecret are mutually exclusive" in done.stderr, done.stderr
 
 
 def test_without_the_policy_the_operator_refuses_and_creates_nothing(
@@ -170,9 +177,12 @@ def test_a_secret_reference_needs_the_platform_label(
         kube_cluster.kubectl("create", "secret", "generic", "plain", "--from-literal=k=v", "-n", ns)
         kube_cluster.kubectl("create", "secret", "generic", "shared", "--from-literal=k=v", "-n", ns)
         kube_cluster.kubectl("label", "secret", "shared", "embedfleet.dev/tenant-secret=true", "-n", ns)
-        for name, secret in (("unlabelled", "plain"), ("missing", "nope"), ("labelled", "shared")):
+        for name, secret, field in (("unlabelled", "plain", "apiKeySecret"), ("missing", "nope", "apiKeySecret"),
+                                    ("labelled", "shared", "apiKeySecret"),
+                                    ("tenants-unlabelled", "plain", "apiKeysSecret"),
+                                    ("tenants", "shared", "apiKeysSecret")):
             doc = small(name, ns)
-            doc["spec"]["runtime"]["apiKeySecret"] = {"name": secret, "key": "k"}
+            doc["spec"]["runtime"][field] = {"name": secret, "key": "k"}
             done = _as(kube_cluster, user, "apply", "-f", "-", input=json.dumps(doc))
             assert done.returncode == 0, done.stderr
         refused = wait_condition(kube_cluster, "unlabelled", ns, "Accepted", "False")
@@ -184,6 +194,18 @@ def test_a_secret_reference_needs_the_platform_label(
         deploy = kube_cluster.get_json("deployment", "labelled", "-n", ns)
         env = deploy["spec"]["template"]["spec"]["containers"][0]["env"]
         assert {"name": "EMBEDFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "shared", "key": "k"}}} in env
+        # apiKeysSecret: the same label rule, named by its own field; the keys file is a read-only volume.
+        refused = wait_condition(kube_cluster, "tenants-unlabelled", ns, "Accepted", "False")
+        message = next(c["message"] for c in refused["status"]["conditions"] if c["type"] == "Accepted")
+        assert "spec.runtime.apiKeysSecret" in message and "embedfleet.dev/tenant-secret=true" in message, message
+        assert _owned(kube_cluster, ns, "tenants-unlabelled") == []
+        wait_condition(kube_cluster, "tenants", ns, "Accepted", "True")
+        pod = kube_cluster.get_json("deployment", "tenants", "-n", ns)["spec"]["template"]["spec"]
+        assert {"name": "api-keys", "secret": {"secretName": "shared", "items": [{"key": "k", "path": "keys.yaml"}],
+                                               "defaultMode": 0o440}} in pod["volumes"]
+        env = pod["containers"][0]["env"]
+        assert {"name": "EMBEDFLEET_API_KEYS", "value": "/etc/embedfleet/api-keys/keys.yaml"} in env
+        assert "EMBEDFLEET_API_KEY" not in {e["name"] for e in env}
         # The operator read only the Secret's metadata: its value never reached the operator's log.
         assert "dg==" not in proc.log() and '"v"' not in proc.log()
         assert proc.unexpected_errors() == []
@@ -229,8 +251,11 @@ def _random_spec(rng: random.Random, ns: str, i: int) -> dict[str, Any]:
         runtime["tolerations"] = copy.deepcopy(rng.sample(_TOLERATIONS, rng.randint(1, 2)))
     if rng.random() < 0.3:
         runtime["nodeSelector"] = dict(rng.choice(_SELECTORS))
-    if rng.random() < 0.2:
+    secret_ref = rng.random()
+    if secret_ref < 0.15:
         runtime["apiKeySecret"] = {"name": "key", "key": "k"}
+    elif secret_ref < 0.3:
+        runtime["apiKeysSecret"] = {"name": "keys", "key": "keys.yaml"}
     cache: dict[str, Any] = {}
     host = rng.choice(_HOST_PATHS)
     if host is not None:
@@ -255,6 +280,13 @@ def test_the_admission_policy_and_the_operator_agree(
     rng = random.Random(13)
     with release(kube_cluster, tmp_path, unique, sets=POLICY_SETS, start=False):
         _policy_active(kube_cluster, ns)
+        # An earlier test's release (default values) is uninstalled without waiting, and its policy may
+        # stay in force for a moment: wait until an image only this release's values allow is accepted.
+        only_ours = small("policy-values-probe", ns)
+        only_ours["spec"]["runtime"]["image"] = "registry.example/team/runtime:1"
+        wait_until(lambda: _as(kube_cluster, user, "create", "--dry-run=server", "-f", "-",
+                               input=json.dumps(only_ours)).returncode == 0,
+                   30, "only this release's admission policy to be in force")
         disagreements = []
         refused = 0
         for i in range(60):
@@ -273,3 +305,11 @@ def test_the_admission_policy_and_the_operator_agree(
                 assert any(n.split(".")[-1] in done.stderr for n in named), (python, done.stderr)
         assert disagreements == []
         assert 10 < refused < 55, "the generator should produce both allowed and refused specs"
+        # With Secrets forbidden, each reference is refused by name (apiKeySecret's own rule does not
+        # cover apiKeysSecret).
+        for field in platform.SECRET_REF_FIELDS:
+            doc = small(f"secret-{field.lower()}", ns)
+            doc["spec"]["runtime"][field] = {"name": "s", "key": "k"}
+            done = _as(kube_cluster, user, "create", "--dry-run=server", "-f", "-", input=json.dumps(doc))
+            assert done.returncode != 0 and f"spec.runtime.{field}: the platform does not let" in done.stderr, (
+                field, done.stderr)

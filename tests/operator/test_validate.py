@@ -69,12 +69,23 @@ def test_good_spec_passes() -> None:
             "spec.runtime.maxBatchRequests: Input should be a valid integer",
         ),
         (with_(runtime__unknownKnob=1), "spec.runtime.unknownKnob: Extra inputs are not permitted"),
+        (
+            with_(runtime__apiKeySecret={"name": "one", "key": "k"}, runtime__apiKeysSecret={"name": "t", "key": "k"}),
+            "spec.runtime: apiKeySecret and apiKeysSecret are mutually exclusive",
+        ),
     ],
 )
 def test_problems_are_reported_by_field(spec: dict[str, Any], needle: str) -> None:
     parsed, problems = check("bge", spec)
     assert parsed is None
     assert any(needle in p for p in problems), problems
+
+
+def test_either_api_key_reference_alone_is_fine() -> None:
+    for field in ("apiKeySecret", "apiKeysSecret"):
+        spec, problems = check("bge", with_(**{f"runtime__{field}": {"name": "s", "key": "k"}}))
+        assert problems == [] and spec is not None, field
+    assert spec is not None and spec.runtime.api_keys_secret is not None and spec.runtime.api_key_secret is None
 
 
 def test_names_must_leave_room_for_derived_objects() -> None:

@@ -26,6 +26,8 @@ ENV = "EMBEDFLEET_PLATFORM_POLICY"
 DEFAULT_CACHE_ROOT = "/var/lib/embedfleet/cache"
 DEFAULT_IMAGE_PREFIX = "ghcr.io/embedfleet/"
 DEFAULT_SECRET_LABEL = "embedfleet.dev/tenant-secret"
+#: The spec.runtime fields that reference a Secret (camelCase, as stored); the same rules govern each.
+SECRET_REF_FIELDS = ("apiKeySecret", "apiKeysSecret")
 #: Node labels that mark control-plane nodes; tenants' pods never target them.
 CONTROL_PLANE_LABELS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
 
@@ -42,7 +44,9 @@ class TolerationRule(_Camel):
 
 
 class SecretRules(_Camel):
-    allowed: bool = Field(default=True, description="May spec.runtime.apiKeySecret be set at all?")
+    allowed: bool = Field(
+        default=True, description="May spec.runtime.apiKeySecret / apiKeysSecret be set at all?"
+    )
     required_labels: dict[str, str] = Field(
         default_factory=lambda: {DEFAULT_SECRET_LABEL: "true"},
         description="Labels the referenced Secret (in the deployment's own namespace) must carry.",
@@ -168,8 +172,9 @@ def deployment_problems(raw_spec: Mapping[str, Any], policy: PlatformPolicy) -> 
                 f"spec.runtime.tolerations[{i}]: {_describe(toleration)} is not allowed by the platform "
                 f"(allowed keys: {allowed or 'none'})"
             )
-    if runtime.get("apiKeySecret") is not None and not policy.secrets.allowed:
-        problems.append("spec.runtime.apiKeySecret: the platform does not let deployments reference Secrets")
+    for ref in SECRET_REF_FIELDS:
+        if runtime.get(ref) is not None and not policy.secrets.allowed:
+            problems.append(f"spec.runtime.{ref}: the platform does not let deployments reference Secrets")
     problems += selector_problems("spec.runtime.nodeSelector", runtime.get("nodeSelector") or {}, policy)
     for where, selector in _pool_selectors(_get(raw_spec, "cache"), "spec.cache"):
         problems += selector_problems(where, selector, policy)
@@ -188,13 +193,17 @@ def model_cache_problems(raw_spec: Mapping[str, Any], policy: PlatformPolicy) ->
 
 
 def secret_problems(
-    secret_name: str, namespace: str, labels: Mapping[str, str] | None, policy: PlatformPolicy
+    secret_name: str,
+    namespace: str,
+    labels: Mapping[str, str] | None,
+    policy: PlatformPolicy,
+    where: str = "spec.runtime.apiKeySecret",
 ) -> list[str]:
     """The referenced Secret must exist in the deployment's namespace and carry the platform's labels.
 
-    ``labels`` is None when the Secret does not exist (or the operator may not read it).
+    ``labels`` is None when the Secret does not exist (or the operator may not read it); ``where`` is the
+    field that names it (one of SECRET_REF_FIELDS under spec.runtime).
     """
-    where = "spec.runtime.apiKeySecret"
     if not policy.secrets.allowed:
         return [f"{where}: the platform does not let deployments reference Secrets"]
     if labels is None:

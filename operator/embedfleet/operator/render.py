@@ -42,6 +42,11 @@ LOCAL_CACHE_DIR = f"{CONTAINER_CACHE_DIR}/local"
 #: The tenant's node cache entry, read-only (pre-pull only).
 NODE_CACHE_DIR = f"{CONTAINER_CACHE_DIR}/node"
 PVC_MOUNT_DIR = "/models/pvc"
+#: spec.runtime.apiKeysSecret's key, mounted read-only (a secret volume); EMBEDFLEET_API_KEYS names the file.
+API_KEYS_DIR = "/etc/embedfleet/api-keys"
+API_KEYS_FILE = "keys.yaml"
+#: Owner and group read (the pod's fsGroup is the group): the runtime reads it, nobody else in the pod.
+API_KEYS_MODE = 0o440
 #: Seconds preStop waits so endpoints drop the pod before SIGTERM starts the runtime's drain.
 PRESTOP_SLEEP_SECONDS = 5
 #: Margin on top of preStop + drain so the kubelet never SIGKILLs a pod that is still draining.
@@ -350,6 +355,7 @@ def render_deployment(
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
     ]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
     if rt.api_key_secret is not None:
         env.append(
             {
@@ -357,6 +363,21 @@ def render_deployment(
                 "valueFrom": {"secretKeyRef": {"name": rt.api_key_secret.name, "key": rt.api_key_secret.key}},
             }
         )
+    if rt.api_keys_secret is not None:
+        # The runtime reads the file at start-up only: a changed Secret reaches pods on their next rollout.
+        # (A content hash would mean reading the Secret's data, which the operator never does.)
+        volumes.append(
+            {
+                "name": "api-keys",
+                "secret": {
+                    "secretName": rt.api_keys_secret.name,
+                    "items": [{"key": rt.api_keys_secret.key, "path": API_KEYS_FILE}],
+                    "defaultMode": API_KEYS_MODE,
+                },
+            }
+        )
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+        env.append({"name": "EMBEDFLEET_API_KEYS", "value": f"{API_KEYS_DIR}/{API_KEYS_FILE}"})
     container = {
         "name": "runtime",
         "image": rt.image,
@@ -385,7 +406,7 @@ def render_deployment(
         },
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "securityContext": _non_root_container_security(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
+        "volumeMounts": mounts,
     }
     tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in rt.tolerations]
     if rt.gpu.count > 0:

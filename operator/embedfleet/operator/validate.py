@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from embedfleet.operator import platform
 from embedfleet.operator.crd.gpus import KNOWN_GPU_TYPES
 from embedfleet.operator.crd.models import (
+    EXCLUSIVE_API_KEYS,
     UNSUPPORTED_SOURCE,
     EmbeddingDeploymentSpec,
     ModelCacheSpec,
@@ -188,6 +189,8 @@ def validate(spec: EmbeddingDeploymentSpec, name: str | None = None) -> list[str
                 "spec.runtime.dtype/quantization: fp8 needs a GPU (set spec.runtime.gpu.count >= 1)"
             )
     problems += _quantity_problems(runtime.resources.requests, runtime.resources.limits)
+    if runtime.api_key_secret is not None and runtime.api_keys_secret is not None:
+        problems.append(f"spec.runtime: {EXCLUSIVE_API_KEYS}")
 
     if spec.model.digest is None and needs_download(spec.model.source):
         problems.append(

@@ -1,11 +1,13 @@
 """Prometheus metrics of one runtime process.
 
-The names are a contract with the operator's autoscaler (DESIGN.md): keep them stable.
+The names are a contract with the operator's autoscaler, the gateway and the dashboards
+(docs/metrics.md): keep them stable.
 Each server owns its registry so tests can run several apps in one process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -13,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+SHED_REASONS = ("expected_wait", "queue_tokens", "deadline")
 
 
 class RuntimeMetrics:
@@ -46,6 +49,26 @@ class RuntimeMetrics:
         self.engine_busy = Counter(
             "embedfleet_engine_busy_seconds_total", "Seconds the engine spent running batches (utilisation)",
             ["model"], registry=r)
+        self.shed = Counter(
+            "embedfleet_requests_shed_total", "Requests refused at admission, by reason: expected_wait and "
+            "queue_tokens (429), deadline (504: it could not finish in time); model \"*\": refused at the gate, for "
+            "every model", ["model", "reason"], registry=r)
+        self.expired = Counter(
+            "embedfleet_deadline_expired_total", "Requests answered 504 because their deadline passed while "
+            "they waited; their queued inputs never reached the engine", ["model"], registry=r)
+        # per tenant (tenants.py; `default` without --api-keys): bounded by the keys file, so safe as labels
+        self.tenant_requests = Counter(
+            "embedfleet_tenant_requests_total", "Requests answered by the engine, per tenant", ["tenant", "model"],
+            registry=r)
+        self.tenant_tokens = Counter(
+            "embedfleet_tenant_tokens_total", "Tokens run for a tenant (what its quota counts)", ["tenant", "model"],
+            registry=r)
+        self.tenant_refused = Counter(
+            "embedfleet_tenant_refused_total", "A tenant's requests refused: quota (429), expected_wait and "
+            "queue_tokens (429), deadline (504), model_not_allowed (403)", ["tenant", "reason"], registry=r)
+        self.queue_wait = Histogram(
+            "embedfleet_queue_wait_seconds", "Time from a request's admission until its last input entered the "
+            "engine, per tenant", ["model", "tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.errors = Counter("embedfleet_errors_total", "Error responses by HTTP status", ["code"], registry=r)
         self.ready = Gauge("embedfleet_ready", "1 when the server accepts work", registry=r)
         # async queue and embedding cache (embedfleet.runtime.asyncq)
@@ -70,7 +93,10 @@ class RuntimeMetrics:
 
     def for_model(self, name: str) -> ModelMetrics:
         """The per-model series (label `model`), so each model's queue is visible on its own."""
-        return ModelMetrics(*(getattr(self, f).labels(name) for f in ModelMetrics.__dataclass_fields__))
+        shed = {f"shed_{reason}": self.shed.labels(name, reason) for reason in SHED_REASONS}
+        per_tenant = {"queue_wait": lambda tenant: self.queue_wait.labels(name, tenant)}
+        return ModelMetrics(**{f: getattr(self, f).labels(name) for f in ModelMetrics.__dataclass_fields__
+                               if not f.startswith("shed_") and f not in per_tenant}, **shed, **per_tenant)
 
 
 @dataclass(frozen=True)
@@ -86,3 +112,8 @@ class ModelMetrics:
     tokens: Counter
     truncated: Counter
     engine_busy: Counter
+    expired: Counter
+    shed_expected_wait: Counter
+    shed_queue_tokens: Counter
+    shed_deadline: Counter
+    queue_wait: Callable[[str], Histogram]  # by tenant

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from embedfleet.runtime.core.batcher import BatchManager
+from embedfleet.runtime.core.batcher import BatchManager, DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
 from embedfleet.runtime.engines.base import Engine
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.models.spec import ModelSpec, Task, load_spec
 from embedfleet.runtime.settings import ModelEntry, RuntimeSettings
+from embedfleet.runtime.tenants import DEFAULT_TENANT, RequestOverQuota, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +113,27 @@ class ModelService:
         batcher = BatchManager(run, self.settings.max_batch_tokens, self.settings.max_batch_requests,
                                self.settings.max_queue_tokens, self.metrics, self.engine_thread,
                                self.settings.batch_overhead_tokens, self.settings.bulk_batch_seconds)
+        tokens, seconds = await loop.run_in_executor(self.engine_thread, self._timed_batch, run)
+        batcher.seed_rate(tokens, seconds)
         batcher.start()
         self.batcher = batcher
         log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,
                  spec.model_type, ",".join(spec.architectures), spec.pooling, self.input_limit,
                  self.settings.device, self.effective_dtype)
+
+    def _timed_batch(self, run) -> tuple[int, float]:
+        """Tokens and seconds of one engine batch of mid-length inputs, to seed the drain rate that
+        admission divides by. Run twice and timed the second time: the first call at a new shape pays
+        one-off allocations. Costs about half a second of start-up on two CPU cores; the rate it gives
+        is replaced within a few batches of real traffic."""
+        assert self.spec is not None
+        length = max(2, min(128, self.input_limit))
+        count = max(1, min(16, self.settings.max_batch_requests, self.settings.max_batch_tokens // length))
+        batch = [[self.spec.pad_token_id + 1] * length for _ in range(count)]
+        run(batch)
+        started = time.perf_counter()
+        run(batch)
+        return length * count, time.perf_counter() - started
 
     async def close(self) -> None:
         if self.batcher:
@@ -135,36 +154,85 @@ class ModelService:
         assert self.tokenizer is not None
         return await self.tokenizer.encode_pairs(pairs, self.input_limit, truncate, direction)
 
+    def is_urgent(self, count: int, bulk: bool = False) -> bool:
+        """Small requests are urgent (they jump ahead of bulk work, bounded by --max-queue-seconds);
+        large ones, and any the client marks bulk, wait behind them (--max-queue-seconds-bulk)."""
+        return not bulk and count <= self.settings.urgent_max_inputs
+
     async def run(self, tokenized: list[Tokenized], disconnected: Awaitable[None] | None = None,
-                  urgent: bool | None = None) -> RunResult:
-        """Through the batch manager; if the client goes first, its queued inputs are dropped."""
+                  urgent: bool | None = None, bounded: bool = False, deadline: float | None = None,
+                  tenant: Tenant | None = None, arrived: float | None = None) -> RunResult:
+        """Through the tenant's quota and the batch manager; if the client goes first, its queued inputs
+        are dropped.
+
+        `bounded`: refuse (QueueFull) when the expected wait, counted from `arrived`, passes
+        --max-queue-seconds (urgent) or --max-queue-seconds-bulk; HTTP routes ask for it, the async
+        worker does not (its job waits in Redis anyway). `deadline` (time.monotonic()): refuse at once
+        if it cannot be met, and drop the work with DeadlineUnmet if it passes while queued. `tenant`:
+        its quota is charged (QuotaExceeded, RequestOverQuota; given back if the work is refused), a
+        batch tenant's work is never urgent, and the planner shares the engine fairly between tenants.
+        """
         assert self.batcher is not None
+        name = tenant.name if tenant is not None else DEFAULT_TENANT
+        tokens = sum(len(t) for t in tokenized)
         truncated = sum(t.truncated for t in tokenized)
         if truncated:
             self.metrics.truncated.inc(truncated)
         if urgent is None:
-            urgent = len(tokenized) <= self.settings.urgent_max_inputs
+            urgent = self.is_urgent(len(tokenized))
+        if tenant is not None and not tenant.interactive:
+            urgent = False
+        max_wait = None
+        if bounded:
+            max_wait = self.settings.max_queue_seconds if urgent else self.settings.max_queue_seconds_bulk
+        try:
+            charged = tenant.charge(tokens) if tenant is not None else False
+        except (QueueFull, RequestOverQuota):
+            self._runtime_metrics.tenant_refused.labels(name, "quota").inc()
+            raise
         watcher = asyncio.ensure_future(disconnected) if disconnected is not None else None
+        submit = partial(self._rows, urgent=urgent, watcher=watcher, max_wait=max_wait, deadline=deadline,
+                         tenant=name, arrived=arrived)
         try:
             if self.vector_cache is not None and self.task == "embed":
-                rows = await self.vector_cache.through(self.spec.digest, tokenized,
-                                                       lambda todo: self._rows(todo, urgent, watcher))
+                rows = await self.vector_cache.through(self.spec.digest, tokenized, submit)
             else:
-                rows = await self._rows(tokenized, urgent, watcher)
+                rows = await submit(tokenized)
+        except (QueueFull, DeadlineUnmet) as exc:
+            if charged:
+                tenant.give_back(tokens)
+            reason = exc.reason if isinstance(exc, QueueFull) else "deadline"
+            self._runtime_metrics.tenant_refused.labels(name, reason).inc()
+            raise
+        except BaseException:
+            if charged:  # the engine failed, or the client left: nothing was delivered
+                tenant.give_back(tokens)
+            raise
         finally:
             if watcher is not None:
                 watcher.cancel()
-        return RunResult(rows, sum(len(t) for t in tokenized))
+        self._runtime_metrics.tenant_requests.labels(name, self.name).inc()
+        self._runtime_metrics.tenant_tokens.labels(name, self.name).inc(tokens)
+        return RunResult(rows, tokens)
 
-    async def _rows(self, tokenized: list[Tokenized], urgent: bool, watcher: asyncio.Future | None) -> np.ndarray:
-        job = self.batcher.submit(tokenized, urgent=urgent)
-        if watcher is None:
+    async def _rows(self, tokenized: list[Tokenized], urgent: bool, watcher: asyncio.Future | None,
+                    max_wait: float | None = None, deadline: float | None = None, tenant: str = "",
+                    arrived: float | None = None) -> np.ndarray:
+        job = self.batcher.submit(tokenized, urgent=urgent, max_wait=max_wait, deadline=deadline, tenant=tenant,
+                                  arrived=arrived)
+        if watcher is None and deadline is None:
             return await job.future
-        done, _ = await asyncio.wait({job.future, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if job.future not in done:
+        waiting = {job.future} if watcher is None else {job.future, watcher}
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if job.future in done:
+            return job.future.result()
+        if watcher is not None and watcher in done:
             self.batcher.cancel(job)
             raise ClientGone()
-        return job.future.result()
+        # The deadline passed first: whatever of the job is still queued never runs.
+        self.batcher.expire(job)
+        return job.future.result()  # raises DeadlineUnmet (or the result, had it just been set)
 
 
 class Models:
@@ -174,6 +242,10 @@ class Models:
         self.settings = settings
         self.metrics = metrics
         self.services = {e.name: ModelService(e, settings, metrics) for e in settings.models()}
+        self.tenants = settings.tenants()
+        unknown = {m for t in self.tenants.all.values() for m in t.models} - set(self.services) - {"*"}
+        if unknown:  # one keys Secret may serve several deployments: a warning, not a refusal
+            log.warning("the API keys file names models this server does not serve: %s", ", ".join(sorted(unknown)))
         self.load_error: str | None = None
 
     @property
@@ -182,7 +254,30 @@ class Models:
 
     @property
     def saturated(self) -> bool:
+        """A hard cap is reached (the gate refuses everything before reading the body)."""
         return any(s.batcher is not None and s.batcher.saturated for s in self.services.values())
+
+    def refusing_all(self) -> int | None:
+        """Retry-After seconds when every new request would be refused for its expected wait (urgent
+        work past --max-queue-seconds and all work past --max-queue-seconds-bulk, on every model), so
+        the gate can answer 429 before reading, parsing and tokenizing the body; else None."""
+        waits = []
+        for s in self.services.values():
+            if s.batcher is None:
+                return None
+            urgent, bulk = s.batcher.expected_wait(urgent=True), s.batcher.expected_wait(urgent=False)
+            if urgent <= self.settings.max_queue_seconds or bulk <= self.settings.max_queue_seconds_bulk:
+                return None
+            waits.append(min(urgent - self.settings.max_queue_seconds, bulk - self.settings.max_queue_seconds_bulk))
+        return max(1, math.ceil(min(waits))) if waits else None
+
+    @property
+    def overloaded(self) -> bool:
+        """A new small request would be refused for its expected wait: /ready turns false so that the
+        load balancer sends work elsewhere."""
+        bound = self.settings.max_queue_seconds
+        return any(s.batcher is not None and s.batcher.expected_wait(urgent=True) > bound
+                   for s in self.services.values())
 
     async def load(self) -> None:
         for service in self.services.values():

@@ -19,6 +19,7 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from embedfleet.runtime.models.spec import TASKS, Task
+from embedfleet.runtime.tenants import Tenants
 
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16", "fp8"]
@@ -78,16 +79,27 @@ class RuntimeSettings(BaseSettings):
         512, ge=1, description="requests accepted and not yet answered; beyond it: 429 with Retry-After")
     max_queue_tokens: int = Field(
         2_000_000, ge=1, description="tokens waiting for the engine; beyond it: 429 with Retry-After")
+    max_queue_seconds: float = Field(
+        5.0, gt=0, description="refuse (429 with Retry-After) a request expected to finish later than this: "
+        "the tokens queued ahead of it plus its own, over the engine's measured tokens per second")
+    max_queue_seconds_bulk: float = Field(
+        30.0, gt=0, description="the same bound for bulk requests: more than --urgent-max-inputs inputs, or "
+        "sent with `X-Priority: bulk`")
     max_input_tokens: int | None = Field(
         None, ge=1, description="longest input in tokens; default: the model's maximum sequence length")
     auto_truncate: bool = Field(
         True, description="truncate over-long inputs when the request does not say (false: refuse them)")
     payload_limit: int = Field(2_000_000, ge=1, description="largest request body in bytes (413 beyond)")
     urgent_max_inputs: int = Field(
-        4, ge=0, description="requests with at most this many inputs jump ahead of bulk work")
+        4, ge=0, description="requests with at most this many inputs jump ahead of bulk work (more: bulk, "
+        "bounded by --max-queue-seconds-bulk)")
     tokenizer_workers: int = Field(0, ge=0, description="tokenizer threads; 0 = number of cores")
     api_key: SecretStr | None = Field(
-        None, description="if set, every route but /health, /ready and /metrics needs `Authorization: Bearer KEY`")
+        None, description="if set, every route but /health, /ready and /metrics needs `Authorization: Bearer KEY` "
+        "(one tenant, `default`)")
+    api_keys: Path | None = Field(
+        None, description="YAML/JSON file of tenants: keys, priority (interactive|batch), tokens_per_minute, models "
+        "(README: Tenants); every route but /health, /ready and /metrics then needs one of its keys")
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds to let accepted requests finish after SIGTERM")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
@@ -151,7 +163,19 @@ class RuntimeSettings(BaseSettings):
             raise ValueError("model_digest: names the weights of one model; serve one --model with it")
         if self.served_model_name and len(entries) > 1:
             raise ValueError("served_model_name: only for one model; name each model as NAME=PATH instead")
+        if self.api_key is not None and self.api_keys is not None:
+            raise ValueError("api_key and api_keys: give one (a keys file may hold the single key as one tenant)")
+        if self.api_keys is not None:
+            self.tenants()  # a broken keys file stops start-up here, naming the file and the entry
         return self
+
+    def tenants(self) -> Tenants:
+        """Who may call, from --api-keys, --api-key or neither (tenants.py)."""
+        if self.api_keys is not None:
+            return Tenants.from_file(self.api_keys)
+        if self.api_key is not None:
+            return Tenants.single_key(self.api_key.get_secret_value())
+        return Tenants.open()
 
     def models(self) -> list[ModelEntry]:
         """The models to serve, parsed from `[TASK:][NAME=]PATH` entries."""

@@ -28,6 +28,11 @@ UNSUPPORTED_SOURCE = (
     "(a presigned/signed URL to a .tar archive, or a directory with a SHA256SUMS manifest from "
     "`embedfleet cache digest --write-manifest`), or mount them with pvc://"
 )
+#: One sentence, shared by the CRD's CEL rule on spec.runtime and the operator's validation.
+EXCLUSIVE_API_KEYS = (
+    "apiKeySecret and apiKeysSecret are mutually exclusive: use apiKeysSecret alone for several tenants "
+    "(a single key is then one more tenant in its keys file)"
+)
 #: Kubernetes resource quantity (e.g. 500m, 2Gi, 1.5).
 QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -141,6 +146,14 @@ class Toleration(CamelModel):
 class RuntimeSpec(CamelModel):
     """The data plane pods: image, engine and the limits the batcher enforces."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "!has(self.apiKeySecret) || !has(self.apiKeysSecret)", "message": EXCLUSIVE_API_KEYS}
+            ]
+        }
+    )
+
     image: str = Field(default="ghcr.io/embedfleet/runtime:0.1.0", min_length=1, max_length=512)
     image_pull_policy: PullPolicy = "IfNotPresent"
     engine: Engine = "torch"
@@ -158,7 +171,15 @@ class RuntimeSpec(CamelModel):
     )
     port: int = Field(default=8080, ge=1024, le=65535)
     api_key_secret: SecretKeyRef | None = Field(
-        default=None, description="Secret key holding the API key (EMBEDFLEET_API_KEY)."
+        default=None,
+        description="Secret key holding the API key (EMBEDFLEET_API_KEY): one tenant. Not with apiKeysSecret.",
+    )
+    api_keys_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the tenants keys file (EMBEDFLEET_API_KEYS): tenants with keys, "
+        "priority, tokens_per_minute (per replica) and models. Mounted read-only and read by the runtime "
+        "at start-up: a change to the Secret takes effect on the next rollout (pods restart). "
+        "Not with apiKeySecret.",
     )
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     gpu: GPUSpec = Field(default_factory=GPUSpec)

@@ -134,17 +134,20 @@ def admit(obj: Mapping[str, Any]) -> tuple[EmbeddingDeploymentSpec | None, list[
     """
     meta = obj.get("metadata") or {}
     parsed, problems = check(meta["name"], dict(obj.get("spec") or {}), POLICY)
-    ref = parsed.runtime.api_key_secret if parsed is not None else None
-    if ref is not None:
+    if parsed is None:
+        return parsed, problems
+    refs = {"apiKeySecret": parsed.runtime.api_key_secret, "apiKeysSecret": parsed.runtime.api_keys_secret}
+    for field, ref in refs.items():
+        if ref is None:
+            continue
         try:
             secret = KUBE.get_metadata("Secret", ref.name, meta["namespace"])
         except KubeError as exc:
             raise kopf.TemporaryError(f"cannot read Secret {ref.name!r}'s labels: {exc}", delay=30) from exc
         labels = None if secret is None else dict((secret.get("metadata") or {}).get("labels") or {})
-        problems = platform.secret_problems(ref.name, meta["namespace"], labels, POLICY)
-        if problems:
-            return None, problems
-    return parsed, problems
+        problems += platform.secret_problems(ref.name, meta["namespace"], labels, POLICY,
+                                             where=f"spec.runtime.{field}")
+    return (None if problems else parsed), problems
 
 
 def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec) -> tuple[int, list[dict[str, Any]]]:

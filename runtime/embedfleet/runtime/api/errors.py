@@ -16,7 +16,7 @@ from starlette.responses import Response
 TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
     405: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error",
-    429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
+    429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 504: "timeout_error",
 }
 
 

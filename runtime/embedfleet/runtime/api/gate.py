@@ -6,16 +6,19 @@ microseconds, not milliseconds, to the single-query fast path.
 
 from __future__ import annotations
 
-import hmac
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from embedfleet.runtime.api.errors import error_body
 from embedfleet.runtime.metrics import RuntimeMetrics
+from embedfleet.runtime.tenants import Tenant, Tenants
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+ARRIVED = "embedfleet.arrived"  # scope key: time.monotonic() when the gate let the request in (deadlines count from it)
+TENANT = "embedfleet.tenant"  # scope key: the caller's tenants.Tenant, from its API key
 
 
 class PayloadTooLarge(StarletteHTTPException):
@@ -34,22 +37,27 @@ class GateState:
 
 
 class Gate:
-    def __init__(self, app, *, api_key: str | None, payload_limit: int, max_concurrent: int,
-                 state: GateState, metrics: RuntimeMetrics, queue_saturated, known_paths: frozenset[str]) -> None:
+    def __init__(self, app, *, tenants: Tenants, payload_limit: int, max_concurrent: int,
+                 state: GateState, metrics: RuntimeMetrics, queue_saturated, known_paths: frozenset[str],
+                 refusing_all: Callable[[], int | None] = lambda: None) -> None:
         self.app = app
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.tenants = tenants
         self.payload_limit = payload_limit
         self.max_concurrent = max_concurrent
         self.state = state
         self.metrics = metrics
         self.queue_saturated = queue_saturated
         self.known_paths = known_paths
+        self.refusing_all = refusing_all
 
     async def _refuse(self, send, status: int, message: str, code: str,
                       extra: list[tuple[bytes, bytes]] | None = None) -> None:
         self.metrics.errors.labels(str(status)).inc()
         body = error_body(status, message, code)
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        # The request body is left unread, so the connection is closed after this answer: a client that
+        # reused it for its next request could otherwise race the server's close and see a reset.
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
         await send({"type": "http.response.start", "status": status, "headers": headers + (extra or [])})
         await send({"type": "http.response.body", "body": body})
 
@@ -58,12 +66,12 @@ class Gate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.key is not None:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.key):
-                await self._refuse(send, 401, "missing or wrong API key: send `Authorization: Bearer <key>`",
-                                   "invalid_api_key", [(b"www-authenticate", b"Bearer")])
-                return
+        tenant = self.tenants.identify(headers.get(b"authorization"))
+        if tenant is None:
+            await self._refuse(send, 401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                               "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+            return
+        scope[TENANT] = tenant
         if scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
@@ -80,6 +88,13 @@ class Gate:
             await self._refuse(send, 429, f"the server is at capacity ({self.state.in_flight} requests in "
                                f"flight, limit {self.max_concurrent}); retry later", "overloaded",
                                [(b"retry-after", b"1")])
+            return
+        retry = self.refusing_all()
+        if retry is not None:  # the same answer admission would give after parsing and tokenizing
+            self.metrics.shed.labels("*", "expected_wait").inc()  # "*": refused for every model at once
+            await self._refuse(send, 429, "the server is overloaded: the work already queued is past both "
+                               "--max-queue-seconds and --max-queue-seconds-bulk at the measured speed; retry "
+                               f"in {retry}s", "overloaded", [(b"retry-after", str(retry).encode())])
             return
         await self._admit(scope, receive, send)
 
@@ -102,6 +117,7 @@ class Gate:
                 started_response = True
             await send(message)
 
+        scope[ARRIVED] = time.monotonic()
         self.state.in_flight += 1
         self.metrics.requests_in_flight.set(self.state.in_flight)
         start = time.perf_counter()
@@ -116,3 +132,8 @@ class Gate:
             self.metrics.requests_in_flight.set(self.state.in_flight)
             route = scope["path"] if scope["path"] in self.known_paths else "other"
             self.metrics.request_duration.labels(route).observe(time.perf_counter() - start)
+
+
+def tenant_of(scope) -> Tenant:
+    """The tenant the gate identified (routes behind the gate always have one)."""
+    return scope[TENANT]

@@ -18,6 +18,7 @@ from embedfleet.runtime.api.schemas import (
 from embedfleet.runtime.core.tokenize import InputTooLong, Tokenized
 from embedfleet.runtime.models.spec import Task
 from embedfleet.runtime.service import Models, ModelService
+from embedfleet.runtime.tenants import Tenant
 
 ROUTE_TASKS: dict[str, tuple[Task, ...]] = {
     "/v1/embeddings": ("embed",), "/embed": ("embed",), "/rerank": ("rerank",), "/v1/rerank": ("rerank",),
@@ -26,12 +27,17 @@ ROUTE_TASKS: dict[str, tuple[Task, ...]] = {
 KIND = {"embed": "an embedding model", "rerank": "a reranker (cross-encoder)", "classify": "a classifier"}
 
 
-def select(models: Models, name: str | None, route: str) -> ModelService:
-    """The model a request names (or the first of the route's kind), loaded and of the right kind."""
+def select(models: Models, name: str | None, route: str, tenant: Tenant | None = None) -> ModelService:
+    """The model a request names (or the first of the route's kind), loaded and of the right kind, and
+    one the caller's tenant may use (403 otherwise: the tenant's key is valid, this model is not its)."""
     tasks = ROUTE_TASKS[route]
     svc = models.pick(name, tasks[0])
     if svc is None:
         raise ApiError(404, f"model {name!r} is not served here; available: {models.names()}", "model_not_found")
+    if tenant is not None and not tenant.allows(svc.name):
+        models.metrics.tenant_refused.labels(tenant.name, "model_not_allowed").inc()
+        raise ApiError(403, f"tenant {tenant.name!r} may not use model {svc.name!r}; its models: "
+                       f"{sorted(tenant.models)}", "model_not_allowed")
     if not svc.loaded:
         raise ApiError(503, "the model is still loading; retry shortly", "loading", {"retry-after": "2"})
     if svc.task not in tasks:

@@ -5,11 +5,18 @@ Shapes follow the APIs people already call: OpenAI embeddings and Hugging Face T
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+def timeout_field() -> Any:
+    """`timeout` on every work body: optional, so OpenAI, TEI and Cohere clients that never send it
+    are unaffected. Same meaning as the `X-Request-Timeout` header (the smaller of the two wins)."""
+    return Field(None, gt=0, allow_inf_nan=False,
+                 description="seconds this request may take; if it cannot be answered in time: 504")
 
 
 class OpenAIEmbeddingRequest(BaseModel):
@@ -18,6 +25,7 @@ class OpenAIEmbeddingRequest(BaseModel):
     input: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="a text, a list of texts, a list of token ids, or a list of token-id lists")
     model: str | None = Field(None, description="served model name (see /v1/models)")
+    timeout: float | None = timeout_field()
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="`base64`: little-endian float32 bytes, as OpenAI's SDK decodes them")
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first N dims, renormalised")
@@ -57,6 +65,7 @@ class TEIEmbedRequest(BaseModel):
     prompt_name: str | None = None
     instruction: str | None = None
     model: str | None = None
+    timeout: float | None = timeout_field()
 
 
 class TokenizeRequest(BaseModel):
@@ -113,6 +122,7 @@ class RerankRequest(BaseModel):
     truncate: bool | None = None
     truncation_direction: TruncationDirection = "right"
     model: str | None = None
+    timeout: float | None = timeout_field()
 
 
 class CohereDocument(BaseModel):
@@ -131,6 +141,7 @@ class CohereRerankRequest(BaseModel):
     truncate: bool | None = None
     truncation_direction: TruncationDirection = "right"
     model: str | None = None
+    timeout: float | None = timeout_field()
 
 
 class RankTEI(BaseModel):
@@ -165,6 +176,7 @@ class PredictRequest(BaseModel):
     truncate: bool | None = None
     truncation_direction: TruncationDirection = "right"
     model: str | None = None
+    timeout: float | None = timeout_field()
 
 
 class LabelScore(BaseModel):
@@ -181,6 +193,7 @@ class ClassifyRequest(BaseModel):
     truncate: bool | None = None
     truncation_direction: TruncationDirection = "right"
     model: str | None = None
+    timeout: float | None = timeout_field()
 
 
 class Classification(BaseModel):

@@ -16,6 +16,7 @@ from embedfleet.runtime.api.bodies import classify_body, embeddings_body, rerank
 from embedfleet.runtime.api.prepare import prepare_classify, prepare_embedding, prepare_rerank, select
 from embedfleet.runtime.api.schemas import ClassifyRequest, OpenAIEmbeddingRequest, RerankRequest
 from embedfleet.runtime.service import Models, ModelService
+from embedfleet.runtime.tenants import Tenant
 
 WEBHOOK = Field(None, description="POSTed the finished job (signed, see docs/async.md); http(s) only")
 
@@ -36,26 +37,27 @@ class JobFailed(Exception):
     """A permanent failure: running the job again would fail the same way."""
 
 
-async def run_embeddings(models: Models, request: bytes) -> bytes:
-    """The sync route's own checks and body; async jobs yield to sync traffic (urgent=False)."""
+async def run_embeddings(models: Models, request: bytes, tenant: Tenant | None = None) -> bytes:
+    """The sync route's own checks and body; async jobs yield to sync traffic (urgent=False) and run as
+    their tenant (its quota and fair share)."""
     body = AsyncEmbeddingRequest.model_validate_json(request)
     svc = select(models, body.model, "/v1/embeddings")
-    result = await svc.run(await prepare_embedding(svc, body, body.input), urgent=False)
+    result = await svc.run(await prepare_embedding(svc, body, body.input), urgent=False, tenant=tenant)
     return orjson.dumps(embeddings_body(svc.name, result.rows, result.tokens, body.dimensions, body.encoding_format),
                         option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-async def run_rerank(models: Models, request: bytes) -> bytes:
+async def run_rerank(models: Models, request: bytes, tenant: Tenant | None = None) -> bytes:
     body = AsyncRerankRequest.model_validate_json(request)
     svc = select(models, body.model, "/rerank")
-    result = await svc.run(await prepare_rerank(svc, body), urgent=False)
+    result = await svc.run(await prepare_rerank(svc, body), urgent=False, tenant=tenant)
     return orjson.dumps(rerank_body(body, result.rows))
 
 
-async def run_classify(models: Models, request: bytes) -> bytes:
+async def run_classify(models: Models, request: bytes, tenant: Tenant | None = None) -> bytes:
     body = AsyncClassifyRequest.model_validate_json(request)
     svc = select(models, body.model, "/classify")
-    result = await svc.run(await prepare_classify(svc, body), urgent=False)
+    result = await svc.run(await prepare_classify(svc, body), urgent=False, tenant=tenant)
     return orjson.dumps(classify_body(svc, body, result.rows, result.tokens))
 
 
@@ -66,7 +68,7 @@ class Kind:
     request: type[BaseModel]
     route: str
     prepare: Callable[[ModelService, BaseModel], Awaitable[object]]
-    run: Callable[[Models, bytes], Awaitable[bytes]]
+    run: Callable[[Models, bytes, Tenant | None], Awaitable[bytes]]
 
 
 KINDS: dict[str, Kind] = {

@@ -1,8 +1,9 @@
 """HTTP face of the async path: submit a job (202), read a job; plus the lifespan that runs workers.
 
-Submission runs the sync route's own checks (passed in from `create_app`, so the two can never
-drift apart) including tokenization, so bad input is refused with the same 4xx at once instead of
-being accepted and failing later. Only then is the job stored; the 202 means it is in Redis.
+Submission runs the sync route's own checks (the same parsing from api/http.py and the same
+`prepare` as the sync routers, so the two can never drift apart) including tokenization, so bad
+input is refused with the same 4xx at once instead of being accepted and failing later. Only then
+is the job stored; the 202 means it is in Redis.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from redis.exceptions import RedisError
 from starlette.responses import Response
 
 from embedfleet.runtime.api import errors
-from embedfleet.runtime.api.app import JSON, body_of, parse
+from embedfleet.runtime.api.gate import tenant_of
+from embedfleet.runtime.api.http import JSON, body_of, parse
 from embedfleet.runtime.api.prepare import select
 from embedfleet.runtime.asyncq.kinds import KINDS, AsyncClassifyRequest, AsyncEmbeddingRequest, AsyncRerankRequest
 from embedfleet.runtime.asyncq.runner import AsyncRuntime
 from embedfleet.runtime.asyncq.status import job_document
+from embedfleet.runtime.asyncq.store import text
 from embedfleet.runtime.asyncq.webhooks import WebhookRefused, check_webhook_url
 from embedfleet.runtime.service import Models
+from embedfleet.runtime.tenants import DEFAULT_TENANT, RequestOverQuota
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +57,15 @@ def async_router(models: Models) -> APIRouter:
     async def submit(kind: str, request: Request):
         """Accept a request as a durable job after the sync route's own checks; the result is its body."""
         spec = KINDS[kind]
-        body = await parse(request, spec.request)
-        svc = select(models, body.model, spec.route)
-        await spec.prepare(svc, body)  # refuses now what the worker would refuse later
+        body = await parse(request, spec.request, settings.max_client_batch_size)
+        tenant = tenant_of(request.scope)
+        svc = select(models, body.model, spec.route, tenant)
+        tokenized = await spec.prepare(svc, body)  # refuses now what the worker would refuse later
+        tokens = sum(len(t) for t in tokenized)
+        if tenant.tokens_per_minute is not None and tokens > tenant.tokens_per_minute:
+            # the quota only delays a job; one that can never fit it is refused now, not failed later
+            raise errors.ApiError(413, str(RequestOverQuota(tenant.name, tokens, tenant.tokens_per_minute)),
+                                  "over_quota")
         webhook_url = None
         if body.webhook_url is not None:
             if settings.webhook_secret is None:
@@ -67,7 +77,8 @@ def async_router(models: Models) -> APIRouter:
                 raise errors.ApiError(422, str(exc), "invalid_webhook_url") from None
         stored = body.model_dump_json(exclude={"webhook_url"}).encode()
         try:
-            job_id = await runtime.store.submit(kind, stored, webhook_url, settings.async_max_queue_depth)
+            job_id = await runtime.store.submit(kind, stored, webhook_url, settings.async_max_queue_depth,
+                                                tenant=tenant.name)
         except RedisError as exc:
             raise store_unavailable(exc) from None
         if job_id is None:
@@ -94,15 +105,17 @@ def async_router(models: Models) -> APIRouter:
         return await submit("classify", request)
 
     @router.get("/async/jobs/{job_id}")
-    async def get_job(job_id: str):
-        """Status (queued, running, succeeded, failed) and, once succeeded, the result."""
+    async def get_job(job_id: str, request: Request):
+        """Status (queued, running, succeeded, failed) and, once succeeded, the result; only to the tenant
+        that submitted the job (any other is told it does not exist)."""
         if not job_id.isalnum() or len(job_id) > 64:
             raise errors.ApiError(404, f"no job {job_id!r}", "job_not_found")
         try:
             fields = await runtime.store.job(job_id)
         except RedisError as exc:
             raise store_unavailable(exc) from None
-        if fields is None or "status" not in fields:
+        owner = text(fields.get("tenant", b"")) if fields else ""
+        if fields is None or "status" not in fields or (owner or DEFAULT_TENANT) != tenant_of(request.scope).name:
             raise errors.ApiError(404, f"no job {job_id!r} (never submitted, or expired after "
                                   f"{settings.async_result_ttl}s)", "job_not_found")
         return Response(job_document(job_id, fields), media_type="application/json")

@@ -30,7 +30,7 @@ FINAL = ("succeeded", "failed")
 SUBMIT = """
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
 redis.call('HSET', KEYS[2], 'status', 'queued', 'kind', ARGV[4], 'request', ARGV[5], 'webhook_url', ARGV[6],
-           'created_at', ARGV[3], 'attempts', 0)
+           'created_at', ARGV[3], 'attempts', 0, 'tenant', ARGV[7])
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 redis.call('XADD', KEYS[3], '*', 'id', ARGV[1])
 return 1
@@ -42,8 +42,8 @@ if not st then return {'gone'} end
 if st == 'succeeded' or st == 'failed' then return {'done'} end
 local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
-local f = redis.call('HMGET', KEYS[1], 'kind', 'request', 'retries')
-return {'run', tostring(n), f[1], f[2], f[3] or '0'}
+local f = redis.call('HMGET', KEYS[1], 'kind', 'request', 'retries', 'tenant')
+return {'run', tostring(n), f[1], f[2], f[3] or '0', f[4] or ''}
 """
 
 RETRY = """
@@ -127,6 +127,7 @@ class Started:
     kind: str = ""
     request: bytes = b""
     retries: int = 0  # times a transient failure sent the job back; they do not count against max attempts
+    tenant: str = ""  # who submitted it: its quota, priority and fair share apply when it runs
 
     @property
     def crashes(self) -> int:
@@ -175,12 +176,14 @@ class JobStore:
                     raise
 
     # -- submission and status ---------------------------------------------------------------
-    async def submit(self, kind: str, request: bytes, webhook_url: str | None, max_depth: int) -> str | None:
-        """The new job's id, or None when `max_depth` jobs are already unfinished."""
+    async def submit(self, kind: str, request: bytes, webhook_url: str | None, max_depth: int,
+                     tenant: str = "") -> str | None:
+        """The new job's id, or None when `max_depth` jobs are already unfinished. `tenant` owns it: only
+        that tenant may read it back."""
         job_id = uuid.uuid4().hex
         accepted = await self._submit(
             keys=[self.keys.unfinished, self.keys.job(job_id), self.keys.jobs],
-            args=[job_id, max_depth, f"{time.time():.6f}", kind, request, webhook_url or ""])
+            args=[job_id, max_depth, f"{time.time():.6f}", kind, request, webhook_url or "", tenant])
         return job_id if accepted == 1 else None
 
     async def job(self, job_id: str) -> dict[str, bytes] | None:
@@ -231,7 +234,8 @@ class JobStore:
         state = text(reply[0])
         if state != "run":
             return Started(state)
-        return Started(state, int(reply[1]), text(reply[2]), reply[3] or b"", int(reply[4]))
+        return Started(state, int(reply[1]), text(reply[2]), reply[3] or b"", int(reply[4]),
+                       text(reply[5]) if len(reply) > 5 else "")
 
     async def finish(self, entry: Entry, status: str, payload: bytes, ttl: int) -> int:
         """1: stored; 0: a result was already there (duplicate dropped); -1: the job expired."""

@@ -199,4 +199,4 @@ class Worker:
         spec = KINDS.get(started.kind)
         if spec is None:
             raise ValueError(f"unknown job kind {started.kind!r}")
-        return await spec.run(self.models, started.request)
+        return await spec.run(self.models, started.request, self.models.tenants.job_owner(started.tenant))

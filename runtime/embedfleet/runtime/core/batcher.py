@@ -2,13 +2,21 @@
 
 Requests enqueue their tokenized inputs and await a future; the scheduler plans a batch with
 `plan_batch` whenever the engine is free, runs it on the engine thread, and scatters rows back in
-each request's input order. Work whose client has gone is dropped before it reaches the engine.
+each request's input order. Work whose client has gone, or whose deadline has passed, is dropped
+before it reaches the engine.
+
+Admission (`core/admission.py`) needs the tokens queued ahead of a request and the engine's drain
+rate on every submit, so both are running figures: totals kept as items enter and leave (a submit
+costs the size of its own request, never a scan of the queue), and a rate measured over recent
+batches. A dropped job leaves its items in the queue, marked; the next batch plan skips them, so
+dropping is O(1) too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -16,19 +24,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from embedfleet.runtime.core.admission import decide
 from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch
 from embedfleet.runtime.metrics import ModelMetrics
 
 log = logging.getLogger(__name__)
 
 MIN_BULK_TOKENS = 512
+RATE_WINDOW_S = 2.0  # the drain rate is measured over about this much recent time (exponential decay)
+SERVED_WINDOW_S = 10.0  # tenants' fair shares are judged over about this much recent engine time
 EngineFn = Callable[[list], np.ndarray]  # a batch of inputs (anything with len()) -> rows
 
 
 class QueueFull(RuntimeError):
-    def __init__(self, message: str, retry_after: float) -> None:
+    """Refused at admission (429): the token cap, or an expected wait beyond the caller's bound."""
+
+    def __init__(self, message: str, retry_after: float, reason: str = "queue_tokens") -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.reason = reason
+
+
+class DeadlineUnmet(RuntimeError):
+    """The request's deadline cannot be met (at admission) or has passed while it was queued (504)."""
 
 
 @dataclass(eq=False)
@@ -41,6 +59,13 @@ class Job:
     remaining: int
     results: list[np.ndarray | None] = field(default_factory=list)
     cancelled: bool = False
+    deadline: float | None = None  # time.monotonic() after which nobody reads the answer
+    promote_at: float | None = None  # bulk work waiting past its bound (time.monotonic()) is served as urgent
+    queued_tokens: int = 0  # of this job's inputs still waiting (not yet taken into a batch)
+    queued_items: int = 0
+    dropped: bool = False  # its remaining queue items are skipped by the planner
+    tenant: str = ""  # fairness across tenants of one class (core/batching.py) and per-tenant metrics
+    admitted_at: float = 0.0  # time.monotonic() at admission (queue wait is measured from here)
 
 
 @dataclass(eq=False, slots=True)
@@ -66,12 +91,21 @@ class BatchManager:
         self.bulk_batch_seconds = bulk_batch_seconds
         self.metrics = metrics
         self._queue: list[Item] = []
-        self._queued_tokens = 0
+        self._queued_tokens = 0  # running totals: see the module docstring
+        self._urgent_tokens = 0
+        self._queued_jobs = 0
+        self._running_tokens = 0  # in the engine now
         self._seq = 0
         self._wake = asyncio.Event()
         self._engine = engine_thread  # the one thread that ever touches the model (see ModelService.load)
         self._task: asyncio.Task | None = None
         self._tokens_per_s = 0.0
+        self._sum_tokens = 0.0  # time-decayed sums of tokens drained and seconds taken; their ratio is the rate
+        self._sum_seconds = 0.0
+        self._running_since = 0.0  # time.perf_counter() when the batch in the engine started
+        self._last_end: float | None = None  # when the last batch finished, if work was waiting then
+        self._served: dict[str, float] = {}  # tokens run per tenant, decayed over SERVED_WINDOW_S
+        self._served_at = time.monotonic()
         metrics.max_batch_requests.set(max_batch_requests)
         metrics.max_batch_tokens.set(max_batch_tokens)
 
@@ -93,25 +127,86 @@ class BatchManager:
         return self._queued_tokens
 
     @property
+    def tokens_per_s(self) -> float:
+        """The measured drain rate (0 until seeded or measured)."""
+        return self._tokens_per_s
+
+    @property
     def saturated(self) -> bool:
         return self._queued_tokens >= self.max_queue_tokens
 
-    def expected_wait(self) -> float:
-        return self._queued_tokens / self._tokens_per_s if self._tokens_per_s else 0.0
+    def ahead_of(self, urgent: bool) -> int:
+        """Tokens the engine runs before a new request of this kind: urgent work only waits for urgent
+        work (the planner serves it first) and the batch in the engine; bulk work waits for everything."""
+        return self._running_tokens + (self._urgent_tokens if urgent else self._queued_tokens)
 
-    def submit(self, inputs: Sequence, urgent: bool) -> Job:
-        """Queue a request's inputs; await `job.future` for the rows in input order."""
+    def drain_rate(self) -> float:
+        """The measured rate, lowered while the batch in the engine overruns it: a machine that just got
+        slower (another process took the cores) is believed at once, not several batches later."""
+        rate = self._tokens_per_s
+        if rate and self._running_tokens:
+            elapsed = time.perf_counter() - self._running_since
+            if elapsed * rate > self._running_tokens:
+                rate = self._running_tokens / elapsed
+        return rate
+
+    def expected_wait(self, urgent: bool = False) -> float:
+        rate = self.drain_rate()
+        return self.ahead_of(urgent) / rate if rate else 0.0
+
+    def seed_rate(self, tokens: int, seconds: float) -> None:
+        """Start the drain rate from a timed batch (ModelService.load runs one at start-up), so the
+        first requests are judged by a measurement instead of being admitted blind."""
+        self._observe(tokens, seconds)
+
+    def submit(self, inputs: Sequence, urgent: bool, max_wait: float | None = None,
+               deadline: float | None = None, tenant: str = "", arrived: float | None = None) -> Job:
+        """Queue a request's inputs; await `job.future` for the rows in input order.
+
+        Raises QueueFull past the token cap or when the expected wait passes `max_wait` seconds, and
+        DeadlineUnmet when it passes `deadline` (a time.monotonic() value). `arrived` (time.monotonic()
+        when the server accepted the request): the bound counts from there, so time already spent
+        reading, parsing and tokenizing under load is part of the promise. Cost: O(len(inputs)).
+        """
         tokens = sum(len(x) for x in inputs)
+        now = time.monotonic()
+        bound = max_wait
+        if max_wait is not None and arrived is not None:
+            max_wait = max(0.0, max_wait - (now - arrived))
         if self._queued_tokens and self._queued_tokens + tokens > self.max_queue_tokens:
+            self.metrics.shed_queue_tokens.inc()
             raise QueueFull(
                 f"the queue holds {self._queued_tokens} tokens; adding {tokens} would pass the limit "
                 f"of {self.max_queue_tokens}", retry_after=max(1.0, self.expected_wait()))
+        remaining = None if deadline is None else deadline - now
+        rate = self.drain_rate()
+        decision = decide(self.ahead_of(urgent), tokens, rate, max_wait, remaining)
+        if decision.reason == "deadline":
+            self.metrics.shed_deadline.inc()
+            raise DeadlineUnmet(
+                f"deadline cannot be met: about {decision.expected_s:.2f}s of work is ahead of this request "
+                f"and it allows {max(remaining or 0.0, 0.0):.2f}s")
+        if not decision.admit:
+            self.metrics.shed_expected_wait.inc()
+            alone = tokens / rate
+            hint = f"; alone it is about {alone:.1f}s of work: split it" if bound and alone > bound else ""
+            spent = 0.0 if arrived is None else now - arrived
+            waited = f" after {spent:.1f}s already spent" if spent >= 0.1 else ""
+            raise QueueFull(
+                f"the server is overloaded: this request would finish in about {decision.expected_s:.1f}s"
+                f"{waited}, over the bound of {bound:g}s (--max-queue-seconds{'' if urgent else '-bulk'}); retry "
+                f"in {decision.retry_after}s{hint}", retry_after=decision.retry_after, reason="expected_wait")
         job = Job(inputs, urgent, asyncio.get_running_loop().create_future(), remaining=len(inputs),
-                  results=[None] * len(inputs))
+                  results=[None] * len(inputs), deadline=deadline, queued_tokens=tokens,
+                  queued_items=len(inputs), promote_at=None if urgent or max_wait is None else now + max_wait,
+                  tenant=tenant, admitted_at=now)
         for i in range(len(inputs)):
             self._queue.append(Item(job, i, self._seq))
             self._seq += 1
         self._queued_tokens += tokens
+        if urgent:
+            self._urgent_tokens += tokens
+        self._queued_jobs += 1
         self._update_gauges()
         self._wake.set()
         return job
@@ -121,20 +216,36 @@ class BatchManager:
         if job.future.done():
             return
         job.cancelled = True
-        kept = []
-        for item in self._queue:
-            if item.job is job:
-                self._queued_tokens -= item.length
-            else:
-                kept.append(item)
-        self._queue = kept
+        self._drop(job)
         job.future.cancel()
+
+    def expire(self, job: Job) -> None:
+        """The job's deadline passed: its queued inputs never reach the engine; it is answered 504."""
+        if job.future.done():
+            return
+        self._drop(job)
+        self.metrics.expired.inc()
+        job.future.set_exception(DeadlineUnmet("deadline passed while the request waited for the engine; "
+                                               "it was not run"))
+
+    def _drop(self, job: Job) -> None:
+        """Take the job's waiting tokens off the totals; its items stay queued, marked, until the
+        next plan skips them (O(1) here instead of a scan of the queue)."""
+        if job.dropped:
+            return
+        job.dropped = True
+        self._queued_tokens -= job.queued_tokens
+        if job.urgent:
+            self._urgent_tokens -= job.queued_tokens
+        if job.queued_items:
+            self._queued_jobs -= 1
+        job.queued_tokens = job.queued_items = 0
         self._update_gauges()
 
     # -- scheduler -------------------------------------------------------------------------
     def _update_gauges(self) -> None:
         self.metrics.queue_tokens.set(self._queued_tokens)
-        self.metrics.queue_requests.set(len({id(item.job) for item in self._queue}))
+        self.metrics.queue_requests.set(self._queued_jobs)
         self.metrics.expected_wait.set(self.expected_wait())
 
     def _budget(self, entries: list[Entry]) -> int:
@@ -145,23 +256,63 @@ class BatchManager:
         floor = min(self.max_batch_tokens, MIN_BULK_TOKENS)  # never starve bulk work into tiny batches
         return max(floor, min(self.max_batch_tokens, int(self.bulk_batch_seconds * self._tokens_per_s)))
 
+    def _live_queue(self) -> list[Item]:
+        """The queue without dropped jobs' items; jobs whose deadline has passed are expired here, so
+        the planner never hands the engine work nobody will read. Bulk jobs still queued past their
+        bound are promoted to urgent: a steady stream of queries (which go first) would otherwise
+        starve them, and their wait stays within the bulk bound plus the urgent queue ahead."""
+        now = time.monotonic()
+        live = []
+        for item in self._queue:
+            job = item.job
+            if not job.dropped and job.deadline is not None and job.deadline <= now:
+                self.expire(job)
+            if not job.dropped and not job.urgent and job.promote_at is not None and job.promote_at <= now:
+                job.urgent = True
+                self._urgent_tokens += job.queued_tokens
+            if not job.dropped:
+                live.append(item)
+        return live
+
     def _take_batch(self) -> list[Item]:
-        entries = [Entry(item.seq, item.length, item.job.urgent) for item in self._queue]
-        chosen = set(plan_batch(entries, self._budget(entries), self.max_batch_requests, self.overhead_tokens))
+        self._queue = self._live_queue()
+        if not self._queue:
+            self._update_gauges()
+            return []
+        entries = [Entry(item.seq, item.length, item.job.urgent, item.job.tenant) for item in self._queue]
+        chosen = set(plan_batch(entries, self._budget(entries), self.max_batch_requests, self.overhead_tokens,
+                                self._served))
         batch = [self._queue[i] for i in sorted(chosen)]
         self._queue = [item for i, item in enumerate(self._queue) if i not in chosen]
-        self._queued_tokens -= sum(item.length for item in batch)
+        now = time.monotonic()
+        self._decay_served(now)
+        for item in batch:
+            job, length = item.job, item.length
+            job.queued_tokens -= length
+            job.queued_items -= 1
+            self._queued_tokens -= length
+            self._served[job.tenant] = self._served.get(job.tenant, 0.0) + length
+            if job.urgent:
+                self._urgent_tokens -= length
+            if job.queued_items == 0:
+                self._queued_jobs -= 1
+                self.metrics.queue_wait(job.tenant or "default").observe(now - job.admitted_at)
+        self._running_tokens = sum(item.length for item in batch)
+        self._running_since = time.perf_counter()
+        self._update_gauges()
         return batch
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
+                self._last_end = None  # idle time is not drain time
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             batch = self._take_batch()
-            self._update_gauges()
+            if not batch:
+                continue
             inputs = [item.job.inputs[item.index] for item in batch]
             started = time.perf_counter()
             try:
@@ -170,11 +321,14 @@ class BatchManager:
                 raise
             except Exception as exc:  # the engine failed this batch: fail its requests, keep serving
                 log.exception("engine failed a batch of %d inputs", len(batch))
+                self._running_tokens = 0
+                self._last_end = None
                 for item in batch:
                     if not item.job.future.done():
                         item.job.future.set_exception(exc)
                 continue
-            self._record(batch, inputs, time.perf_counter() - started)
+            self._running_tokens = 0
+            self._record(batch, inputs, started, time.perf_counter())
             for item, row in zip(batch, rows, strict=True):
                 job = item.job
                 if job.future.done():
@@ -184,13 +338,34 @@ class BatchManager:
                 if job.remaining == 0:
                     job.future.set_result(np.stack(job.results))
 
-    def _record(self, batch: list[Item], inputs: list, seconds: float) -> None:
+    def _decay_served(self, now: float) -> None:
+        """Forget old service so that a tenant's turn depends on recent engine time only; tenants that
+        have faded out are dropped (the dict stays as small as the set of active tenants)."""
+        keep = math.exp(-(now - self._served_at) / SERVED_WINDOW_S)
+        self._served_at = now
+        self._served = {t: v * keep for t, v in self._served.items() if v * keep >= 1.0}
+
+    def _observe(self, tokens: int, seconds: float) -> None:
+        """Add one batch to time-decayed sums of tokens and seconds and divide: the rate of about the
+        last RATE_WINDOW_S seconds of draining. A tiny batch (a lone query, mostly fixed overhead) weighs
+        as little as it takes, and a start-up seed is forgotten after a few seconds of real traffic."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        keep = math.exp(-seconds / RATE_WINDOW_S)
+        self._sum_tokens = keep * self._sum_tokens + tokens
+        self._sum_seconds = keep * self._sum_seconds + seconds
+        self._tokens_per_s = self._sum_tokens / self._sum_seconds
+
+    def _record(self, batch: list[Item], inputs: list, started: float, ended: float) -> None:
         tokens = sum(len(x) for x in inputs)
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_tokens.observe(max(len(x) for x in inputs) * len(inputs))
         self.metrics.inputs.inc(len(batch))
         self.metrics.tokens.inc(tokens)
-        self.metrics.engine_busy.inc(seconds)
-        rate = tokens / seconds if seconds > 0 else 0.0
-        self._tokens_per_s = rate if not self._tokens_per_s else 0.8 * self._tokens_per_s + 0.2 * rate
+        self.metrics.engine_busy.inc(ended - started)
+        # The drain rate counts the gap since the previous batch when work was already waiting then:
+        # time the event loop spent before it could plan this batch drains nothing either.
+        since = self._last_end if self._last_end is not None else started
+        self._observe(tokens, ended - since)
+        self._last_end = ended if self._queued_tokens else None
         self._update_gauges()

@@ -1,0 +1,79 @@
+"""Routes about the server rather than through the engine: /tokenize, /v1/models and the probes."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from embedfleet.runtime.api import errors
+from embedfleet.runtime.api.gate import GateState, tenant_of
+from embedfleet.runtime.api.http import JSON, body_of, parse
+from embedfleet.runtime.api.inputs import as_batch
+from embedfleet.runtime.api.prepare import select
+from embedfleet.runtime.api.schemas import ModelCard, ModelList, SimpleToken, TokenizeRequest
+from embedfleet.runtime.core.tokenize import TooManyTokens
+from embedfleet.runtime.service import Models
+
+
+def meta_router(models: Models, gate_state: GateState) -> APIRouter:
+    """Tokenizer, model list and probes; /ready reads `gate_state` because draining and the concurrency
+    limit are the gate's to know, not the models'."""
+    settings = models.settings
+    metrics = models.metrics
+    router = APIRouter(default_response_class=JSON)
+
+    @router.post("/tokenize", response_model=list[list[SimpleToken]], tags=["TEI"],
+                 openapi_extra=body_of(TokenizeRequest))
+    async def tokenize_route(request: Request):
+        """Tokens with their ids, text and character offsets, as the engine will see them."""
+        body = await parse(request, TokenizeRequest, settings.max_client_batch_size)
+        svc = select(models, body.model, "/tokenize", tenant_of(request.scope))
+        texts = as_batch(body.inputs, settings.max_client_batch_size, svc.tokenizer.tokenizer.get_vocab_size())
+        try:
+            details = await svc.tokenizer.details(texts, body.add_special_tokens, max_tokens=settings.max_batch_tokens)
+        except TooManyTokens as exc:
+            raise errors.ApiError(413, str(exc), "too_many_tokens") from None
+        return JSON(details)
+
+    @router.get("/v1/models", response_model=ModelList, tags=["OpenAI"])
+    async def list_models(request: Request):
+        """The models this caller's tenant may use (OpenAI lists only the models a key can reach)."""
+        tenant = tenant_of(request.scope)
+        if not models.loaded:
+            raise errors.ApiError(503, "models are still loading; retry shortly", "loading", {"retry-after": "2"})
+        cards = [ModelCard(id=s.name, created=s.created, task=s.task, max_input_tokens=s.input_limit,
+                           dimensions=s.spec.hidden_size if s.task == "embed" else 0, labels=list(s.spec.labels),
+                           pooling=s.spec.pooling, dtype=s.effective_dtype, device=settings.device,
+                           digest=s.spec.digest, architecture=",".join(s.spec.architectures),
+                           requested_dtype=settings.dtype if settings.dtype != s.effective_dtype else None,
+                           fp8_min_cosine=s.fp8_min_cosine)
+                 for s in models.services.values() if tenant.allows(s.name)]
+        return JSON(ModelList(data=cards).model_dump())
+
+    @router.get("/health", tags=["probes"])
+    async def health():
+        """Liveness: the process answers. Says nothing about the model."""
+        return JSON({"status": "ok"})
+
+    @router.get("/ready", tags=["probes"])
+    async def ready():
+        """Readiness: false while loading, draining after SIGTERM, with a saturated queue, or while a new
+        small request would be refused for its expected wait (--max-queue-seconds)."""
+        if gate_state.draining:
+            state = "draining"
+        elif models.load_error:
+            state = "failed"
+        elif not models.loaded:
+            state = "loading"
+        elif models.saturated or models.overloaded or gate_state.in_flight >= settings.max_concurrent_requests:
+            state = "saturated"
+        else:
+            return JSON({"status": "ready"})
+        return JSON({"status": state}, status_code=503)
+
+    @router.get("/metrics", tags=["probes"])
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
