@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -94,5 +96,12 @@ def test_bulk_batches_are_sized_by_measured_speed():
         assert bm._budget([*bulk, Entry(2, 5, True)]) == 16384
         bm._tokens_per_s = 100.0
         assert bm._budget(bulk) == MIN_BULK_TOKENS
+        bm.shared_batch_seconds = 0.02
+        bm._tokens_per_s = 10_000.0
+        assert bm._budget(bulk) == 1000, "no query seen lately: the bulk slice"
+        bm._last_urgent = time.monotonic()
+        assert bm._budget(bulk) == 200, "queries arriving: the shorter shared slice"
+        bm._tokens_per_s = 100.0
+        assert bm._budget(bulk) == 2 * bm.overhead_tokens, "never below two batches' fixed cost"
         bm.bulk_batch_seconds = 0
         assert bm._budget(bulk) == 16384

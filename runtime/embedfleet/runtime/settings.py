@@ -74,6 +74,9 @@ class RuntimeSettings(BaseSettings):
     bulk_batch_seconds: float = Field(
         0.1, ge=0, description="size batches of bulk (non-urgent) work to take about this long at the measured "
         "speed, which bounds how long an urgent query waits behind one; 0: only --max-batch-tokens bounds them")
+    shared_batch_seconds: float = Field(
+        0.02, ge=0, description="while urgent requests are arriving (one in the last second), cut bulk batches to "
+        "about this long instead, so a query mid-backfill waits for a short batch only; 0: off")
     max_client_batch_size: int = Field(2048, ge=1, description="most inputs in one client request")
     max_concurrent_requests: int = Field(
         512, ge=1, description="requests accepted and not yet answered; beyond it: 429 with Retry-After")

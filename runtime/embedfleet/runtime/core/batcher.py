@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MIN_BULK_TOKENS = 512
 RATE_WINDOW_S = 2.0  # the drain rate is measured over about this much recent time (exponential decay)
+QUERIES_RECENT_S = 1.0  # urgent work seen this recently: bulk batches are cut to the shared slice
 SERVED_WINDOW_S = 10.0  # tenants' fair shares are judged over about this much recent engine time
 EngineFn = Callable[[list], np.ndarray]  # a batch of inputs (anything with len()) -> rows
 
@@ -82,13 +83,16 @@ class Item:
 class BatchManager:
     def __init__(self, engine_fn: EngineFn, max_batch_tokens: int, max_batch_requests: int,
                  max_queue_tokens: int, metrics: ModelMetrics, engine_thread: ThreadPoolExecutor,
-                 overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, bulk_batch_seconds: float = 0.0) -> None:
+                 overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, bulk_batch_seconds: float = 0.0,
+                 shared_batch_seconds: float = 0.0) -> None:
         self.engine_fn = engine_fn
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.max_queue_tokens = max_queue_tokens
         self.overhead_tokens = overhead_tokens
         self.bulk_batch_seconds = bulk_batch_seconds
+        self.shared_batch_seconds = shared_batch_seconds
+        self._last_urgent = float("-inf")  # time.monotonic() of the last urgent submit
         self.metrics = metrics
         self._queue: list[Item] = []
         self._queued_tokens = 0  # running totals: see the module docstring
@@ -206,6 +210,7 @@ class BatchManager:
         self._queued_tokens += tokens
         if urgent:
             self._urgent_tokens += tokens
+            self._last_urgent = now
         self._queued_jobs += 1
         self._update_gauges()
         self._wake.set()
@@ -250,11 +255,17 @@ class BatchManager:
 
     def _budget(self, entries: list[Entry]) -> int:
         """Urgent batches may use the whole token budget; bulk ones are cut to `bulk_batch_seconds` of
-        measured engine time, so a query arriving mid-backfill never waits behind a long batch."""
+        measured engine time, so a query arriving mid-backfill never waits behind a long batch. While
+        queries are arriving (one in the last QUERIES_RECENT_S), bulk batches are cut further, to
+        `shared_batch_seconds`: the engine cannot be interrupted, so the batch in it is what the next
+        query waits for, and a backfill then trades some throughput for the queries' latency."""
         if not self.bulk_batch_seconds or not self._tokens_per_s or any(e.urgent for e in entries):
             return self.max_batch_tokens
-        floor = min(self.max_batch_tokens, MIN_BULK_TOKENS)  # never starve bulk work into tiny batches
-        return max(floor, min(self.max_batch_tokens, int(self.bulk_batch_seconds * self._tokens_per_s)))
+        seconds, floor = self.bulk_batch_seconds, MIN_BULK_TOKENS  # never starve bulk work into tiny batches
+        if self.shared_batch_seconds and time.monotonic() - self._last_urgent < QUERIES_RECENT_S:
+            seconds, floor = min(seconds, self.shared_batch_seconds), 2 * self.overhead_tokens
+        floor = min(self.max_batch_tokens, floor)
+        return max(floor, min(self.max_batch_tokens, int(seconds * self._tokens_per_s)))
 
     def _live_queue(self) -> list[Item]:
         """The queue without dropped jobs' items; jobs whose deadline has passed are expired here, so
@@ -327,8 +338,8 @@ class BatchManager:
                     if not item.job.future.done():
                         item.job.future.set_exception(exc)
                 continue
+            ended = time.perf_counter()
             self._running_tokens = 0
-            self._record(batch, inputs, started, time.perf_counter())
             for item, row in zip(batch, rows, strict=True):
                 job = item.job
                 if job.future.done():
@@ -337,6 +348,8 @@ class BatchManager:
                 job.remaining -= 1
                 if job.remaining == 0:
                     job.future.set_result(np.stack(job.results))
+            await asyncio.sleep(0)  # the answers go out first; metrics and the rate are bookkeeping
+            self._record(batch, inputs, started, ended)
 
     def _decay_served(self, now: float) -> None:
         """Forget old service so that a tenant's turn depends on recent engine time only; tenants that

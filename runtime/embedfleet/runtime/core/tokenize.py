@@ -19,6 +19,8 @@ from tokenizers import Encoding, Tokenizer
 Direction = Literal["right", "left"]
 
 
+INLINE_CHARS = 512  # a lone text this short is tokenized on the event loop (see encode)
+
 class InputTooLong(ValueError):
     def __init__(self, index: int, tokens: int, limit: int) -> None:
         super().__init__(
@@ -141,6 +143,10 @@ class TokenizerPool:
 
     async def encode(self, texts: list[str], limit: int, truncate: bool = True,
                      direction: Direction = "right") -> list[Tokenized]:
+        """Tokenize on the pool; one short text is tokenized inline instead: ~100 us of work, where the
+        two thread hops cost as much again and lengthen the single-query tail (bench/fastpath.py)."""
+        if len(texts) == 1 and len(texts[0]) <= INLINE_CHARS:
+            return self._encode_sync(texts, limit, truncate, direction)
         return await self._run(self._encode_sync, texts, limit, truncate, direction)
 
     @staticmethod
