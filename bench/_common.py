@@ -50,7 +50,12 @@ class Server:
              str(self.port), "--log-level", "warning", *flags],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
-        wait_ready(self.url, self.proc)
+        try:
+            wait_ready(self.url, self.proc)
+        except BaseException:  # never leave a server behind when it did not come up
+            self.proc.kill()
+            self.proc.wait(30)
+            raise
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
