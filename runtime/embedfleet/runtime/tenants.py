@@ -188,9 +188,6 @@ class Tenants:
         key = authorization[len(b"Bearer "):].strip()
         return self._by_digest.get(hashlib.sha256(key).hexdigest())
 
-    def names(self) -> list[str]:
-        return list(self.all)
-
     def job_owner(self, name: str) -> Tenant:
         """The tenant an async job runs as. A job outlives configuration: if its tenant has since left
         the keys file, it still runs (accepted work is never dropped) as batch work without a quota."""
