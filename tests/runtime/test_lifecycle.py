@@ -23,8 +23,17 @@ CONTRACT = [
 def test_metrics_contract_with_real_values(runtime_factory):
     srv = runtime_factory("--max-batch-requests", "16", "--max-batch-tokens", "4096")
     with srv.client() as c:
-        c.post("/v1/embeddings", json={"input": ["one", "two three", "four five six"]})
+        answer = c.post("/v1/embeddings", json={"input": ["one", "two three", "four five six"]})
         c.post("/v1/embeddings", json={"input": "x", "model": "nope"})
+        load = c.get("/load").json()
+    # the load a gateway picks replicas by, on every answer and from a cheap poll
+    assert float(answer.headers["x-embedfleet-expected-wait"]) >= 0
+    assert answer.headers["server-timing"].startswith("total;dur=")
+    assert float(answer.headers["server-timing"].split("dur=")[1]) > 0
+    assert load["ready"] is True and load["draining"] is False and load["in_flight"] == 0
+    (model,) = load["models"].values()
+    assert model["queue_tokens"] == 0 and model["expected_wait_s"] == 0
+    assert model["tokens_per_s"] > 0  # seeded by the start-up batch
     for name in CONTRACT:
         srv.metric(name)  # raises if missing
     assert srv.metric("embedfleet_max_batch_requests") == 16
@@ -91,13 +100,17 @@ def test_sigterm_drains_accepted_requests(runtime_factory):
             srv.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.2)
             ready = await client.get("/ready")
+            polled = await client.get("/load")
             late = await client.post("/v1/embeddings", json={"input": "after SIGTERM"})
             results = await asyncio.gather(*tasks)
-            return [ready, late, *results]
+            return [ready, polled, late, *results]
 
-    ready, late, *results = asyncio.run(load())
+    ready, polled, late, *results = asyncio.run(load())
     assert ready.status_code == 503 and ready.json()["status"] == "draining"
-    assert late.status_code == 503 and "draining" in late.json()["error"]["message"]
+    assert polled.json()["draining"] is True and polled.json()["ready"] is False
+    assert polled.json()["in_flight"] >= 1
+    assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+    assert "draining" in late.json()["error"]["message"]
     assert srv.proc.wait(60) == 0
     ok = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 200]
     # every request the server accepted got its full answer; none was cut off

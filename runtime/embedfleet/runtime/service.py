@@ -280,6 +280,17 @@ class Models:
         return any(s.batcher is not None and s.batcher.expected_wait(urgent=True) > bound
                    for s in self.services.values())
 
+    def expected_wait(self) -> float:
+        """The longest expected queue wait over the models (seconds): what a gateway compares replicas by."""
+        return max((s.batcher.expected_wait() for s in self.services.values() if s.batcher is not None),
+                   default=0.0)
+
+    def load_report(self) -> dict:
+        """Per model: queued tokens, measured drain rate and expected wait (GET /load)."""
+        return {name: {"queue_tokens": s.batcher.queued_tokens, "tokens_per_s": round(s.batcher.tokens_per_s, 1),
+                       "expected_wait_s": round(s.batcher.expected_wait(), 4)}
+                for name, s in self.services.items() if s.batcher is not None}
+
     async def load(self) -> None:
         for service in self.services.values():
             try:

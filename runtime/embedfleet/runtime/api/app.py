@@ -74,7 +74,7 @@ def create_app(models: Models, gate_state: GateState,
         Gate, tenants=models.tenants,
         payload_limit=settings.payload_limit, max_concurrent=settings.max_concurrent_requests,
         state=gate_state, metrics=metrics, known_paths=WORK_ROUTES, queue_saturated=lambda: models.saturated,
-        refusing_all=models.refusing_all)
+        refusing_all=models.refusing_all, expected_wait=models.expected_wait)
 
     # In this order, so the OpenAPI document lists the paths as it always has.
     app.include_router(embed_router(models))

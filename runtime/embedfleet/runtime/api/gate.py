@@ -2,6 +2,12 @@
 
 Written as raw ASGI (not BaseHTTPMiddleware) because it runs on every request and must add
 microseconds, not milliseconds, to the single-query fast path.
+
+Every answer to admitted work carries the replica's load, so a gateway in front of several replicas
+picks the least loaded one from the answers it already reads, without scraping: the expected queue
+wait (`x-embedfleet-expected-wait`, seconds) and the server's own time for the request
+(`server-timing: total;dur=<ms>`, the standard header, which also tells a load test how much of its
+latency was the server's).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from embedfleet.runtime.api.errors import error_body
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.tenants import Tenant, Tenants
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/load"})
 ARRIVED = "embedfleet.arrived"  # scope key: time.monotonic() when the gate let the request in (deadlines count from it)
 TENANT = "embedfleet.tenant"  # scope key: the caller's tenants.Tenant, from its API key
 
@@ -39,7 +45,8 @@ class GateState:
 class Gate:
     def __init__(self, app, *, tenants: Tenants, payload_limit: int, max_concurrent: int,
                  state: GateState, metrics: RuntimeMetrics, queue_saturated, known_paths: frozenset[str],
-                 refusing_all: Callable[[], int | None] = lambda: None) -> None:
+                 refusing_all: Callable[[], int | None] = lambda: None,
+                 expected_wait: Callable[[], float] = lambda: 0.0) -> None:
         self.app = app
         self.tenants = tenants
         self.payload_limit = payload_limit
@@ -49,6 +56,7 @@ class Gate:
         self.queue_saturated = queue_saturated
         self.known_paths = known_paths
         self.refusing_all = refusing_all
+        self.expected_wait = expected_wait
 
     async def _refuse(self, send, status: int, message: str, code: str,
                       extra: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -115,9 +123,13 @@ class Gate:
             nonlocal started_response
             if message["type"] == "http.response.start":
                 started_response = True
+                took = (time.monotonic() - arrived) * 1000
+                message["headers"] = [*message.get("headers", ()),
+                                      (b"x-embedfleet-expected-wait", b"%.4f" % self.expected_wait()),
+                                      (b"server-timing", b"total;dur=%.2f" % took)]
             await send(message)
 
-        scope[ARRIVED] = time.monotonic()
+        scope[ARRIVED] = arrived = time.monotonic()
         self.state.in_flight += 1
         self.metrics.requests_in_flight.set(self.state.in_flight)
         start = time.perf_counter()

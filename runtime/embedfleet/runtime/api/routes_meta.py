@@ -56,21 +56,34 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
         """Liveness: the process answers. Says nothing about the model."""
         return JSON({"status": "ok"})
 
+    def state() -> str:
+        """Readiness: loading, failed, draining after SIGTERM, saturated (a full queue, or a new small
+        request would be refused for its expected wait: --max-queue-seconds), else ready."""
+        if gate_state.draining:
+            return "draining"
+        if models.load_error:
+            return "failed"
+        if not models.loaded:
+            return "loading"
+        if models.saturated or models.overloaded or gate_state.in_flight >= settings.max_concurrent_requests:
+            return "saturated"
+        return "ready"
+
     @router.get("/ready", tags=["probes"])
     async def ready():
-        """Readiness: false while loading, draining after SIGTERM, with a saturated queue, or while a new
-        small request would be refused for its expected wait (--max-queue-seconds)."""
-        if gate_state.draining:
-            state = "draining"
-        elif models.load_error:
-            state = "failed"
-        elif not models.loaded:
-            state = "loading"
-        elif models.saturated or models.overloaded or gate_state.in_flight >= settings.max_concurrent_requests:
-            state = "saturated"
-        else:
-            return JSON({"status": "ready"})
-        return JSON({"status": state}, status_code=503)
+        """Readiness (see `state`): 200 when ready, else 503 with the state, so the load balancer sends
+        work elsewhere."""
+        now = state()
+        return JSON({"status": now}, status_code=200 if now == "ready" else 503)
+
+    @router.get("/load", tags=["probes"])
+    async def load():
+        """The replica's load for a gateway's cheap poll (no API key, like the probes): readiness,
+        draining, requests in flight and, per model, queued tokens, drain rate and expected wait. The
+        same expected wait rides on every answer as `x-embedfleet-expected-wait`."""
+        now = state()
+        return JSON({"ready": now == "ready", "status": now, "draining": gate_state.draining,
+                     "in_flight": gate_state.in_flight, "models": models.load_report()})
 
     @router.get("/metrics", tags=["probes"])
     async def prometheus_metrics():
