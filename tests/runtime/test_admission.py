@@ -96,3 +96,55 @@ def test_running_totals_follow_submit_take_and_drop():
             assert admitted.queued_tokens == 10 and bm.queued_tokens == 10
 
     asyncio.run(scenario())
+
+
+def test_bulk_work_is_promoted_in_time_and_behind_the_queries_already_queued():
+    """Starved bulk work becomes urgent early enough to finish within its bound (its own run time and
+    one urgent bound before it), and joins the urgent queue at its back: a query admitted before the
+    promotion was promised a wait that did not count the bulk work."""
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            # one input per batch, so the first batch is the planner's anchor alone
+            bm = BatchManager(lambda batch: batch, 16384, 1, 10**6, RuntimeMetrics().for_model("m"), pool,
+                              urgent_wait_s=5.0)
+            bm.seed_rate(1000, 1.0)  # 1000 tokens/s
+            bulk = bm.submit([[1] * 500, [1] * 500], urgent=False, max_wait=30.0)
+            now = time.monotonic()
+            assert bulk.promote_at == pytest.approx(now + 27.0 - 1.0 - 5.0, abs=0.05)  # margin 3 s, own 1 s, urgent 5 s
+            query = bm.submit([[1] * 10], urgent=True, max_wait=5.0)
+            bulk.promote_at = now  # its time has come
+            first = bm._take_batch()
+            assert bulk.urgent, "promoted"
+            assert [item.job for item in first] == [query], "the query queued before the promotion goes first"
+            bm._running_tokens = 0
+            assert [item.job for item in bm._take_batch()] == [bulk]
+            late = bm.submit([[1] * 10], urgent=False, max_wait=2.0)  # a bound shorter than the urgent one
+            assert late.promote_at == pytest.approx(time.monotonic() + 1.0, abs=0.05), "at half its bound"
+            huge = bm.submit([[1] * 25_000], urgent=False, max_wait=30.0)  # 25 s alone
+            assert huge.promote_at == pytest.approx(time.monotonic() + 15.0, abs=0.05), "never before half"
+
+    asyncio.run(scenario())
+
+
+def test_bulk_work_is_judged_by_what_the_queries_leave_of_the_engine():
+    """Queries go first, so a bulk request's wait is its work ahead over the rate the queries leave:
+    with urgent work arriving at 600 of 1000 tokens/s, 800 tokens ahead are 2 s of waiting, not 0.8 s."""
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            bm = BatchManager(lambda batch: batch, 16384, 64, 10**6, RuntimeMetrics().for_model("m"), pool)
+            bm.seed_rate(1000, 1.0)
+            assert bm.drain_rate(urgent=False) == bm.drain_rate(urgent=True) == 1000
+            bm.submit([[1] * 800], urgent=False)
+            assert bm.expected_wait(urgent=False) == pytest.approx(0.8)
+            bm.submit([[1] * 3000], urgent=True)  # 3000 urgent tokens over the 5 s window: 600 tokens/s
+            assert bm.urgent_arrival_rate() == pytest.approx(600, rel=0.01)
+            assert bm.drain_rate(urgent=False) == pytest.approx(400, rel=0.02)
+            assert bm.drain_rate(urgent=True) == 1000, "queries are judged by the whole rate"
+            bm.submit([[1] * 100_000], urgent=True)  # arrivals past the rate: bulk keeps its promoted share
+            assert bm.drain_rate(urgent=False) == pytest.approx(100)
+            with pytest.raises(QueueFull):  # 103,800 tokens ahead at 100 tokens/s is far past 30 s
+                bm.submit([[1] * 10], urgent=False, max_wait=30.0)
+
+    asyncio.run(scenario())

@@ -113,7 +113,7 @@ class ModelService:
         batcher = BatchManager(run, self.settings.max_batch_tokens, self.settings.max_batch_requests,
                                self.settings.max_queue_tokens, self.metrics, self.engine_thread,
                                self.settings.batch_overhead_tokens, self.settings.bulk_batch_seconds,
-                               self.settings.shared_batch_seconds)
+                               self.settings.shared_batch_seconds, self.settings.max_queue_seconds)
         tokens, seconds = await loop.run_in_executor(self.engine_thread, self._timed_batch, run)
         batcher.seed_rate(tokens, seconds)
         batcher.start()

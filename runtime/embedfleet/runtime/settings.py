@@ -105,6 +105,10 @@ class RuntimeSettings(BaseSettings):
         "(README: Tenants); every route but /health, /ready and /metrics then needs one of its keys")
     drain_timeout: float = Field(
         30.0, ge=0, description="seconds to let accepted requests finish after SIGTERM")
+    keep_alive_seconds: float = Field(
+        65.0, gt=0, description="seconds an idle client connection is kept open: longer than a load balancer's idle "
+        "time-out (60 s on most) and than the Retry-After a 429 sends, so a client that waited as told never "
+        "reuses a connection the server is closing at that moment (a reset)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     # GPU engine (docs/gpu.md)
     fp8_min_cosine: float = Field(

@@ -34,6 +34,8 @@ MIN_BULK_TOKENS = 512
 RATE_WINDOW_S = 2.0  # the drain rate is measured over about this much recent time (exponential decay)
 QUERIES_RECENT_S = 1.0  # urgent work seen this recently: bulk batches are cut to the shared slice
 SERVED_WINDOW_S = 10.0  # tenants' fair shares are judged over about this much recent engine time
+ARRIVALS_WINDOW_S = 5.0  # the urgent arrival rate is measured over about this much recent time
+MIN_BULK_SHARE = 0.1  # bulk work is never judged to get less than this share of the engine (promotion)
 EngineFn = Callable[[list], np.ndarray]  # a batch of inputs (anything with len()) -> rows
 
 
@@ -84,7 +86,7 @@ class BatchManager:
     def __init__(self, engine_fn: EngineFn, max_batch_tokens: int, max_batch_requests: int,
                  max_queue_tokens: int, metrics: ModelMetrics, engine_thread: ThreadPoolExecutor,
                  overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, bulk_batch_seconds: float = 0.0,
-                 shared_batch_seconds: float = 0.0) -> None:
+                 shared_batch_seconds: float = 0.0, urgent_wait_s: float = 0.0) -> None:
         self.engine_fn = engine_fn
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
@@ -92,6 +94,7 @@ class BatchManager:
         self.overhead_tokens = overhead_tokens
         self.bulk_batch_seconds = bulk_batch_seconds
         self.shared_batch_seconds = shared_batch_seconds
+        self.urgent_wait_s = urgent_wait_s  # --max-queue-seconds: how long promoted bulk work may wait as urgent
         self._last_urgent = float("-inf")  # time.monotonic() of the last urgent submit
         self.metrics = metrics
         self._queue: list[Item] = []
@@ -110,6 +113,8 @@ class BatchManager:
         self._last_end: float | None = None  # when the last batch finished, if work was waiting then
         self._served: dict[str, float] = {}  # tokens run per tenant, decayed over SERVED_WINDOW_S
         self._served_at = time.monotonic()
+        self._urgent_arrivals = 0.0  # urgent tokens submitted, decayed over ARRIVALS_WINDOW_S
+        self._arrivals_at = time.monotonic()
         metrics.max_batch_requests.set(max_batch_requests)
         metrics.max_batch_tokens.set(max_batch_tokens)
 
@@ -144,18 +149,30 @@ class BatchManager:
         work (the planner serves it first) and the batch in the engine; bulk work waits for everything."""
         return self._running_tokens + (self._urgent_tokens if urgent else self._queued_tokens)
 
-    def drain_rate(self) -> float:
+    def urgent_arrival_rate(self, now: float | None = None) -> float:
+        """Urgent tokens submitted per second lately (a decayed sum over ARRIVALS_WINDOW_S)."""
+        now = time.monotonic() if now is None else now
+        return self._urgent_arrivals * math.exp(-(now - self._arrivals_at) / ARRIVALS_WINDOW_S) / ARRIVALS_WINDOW_S
+
+    def drain_rate(self, urgent: bool = True) -> float:
         """The measured rate, lowered while the batch in the engine overruns it: a machine that just got
-        slower (another process took the cores) is believed at once, not several batches later."""
+        slower (another process took the cores) is believed at once, not several batches later.
+
+        For bulk work (`urgent` false), less the rate at which urgent work is arriving: queries go
+        first, so queued bulk work drains only with what they leave of the engine (a bulk request with
+        Q tokens ahead finishes after Q / (rate - arrivals), not Q / rate). Never below MIN_BULK_SHARE
+        of the rate, since bulk work waiting past its promotion time runs as urgent."""
         rate = self._tokens_per_s
         if rate and self._running_tokens:
             elapsed = time.perf_counter() - self._running_since
             if elapsed * rate > self._running_tokens:
                 rate = self._running_tokens / elapsed
+        if not urgent and rate:
+            rate = max(rate - self.urgent_arrival_rate(), MIN_BULK_SHARE * rate)
         return rate
 
     def expected_wait(self, urgent: bool = False) -> float:
-        rate = self.drain_rate()
+        rate = self.drain_rate(urgent)
         return self.ahead_of(urgent) / rate if rate else 0.0
 
     def seed_rate(self, tokens: int, seconds: float) -> None:
@@ -183,7 +200,7 @@ class BatchManager:
                 f"the queue holds {self._queued_tokens} tokens; adding {tokens} would pass the limit "
                 f"of {self.max_queue_tokens}", retry_after=max(1.0, self.expected_wait()))
         remaining = None if deadline is None else deadline - now
-        rate = self.drain_rate()
+        rate = self.drain_rate(urgent)
         decision = decide(self.ahead_of(urgent), tokens, rate, max_wait, remaining)
         if decision.reason == "deadline":
             self.metrics.shed_deadline.inc()
@@ -202,8 +219,8 @@ class BatchManager:
                 f"in {decision.retry_after}s{hint}", retry_after=decision.retry_after, reason="expected_wait")
         job = Job(inputs, urgent, asyncio.get_running_loop().create_future(), remaining=len(inputs),
                   results=[None] * len(inputs), deadline=deadline, queued_tokens=tokens,
-                  queued_items=len(inputs), promote_at=None if urgent or max_wait is None else now + max_wait,
-                  tenant=tenant, admitted_at=now)
+                  queued_items=len(inputs), promote_at=None if urgent or max_wait is None else
+                  now + self._promote_after(max_wait, tokens, self.drain_rate()), tenant=tenant, admitted_at=now)
         for i in range(len(inputs)):
             self._queue.append(Item(job, i, self._seq))
             self._seq += 1
@@ -211,10 +228,22 @@ class BatchManager:
         if urgent:
             self._urgent_tokens += tokens
             self._last_urgent = now
+            self._urgent_arrivals = self.urgent_arrival_rate(now) * ARRIVALS_WINDOW_S + tokens
+            self._arrivals_at = now
         self._queued_jobs += 1
         self._update_gauges()
         self._wake.set()
         return job
+
+    def _promote_after(self, max_wait: float, tokens: int, rate: float) -> float:
+        """Seconds until bulk work still queued is promoted to urgent: early enough that, once promoted,
+        it waits at most as long as a query may (the urgent bound) and then runs, and still finishes
+        within its own bound, less a tenth of the bound for the estimates' error. Promoted work joins
+        the urgent queue at its back (see `_live_queue`), so the queries already admitted keep their
+        promise too. Never before half the bound: a request that alone is most of the bound (admitted
+        on an empty queue) would otherwise go ahead of every query at once."""
+        own = tokens / rate if rate else 0.0
+        return max(0.5 * max_wait, 0.9 * max_wait - own - self.urgent_wait_s)
 
     def cancel(self, job: Job) -> None:
         """The client went away: its queued inputs never reach the engine."""
@@ -269,11 +298,13 @@ class BatchManager:
 
     def _live_queue(self) -> list[Item]:
         """The queue without dropped jobs' items; jobs whose deadline has passed are expired here, so
-        the planner never hands the engine work nobody will read. Bulk jobs still queued past their
-        bound are promoted to urgent: a steady stream of queries (which go first) would otherwise
-        starve them, and their wait stays within the bulk bound plus the urgent queue ahead."""
+        the planner never hands the engine work nobody will read. Bulk jobs still queued at their
+        `promote_at` are promoted to urgent: a steady stream of queries (which go first) would otherwise
+        starve them. They join the urgent queue at its back (new sequence numbers), not at their old
+        place: queries admitted meanwhile were promised a wait that did not count them."""
         now = time.monotonic()
         live = []
+        promoted: set[int] = set()
         for item in self._queue:
             job = item.job
             if not job.dropped and job.deadline is not None and job.deadline <= now:
@@ -281,7 +312,11 @@ class BatchManager:
             if not job.dropped and not job.urgent and job.promote_at is not None and job.promote_at <= now:
                 job.urgent = True
                 self._urgent_tokens += job.queued_tokens
+                promoted.add(id(job))
             if not job.dropped:
+                if promoted and id(job) in promoted:
+                    item.seq = self._seq
+                    self._seq += 1
                 live.append(item)
         return live
 
