@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     models = Models(settings, metrics)
     config = uvicorn.Config(None, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=settings.drain_timeout,
-                            timeout_keep_alive=int(math.ceil(settings.keep_alive_seconds)))
+                            timeout_keep_alive=math.ceil(settings.keep_alive_seconds))
     server = DrainingServer(config, gate, settings.drain_timeout)
 
     def load_failed() -> None:

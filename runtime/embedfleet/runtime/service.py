@@ -11,7 +11,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -27,6 +27,7 @@ from embedfleet.runtime.settings import ModelEntry, RuntimeSettings
 from embedfleet.runtime.tenants import DEFAULT_TENANT, RequestOverQuota, Tenant
 
 log = logging.getLogger(__name__)
+WATCH_AFTER_S = 0.05  # work expected to finish sooner is not watched for a client leaving (see ModelService._rows)
 
 
 @dataclass
@@ -160,11 +161,11 @@ class ModelService:
         large ones, and any the client marks bulk, wait behind them (--max-queue-seconds-bulk)."""
         return not bulk and count <= self.settings.urgent_max_inputs
 
-    async def run(self, tokenized: list[Tokenized], disconnected: Awaitable[None] | None = None,
+    async def run(self, tokenized: list[Tokenized], disconnected: Callable[[], Awaitable[None]] | None = None,
                   urgent: bool | None = None, bounded: bool = False, deadline: float | None = None,
                   tenant: Tenant | None = None, arrived: float | None = None) -> RunResult:
-        """Through the tenant's quota and the batch manager; if the client goes first, its queued inputs
-        are dropped.
+        """Through the tenant's quota and the batch manager; if the client goes first (`disconnected()`
+        resolves), its queued inputs are dropped.
 
         `bounded`: refuse (QueueFull) when the expected wait, counted from `arrived`, passes
         --max-queue-seconds (urgent) or --max-queue-seconds-bulk; HTTP routes ask for it, the async
@@ -191,8 +192,7 @@ class ModelService:
         except (QueueFull, RequestOverQuota):
             self._runtime_metrics.tenant_refused.labels(name, "quota").inc()
             raise
-        watcher = asyncio.ensure_future(disconnected) if disconnected is not None else None
-        submit = partial(self._rows, urgent=urgent, watcher=watcher, max_wait=max_wait, deadline=deadline,
+        submit = partial(self._rows, urgent=urgent, disconnected=disconnected, max_wait=max_wait, deadline=deadline,
                          tenant=name, arrived=arrived)
         try:
             if self.vector_cache is not None and self.task == "embed":
@@ -209,23 +209,28 @@ class ModelService:
             if charged:  # the engine failed, or the client left: nothing was delivered
                 tenant.give_back(tokens)
             raise
-        finally:
-            if watcher is not None:
-                watcher.cancel()
         self._runtime_metrics.tenant_requests.labels(name, self.name).inc()
         self._runtime_metrics.tenant_tokens.labels(name, self.name).inc(tokens)
         return RunResult(rows, tokens)
 
-    async def _rows(self, tokenized: list[Tokenized], urgent: bool, watcher: asyncio.Future | None,
-                    max_wait: float | None = None, deadline: float | None = None, tenant: str = "",
-                    arrived: float | None = None) -> np.ndarray:
+    async def _rows(self, tokenized: list[Tokenized], urgent: bool,
+                    disconnected: Callable[[], Awaitable[None]] | None, max_wait: float | None = None,
+                    deadline: float | None = None, tenant: str = "", arrived: float | None = None) -> np.ndarray:
+        """Submit and wait. A client leaving is watched (a task reading the connection) only for work
+        expected to take WATCH_AFTER_S or more: dropping a query's few milliseconds of work saves
+        nothing, and the watcher costs every query a task and a wait on two futures."""
         job = self.batcher.submit(tokenized, urgent=urgent, max_wait=max_wait, deadline=deadline, tenant=tenant,
                                   arrived=arrived)
-        if watcher is None and deadline is None:
+        if deadline is None and (disconnected is None or self.batcher.expected_wait(urgent) < WATCH_AFTER_S):
             return await job.future
+        watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         waiting = {job.future} if watcher is None else {job.future, watcher}
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
         if job.future in done:
             return job.future.result()
         if watcher is not None and watcher in done:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from fastapi import FastAPI
 
 from embedfleet.runtime.api import errors
+from embedfleet.runtime.api.direct import DirectRoutes
 from embedfleet.runtime.api.gate import Gate, GateState
 from embedfleet.runtime.api.http import (
     JSON,
@@ -29,7 +30,7 @@ from embedfleet.runtime.api.http import (
     wait_disconnect,
     with_request_schemas,
 )
-from embedfleet.runtime.api.routes_embed import embed_router
+from embedfleet.runtime.api.routes_embed import embed_handlers, embed_router
 from embedfleet.runtime.api.routes_meta import meta_router
 from embedfleet.runtime.api.routes_rank import rank_router
 from embedfleet.runtime.service import Models
@@ -69,7 +70,14 @@ def create_app(models: Models, gate_state: GateState,
     app = FastAPI(title="embedfleet runtime", version="0.1.0", lifespan=lifespan, default_response_class=JSON,
                   description="OpenAI-, TEI- and Cohere-compatible embedding, rerank and classification server "
                   "with token-budget batching.")
-    errors.install(app, lambda status: metrics.errors.labels(str(status)).inc())
+    def count_error(status: int) -> None:
+        metrics.errors.labels(str(status)).inc()
+
+    errors.install(app, count_error)
+    hot = embed_handlers(models)
+    # Starlette wraps the app in middleware in reverse order of adding: the gate runs first, then the
+    # direct dispatch of the hot routes (api/direct.py), then FastAPI for everything else.
+    app.add_middleware(DirectRoutes, routes={("POST", path): h for path, h in hot.items()}, on_error=count_error)
     app.add_middleware(
         Gate, tenants=models.tenants,
         payload_limit=settings.payload_limit, max_concurrent=settings.max_concurrent_requests,
@@ -77,7 +85,7 @@ def create_app(models: Models, gate_state: GateState,
         refusing_all=models.refusing_all, expected_wait=models.expected_wait)
 
     # In this order, so the OpenAPI document lists the paths as it always has.
-    app.include_router(embed_router(models))
+    app.include_router(embed_router(hot))
     app.include_router(rank_router(models))
     app.include_router(meta_router(models, gate_state))
     if settings.redis_url:  # async jobs, workers and embedding cache on Redis (asyncq/); same checks as above

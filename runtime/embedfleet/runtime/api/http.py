@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 import orjson
@@ -164,7 +165,7 @@ async def run(svc: ModelService, tokenized: list[Tokenized], request: Request,
     deadline = deadline_of(request, body_timeout)
     urgent = svc.is_urgent(len(tokenized), is_bulk(request))
     try:
-        return await svc.run(tokenized, wait_disconnect(request.receive), urgent=urgent, bounded=True,
+        return await svc.run(tokenized, partial(wait_disconnect, request.receive), urgent=urgent, bounded=True,
                              deadline=deadline, tenant=tenant_of(request.scope), arrived=request.scope.get(ARRIVED))
     except ClientGone:
         log.debug("client went away; its queued inputs were dropped")

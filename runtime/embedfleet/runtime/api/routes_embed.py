@@ -1,10 +1,16 @@
-"""Embedding routes: OpenAI's /v1/embeddings and TEI's /embed, two wire shapes over one engine path."""
+"""Embedding routes: OpenAI's /v1/embeddings and TEI's /embed, two wire shapes over one engine path.
+
+`embed_handlers` are the route functions by path; `embed_router` registers them with FastAPI (for the
+OpenAPI document) and `create_app` also hands them to the gate's direct dispatch (api/direct.py), which
+is how requests actually reach them.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from embedfleet.runtime.api.bodies import embeddings_body
+from embedfleet.runtime.api.direct import Handler
 from embedfleet.runtime.api.gate import tenant_of
 from embedfleet.runtime.api.http import JSON, body_of, parse, run
 from embedfleet.runtime.api.prepare import prepare_embedding, select
@@ -13,13 +19,10 @@ from embedfleet.runtime.core.postprocess import finish
 from embedfleet.runtime.service import Models
 
 
-def embed_router(models: Models) -> APIRouter:
-    """The embedding routes over `models`; bodies are parsed by us (api/http.py), not by FastAPI."""
+def embed_handlers(models: Models) -> dict[str, Handler]:
+    """POST handlers by path; bodies are parsed by us (api/http.py), not by FastAPI."""
     settings = models.settings
-    router = APIRouter(default_response_class=JSON)
 
-    @router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, tags=["OpenAI"],
-                 openapi_extra=body_of(OpenAIEmbeddingRequest))
     async def openai_embeddings(request: Request):
         """OpenAI-compatible embeddings; vectors are unit length (as OpenAI's are)."""
         body = await parse(request, OpenAIEmbeddingRequest, settings.max_client_batch_size)
@@ -27,7 +30,6 @@ def embed_router(models: Models) -> APIRouter:
         result = await run(svc, await prepare_embedding(svc, body, body.input), request, body.timeout)
         return JSON(embeddings_body(svc.name, result.rows, result.tokens, body.dimensions, body.encoding_format))
 
-    @router.post("/embed", response_model=list[list[float]], tags=["TEI"], openapi_extra=body_of(TEIEmbedRequest))
     async def tei_embed(request: Request):
         """Text Embeddings Inference's /embed: a list of vectors in input order."""
         body = await parse(request, TEIEmbedRequest, settings.max_client_batch_size)
@@ -35,4 +37,14 @@ def embed_router(models: Models) -> APIRouter:
         result = await run(svc, await prepare_embedding(svc, body, body.inputs), request, body.timeout)
         return JSON(finish(result.rows, normalize=body.normalize, dimensions=body.dimensions))
 
+    return {"/v1/embeddings": openai_embeddings, "/embed": tei_embed}
+
+
+def embed_router(handlers: dict[str, Handler]) -> APIRouter:
+    """The FastAPI registration of `embed_handlers` (documentation, and any caller that bypasses the gate)."""
+    router = APIRouter(default_response_class=JSON)
+    router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, tags=["OpenAI"],
+                openapi_extra=body_of(OpenAIEmbeddingRequest))(handlers["/v1/embeddings"])
+    router.post("/embed", response_model=list[list[float]], tags=["TEI"],
+                openapi_extra=body_of(TEIEmbedRequest))(handlers["/embed"])
     return router
