@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_PATHS = [str(ROOT / "runtime"), str(ROOT / "operator"), str(ROOT / "client")]
+SOURCE_PATHS = [str(ROOT / "runtime"), str(ROOT / "operator"), str(ROOT / "client"), str(ROOT / "gateway")]
 sys.path[:0] = SOURCE_PATHS
 
 

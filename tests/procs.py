@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_PATHS = [str(ROOT / "runtime"), str(ROOT / "operator"), str(ROOT / "client")]
+SOURCE_PATHS = [str(ROOT / "runtime"), str(ROOT / "operator"), str(ROOT / "client"), str(ROOT / "gateway")]
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 _SPAWNED: list[subprocess.Popen] = []

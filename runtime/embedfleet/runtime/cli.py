@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("embedfleet.runtime.asyncq.cli", "consume async jobs from Redis"),
     "jobs": ("embedfleet.runtime.asyncq.jobs_cli", "inspect and replay async jobs (dead-letter stream)"),
     "embed": ("embedfleet.client.cli", "embed a file of texts through one or more endpoints (backfill)"),
+    "gateway": ("embedfleet.gateway.cli", "run the gateway: one front door routing requests by model to runtimes"),
 }
 
 

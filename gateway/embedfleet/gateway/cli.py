@@ -1,0 +1,164 @@
+"""`embedfleet gateway --upstream NAME=URL [--upstream NAME=URL ...]`: the fleet's front door.
+
+NAME is the served model name requests ask for (`model`); repeat a NAME for each replica of that
+deployment. `embedfleet gateway --kubernetes [--namespace NS ...]` takes the deployments and their
+replicas from the cluster instead (kube.py: EmbeddingDeployments and EndpointSlices, watched), with
+the in-cluster identity or $KUBECONFIG, and wakes deployments scaled to zero.
+
+Exit codes: 0 stopped (SIGTERM/SIGINT, after in-flight requests finished), 2 bad flags.
+On SIGTERM /ready turns 503 while requests keep being served, and the process exits once none is in
+flight (at most --drain-timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import sys
+
+import aiohttp
+from aiohttp import web
+
+from embedfleet.gateway.config import ConfigError, GatewayConfig, parse_upstreams
+from embedfleet.gateway.fleet import Fleet
+from embedfleet.gateway.metrics import GatewayMetrics
+from embedfleet.gateway.proxy import Gateway
+
+log = logging.getLogger("embedfleet.gateway")
+KEEPALIVE_S = 4.0  # under uvicorn's 5 s keep-alive, so the gateway closes an idle connection before a replica does
+D = GatewayConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--upstream", action="append", default=[], metavar="NAME=URL",
+                        help="a replica (http://HOST:PORT) of the deployment serving model NAME; repeat for more "
+                             "replicas and deployments")
+    parser.add_argument("--kubernetes", action="store_true",
+                        help="take deployments and replicas from the cluster (EmbeddingDeployments, EndpointSlices) "
+                             "and wake deployments at zero through their scale subresource")
+    parser.add_argument("--namespace", action="append", default=[], metavar="NS",
+                        help="with --kubernetes: watch this namespace (repeat); default: every namespace")
+    parser.add_argument("--host", default=D.host, help=f"address to bind (default: {D.host})")
+    parser.add_argument("--port", type=int, default=D.port, help=f"port to bind (default: {D.port})")
+    parser.add_argument("--poll-interval", type=float, default=D.poll_interval,
+                        help=f"seconds between polls of each replica's GET /load (default: {D.poll_interval})")
+    parser.add_argument("--held-poll-interval", type=float, default=D.held_poll_interval,
+                        help=f"the same while any request is held (default: {D.held_poll_interval})")
+    parser.add_argument("--poll-timeout", type=float, default=D.poll_timeout,
+                        help=f"a replica whose poll takes longer is down (default: {D.poll_timeout})")
+    parser.add_argument("--max-held", type=int, default=D.max_held,
+                        help=f"requests held per deployment while no replica is ready; beyond: 503 hold_full "
+                             f"(default: {D.max_held})")
+    parser.add_argument("--hold-timeout", type=float, default=D.hold_timeout,
+                        help=f"seconds a request is held at most; then 503 cold_start (default: {D.hold_timeout})")
+    parser.add_argument("--cold-start-default", type=float, default=D.cold_start_default,
+                        help="expected cold start (seconds) for Retry-After before one is observed "
+                             f"(default: {D.cold_start_default})")
+    parser.add_argument("--request-timeout", type=float, default=D.request_timeout,
+                        help="the gateway's deadline per request in seconds, sent down as X-Request-Timeout less "
+                             "the time held (default: none; a client's X-Request-Timeout is honoured either way)")
+    parser.add_argument("--payload-limit", type=int, default=D.payload_limit,
+                        help=f"largest request body in bytes; 413 beyond (default: {D.payload_limit})")
+    parser.add_argument("--max-connections-per-replica", type=int, default=D.max_connections_per_replica,
+                        help="keep-alive connections to one replica at most; 0: no limit (default: 0)")
+    parser.add_argument("--drain-timeout", type=float, default=D.drain_timeout,
+                        help=f"on SIGTERM, seconds in-flight requests may take to finish (default: {D.drain_timeout})")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    upstreams = parse_upstreams(args.upstream)
+    if args.kubernetes and upstreams:
+        raise ConfigError("--kubernetes takes the replicas from the cluster: drop --upstream")
+    if args.namespace and not args.kubernetes:
+        raise ConfigError("--namespace is for --kubernetes")
+    if not upstreams and not args.kubernetes:
+        raise ConfigError("no upstreams: give --upstream NAME=URL (once per replica), or --kubernetes")
+    return GatewayConfig(
+        upstreams=upstreams, host=args.host, port=args.port, poll_interval=args.poll_interval,
+        held_poll_interval=args.held_poll_interval, poll_timeout=args.poll_timeout, max_held=args.max_held,
+        hold_timeout=args.hold_timeout, cold_start_default=args.cold_start_default,
+        request_timeout=args.request_timeout, payload_limit=args.payload_limit,
+        max_connections_per_replica=args.max_connections_per_replica, drain_timeout=args.drain_timeout,
+        kubernetes=args.kubernetes, namespaces=tuple(args.namespace))
+
+
+async def serve(config: GatewayConfig) -> int:
+    work = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=config.max_connections_per_replica,
+                                       keepalive_timeout=KEEPALIVE_S),
+        auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+    polls = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+    rng = random.Random()
+    fleet = Fleet(config, polls, rng)
+    gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot), work, rng)
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    poller = asyncio.create_task(fleet.upstreams.run(), name="poll")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    source = watch_cluster(config, fleet, gateway, loop) if config.kubernetes else None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, config.host, config.port, backlog=1024).start()
+        log.info("gateway on %s:%d for %s", config.host, config.port,
+                 ", ".join(f"{name} ({len(urls)} replicas)" for name, urls in config.upstreams.items())
+                 or f"the EmbeddingDeployments of {', '.join(config.namespaces) or 'every namespace'}")
+        await stop.wait()
+        gateway.draining = True
+        deadline = loop.time() + config.drain_timeout
+        # a 20 ms poll is simpler than an event threaded through every request, and costs nothing here
+        while any(d.in_flight for d in fleet.deployments.values()) and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        log.info("stopping")
+    finally:
+        if source is not None:
+            source.stop()
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
+        await runner.cleanup()
+        await work.close()
+        await polls.close()
+    return 0
+
+
+def watch_cluster(config: GatewayConfig, fleet: Fleet, gateway: Gateway, loop: asyncio.AbstractEventLoop):
+    """Kubernetes mode: the fleet's routes from the cluster's watches; holding wakes a deployment."""
+    import kubernetes
+
+    from embedfleet.gateway.kube import KubeSource
+
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    source = KubeSource(kubernetes.client.ApiClient(), config.namespaces, fleet.set_routes, loop)
+    fleet.on_hold = lambda deployment: loop.create_task(source.wake(deployment.name))
+    gateway.synced = source.synced.is_set
+    source.start()
+    return source
+
+
+def _event_loop_factory():
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"embedfleet gateway: {exc}", file=sys.stderr)
+        return 2
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        return runner.run(serve(config))

@@ -1,0 +1,68 @@
+"""The gateway's settings: one frozen object, built from the flags and checked before anything starts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from embedfleet.gateway.coldstart import DEFAULT_COLD_START_S
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    upstreams: dict[str, list[str]] = field(default_factory=dict)  # deployment (served model name) -> replica URLs
+    host: str = "0.0.0.0"
+    port: int = 8000
+    poll_interval: float = 0.5  # seconds between polls of every replica's GET /load
+    held_poll_interval: float = 0.1  # the same while any request is held
+    poll_timeout: float = 2.0  # a poll slower than this marks the replica down
+    max_held: int = 256  # held requests per deployment; beyond: 503 hold_full
+    hold_timeout: float = 60.0  # longest a request is held; then 503 cold_start
+    cold_start_default: float = DEFAULT_COLD_START_S  # expected cold start before one is observed
+    request_timeout: float | None = None  # the gateway's own deadline per request (sent down reduced)
+    payload_limit: int = 2_000_000  # bytes; 413 beyond
+    max_connections_per_replica: int = 0  # 0: no limit
+    drain_timeout: float = 30.0  # on SIGTERM: how long in-flight (and held) requests may finish
+    kubernetes: bool = False  # replicas from the cluster (kube.py) instead of `upstreams`
+    namespaces: tuple[str, ...] = ()  # Kubernetes mode: watch these; empty: every namespace
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port must be 1..65535, not {self.port}")
+        for flag, value in (("--poll-interval", self.poll_interval), ("--held-poll-interval", self.held_poll_interval),
+                            ("--poll-timeout", self.poll_timeout), ("--hold-timeout", self.hold_timeout)):
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{flag} must be a positive number of seconds, not {value}")
+        for flag, value in (("--cold-start-default", self.cold_start_default),
+                            ("--drain-timeout", self.drain_timeout)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{flag} must be >= 0 seconds, not {value}")
+        if self.request_timeout is not None and not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
+            raise ConfigError(f"--request-timeout must be a positive number of seconds, not {self.request_timeout}")
+        for flag, value in (("--max-held", self.max_held),
+                            ("--max-connections-per-replica", self.max_connections_per_replica)):
+            if value < 0:
+                raise ConfigError(f"{flag} must be >= 0, not {value}")
+        if self.payload_limit < 1:
+            raise ConfigError(f"--payload-limit must be >= 1 byte, not {self.payload_limit}")
+
+
+def parse_upstreams(values: list[str]) -> dict[str, list[str]]:
+    """["NAME=URL", ...] -> {NAME: [URL, ...]} in the order given; a NAME repeated adds replicas."""
+    out: dict[str, list[str]] = {}
+    for value in values:
+        name, sep, url = value.partition("=")
+        name, url = name.strip(), url.strip().rstrip("/")
+        parts = urlsplit(url)
+        if not sep or not name:
+            raise ConfigError(f"--upstream {value!r}: expected NAME=URL (NAME: the served model name)")
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+            raise ConfigError(f"--upstream {value!r}: the URL must be http(s)://HOST[:PORT], without a path")
+        if url not in out.setdefault(name, []):
+            out[name].append(url)
+    return out

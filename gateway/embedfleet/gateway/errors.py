@@ -1,0 +1,33 @@
+"""The gateway's own answers use the runtime's one error shape: {"error": {"message", "type", "code"}}.
+
+Kept here rather than imported from the runtime, so that the gateway never imports the runtime's web
+stack; the shape is the contract (the types mirror runtime/api/errors.py).
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+TYPES = {
+    400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+    422: "invalid_request_error", 502: "server_error", 503: "service_unavailable", 504: "timeout_error",
+}
+
+
+class Refused(Exception):
+    """An answer the gateway gives itself, without (or instead of) the upstream's."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": TYPES.get(status, "error"), "code": code}})
+
+
+def error_response(refused: Refused) -> web.Response:
+    headers = {"retry-after": str(refused.retry_after)} if refused.retry_after is not None else None
+    return web.Response(body=error_body(refused.status, refused.message, refused.code), status=refused.status,
+                        content_type="application/json", headers=headers)

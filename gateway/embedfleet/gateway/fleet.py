@@ -1,0 +1,196 @@
+"""The deployments the gateway fronts: for each, its replicas, its held requests and its cold start.
+
+`acquire` gives a request a replica at once (pick's least-wait choice, counted in flight before it
+returns) or, when none can take work, holds it until one can. When a poll finds one, the held
+requests are handed out oldest first, each to the least-wait replica at that moment, in the same
+step, so no later request overtakes them. A hold is bounded in number (--max-held) and in time
+(--hold-timeout); both refusals say when to come back from the deployment's learned cold start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from embedfleet.gateway.coldstart import ColdStart
+from embedfleet.gateway.config import GatewayConfig
+from embedfleet.gateway.errors import Refused
+from embedfleet.gateway.hold import Held, HeldQueue
+from embedfleet.gateway.pick import ROUTABLE, pick
+from embedfleet.gateway.upstreams import Replica, Upstreams
+
+
+@dataclass
+class Deployment:
+    name: str
+    held: HeldQueue[asyncio.Future[Replica]]
+    cold: ColdStart
+    in_flight: int = 0  # requests the gateway is handling for it, held ones included
+    last_request_at: float | None = None  # time.monotonic() of the latest arrival
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One request's place in line: its arrival number, and when it was first held (if ever)."""
+
+    arrival: int
+    held_since: float | None = None
+    hold: Held | None = field(default=None, repr=False)
+
+
+class Fleet:
+    def __init__(self, config: GatewayConfig, poll_session: aiohttp.ClientSession,
+                 rng: random.Random | None = None, now: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.rng = rng or random.Random()
+        self.now = now
+        self.deployments: dict[str, Deployment] = {}
+        # Kubernetes mode: served model name -> deployment ("<namespace>/<name>"); empty: names are models
+        self.aliases: dict[str, str] = {}
+        self.on_hold: Callable[[Deployment], None] | None = None  # a request was held for it (waking)
+        self.upstreams = Upstreams(poll_session, poll_interval=config.poll_interval,
+                                   held_poll_interval=config.held_poll_interval, poll_timeout=config.poll_timeout,
+                                   on_change=self._replicas_changed, holding=self.holding, now=now)
+        self._arrivals = 0
+        for name, urls in config.upstreams.items():
+            self.set_replicas(name, urls)
+
+    # -- the replica set (flags now, EndpointSlices on Kubernetes)
+
+    def set_replicas(self, name: str, urls: list[str]) -> None:
+        """`name`'s replicas are now `urls` (an empty list keeps the deployment known: requests for it
+        are held until a replica appears)."""
+        if name not in self.deployments:
+            self.deployments[name] = Deployment(name, HeldQueue(self.config.max_held),
+                                                ColdStart(default_s=self.config.cold_start_default))
+        self.upstreams.set_replicas(name, urls)
+
+    def set_routes(self, routes: dict[str, tuple[str, list[str]]]) -> None:
+        """Kubernetes mode (kube.py): served model name -> (deployment, replica URLs), the whole set.
+        A deployment that left the cluster is forgotten unless requests are still held for it (they
+        then wait out their hold and are refused as any cold start is)."""
+        self.aliases = {model: key for model, (key, _) in routes.items()}
+        for key, urls in routes.values():
+            self.set_replicas(key, urls)
+        live = set(self.aliases.values())
+        for key in [k for k, d in self.deployments.items() if k not in live]:
+            self.upstreams.set_replicas(key, [])
+            if not len(self.deployments[key].held) and not self.deployments[key].in_flight:
+                del self.deployments[key]
+                self.upstreams.deployments.pop(key, None)
+
+    # -- requests
+
+    def resolve(self, model: str | None) -> Deployment:
+        """The deployment serving `model`; when the body names none, the only deployment there is."""
+        names = sorted(self.aliases) if self.aliases else sorted(self.deployments)
+        if model is None:
+            if len(self.deployments) == 1:
+                return next(iter(self.deployments.values()))
+            raise Refused(400, "the request names no model and this gateway serves several: set `model` to one of "
+                          f"{names}", "model_required")
+        deployment = self.deployments.get(self.aliases.get(model, "") if self.aliases else model)
+        if deployment is None:
+            raise Refused(404, f"the model {model!r} does not exist here; this gateway serves {names}",
+                          "model_not_found")
+        return deployment
+
+    def begin(self, deployment: Deployment) -> Ticket:
+        deployment.in_flight += 1
+        deployment.last_request_at = self.now()
+        self._arrivals += 1
+        return Ticket(self._arrivals)
+
+    def end(self, deployment: Deployment) -> None:
+        deployment.in_flight -= 1
+
+    async def acquire(self, deployment: Deployment, ticket: Ticket, deadline: float | None) -> Replica:
+        """A replica for the request, counted in flight (give it back with `done`), at once or after a
+        hold. Refused: 503 hold_full / cold_start with Retry-After, or 504 when `deadline` passes."""
+        replica = pick(self.upstreams.replicas(deployment.name), self.rng)
+        if replica is not None:
+            replica.in_flight += 1
+            return replica
+        now = self.now()
+        if ticket.held_since is None:
+            ticket.held_since = now
+        future: asyncio.Future[Replica] = asyncio.get_running_loop().create_future()
+        ticket.hold = Held(ticket.arrival, ticket.held_since, future)
+        if not deployment.held.admit(ticket.hold):
+            raise Refused(503, f"{deployment.name} has no replica ready and already holds {deployment.held.bound} "
+                          "requests (--max-held); retry later", "hold_full", self._retry_after(deployment, now))
+        self.upstreams.poll_now()  # a replica that just came up is found now, not at the next tick
+        if self.on_hold is not None:
+            self.on_hold(deployment)
+        hold_until = ticket.held_since + self.config.hold_timeout
+        until = hold_until if deadline is None else min(hold_until, deadline)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), max(0.0, until - now))
+        except TimeoutError:
+            if future.done():  # released in the same instant
+                return future.result()
+            deployment.held.remove(ticket.hold)
+            now = self.now()
+            if deadline is not None and deadline <= hold_until:
+                raise Refused(504, "the request's deadline passed while no replica of "
+                              f"{deployment.name} was ready", "deadline_exceeded") from None
+            deployment.cold.observe_at_least(now - ticket.held_since)
+            raise Refused(503, f"{deployment.name} has had no replica ready for {now - ticket.held_since:.0f}s "
+                          "(--hold-timeout); it is starting from cold, retry later", "cold_start",
+                          self._retry_after(deployment, now, ticket.held_since)) from None
+        except asyncio.CancelledError:  # the client left while held
+            if future.done() and not future.cancelled():
+                future.result().in_flight -= 1
+            else:
+                deployment.held.remove(ticket.hold)
+            raise
+
+    def done(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+
+    def _retry_after(self, deployment: Deployment, now: float, cold_since: float | None = None) -> int:
+        """Seconds until the deployment is expected to be ready: the learned cold start less how long it
+        has been cold (since its oldest held request, or `cold_since`)."""
+        since = [h.since for h in (deployment.held.oldest(),) if h is not None]
+        if cold_since is not None:
+            since.append(cold_since)
+        return deployment.cold.retry_after(now - min(since) if since else 0.0)
+
+    def _replicas_changed(self, name: str) -> None:
+        """Hand every held request of `name`, oldest first, to the least-wait replica at that moment."""
+        deployment = self.deployments.get(name)
+        if deployment is None or not len(deployment.held):
+            return
+        replicas = self.upstreams.replicas(name)
+        if not any(r.state in ROUTABLE for r in replicas):
+            return
+        now = self.now()
+        oldest = deployment.held.oldest()
+        deployment.cold.observe(now - oldest.since)
+        for held in deployment.held.release():
+            replica = pick(replicas, self.rng)
+            replica.in_flight += 1
+            held.item.set_result(replica)
+
+    def holding(self) -> bool:
+        return any(len(d.held) for d in self.deployments.values())
+
+    def snapshot(self) -> dict[str, dict]:
+        """Per deployment: in flight (held included), held, replicas able to take work, replicas, and
+        seconds since the latest request (None: none yet). What an autoscaler reads."""
+        now = self.now()
+        out = {}
+        for name, d in self.deployments.items():
+            replicas = self.upstreams.replicas(name)
+            out[name] = {
+                "in_flight": d.in_flight, "held": len(d.held),
+                "ready_replicas": sum(r.state in ROUTABLE for r in replicas), "replicas": len(replicas),
+                "last_request_age_s": None if d.last_request_at is None else round(now - d.last_request_at, 3),
+                "expected_cold_start_s": round(d.cold.expected_s(), 3),
+            }
+        return out

@@ -1,0 +1,242 @@
+"""Kubernetes mode (`embedfleet gateway --kubernetes`): the fleet's replicas from the cluster itself.
+
+Two watches (list, then watch from the list's resourceVersion; a fresh list when the server says the
+version is gone) feed the same `Fleet` the static `--upstream` flags feed:
+
+* EmbeddingDeployments: the served model name a request asks for (`spec.model.servedModelName`, else
+  the object's name, as the runtime is told) -> the deployment `<namespace>/<name>`, whose runtime
+  Service has the deployment's name (operator/render.py).
+* EndpointSlices of those Services: the addresses that may take work. An endpoint that is not `ready`,
+  or is `terminating`, is dropped at once: a pod being deleted leaves the slice before its runtime's
+  own /ready turns false, so draining replicas stop getting new requests first.
+
+Waking from zero: when the gateway holds a request for a deployment with no ready replica, it sets the
+EmbeddingDeployment's scale subresource to 1 if it is at 0 (the operator's autoscaler acts on that change
+at once and goes on from one replica). That is the whole of its write access (the chart's ClusterRole).
+
+The watches run on threads (the kubernetes client is synchronous) and hand their results to the event
+loop; nothing on the event loop ever waits on the API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kubernetes
+from kubernetes.client.rest import ApiException
+
+from embedfleet.operator.crd import naming
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+WATCH_TIMEOUT_S = 300  # the server ends a watch after this; it is resumed from the last resourceVersion
+RETRY_S = 2.0  # after an error talking to the API server
+WAKE_EVERY_S = 5.0  # at most one wake per deployment this often while requests are held
+
+
+def deployment_key(namespace: str, name: str) -> str:
+    """How the gateway names a deployment to the operator (GET /gateway/load)."""
+    return f"{namespace}/{name}"
+
+
+def served_name(obj: Mapping[str, Any]) -> str:
+    """The model name requests use for this EmbeddingDeployment (as render.runtime_env tells the runtime)."""
+    model = (obj.get("spec") or {}).get("model") or {}
+    return model.get("servedModelName") or obj["metadata"]["name"]
+
+
+def replica_urls(slice_: Mapping[str, Any], port_name: str = "http") -> list[str]:
+    """http://ADDRESS:PORT of every endpoint of an EndpointSlice that may take new work: ready (an
+    absent condition counts as ready, per the API) and not terminating."""
+    ports = slice_.get("ports") or []
+    port = next((p.get("port") for p in ports if p.get("name") == port_name), None)
+    if port is None and len(ports) == 1:
+        port = ports[0].get("port")
+    if port is None:
+        return []
+    out = []
+    for endpoint in slice_.get("endpoints") or []:
+        conditions = endpoint.get("conditions") or {}
+        if conditions.get("ready") is False or conditions.get("terminating") is True:
+            continue
+        for address in endpoint.get("addresses") or []:
+            host = f"[{address}]" if ":" in address else address
+            out.append(f"http://{host}:{port}")
+    return sorted(set(out))
+
+
+@dataclass
+class ClusterView:
+    """What the watches have seen: pure bookkeeping, turned into the fleet's replica sets by `routes`."""
+
+    deployments: dict[str, str] = field(default_factory=dict)  # "<ns>/<name>" -> served model name
+    slices: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # "<ns>/<slice>" -> ("<ns>/<svc>", urls)
+
+    def routes(self) -> dict[str, tuple[str, list[str]]]:
+        """served model name -> (deployment key, replica URLs). Two deployments serving one name: the
+        first by key wins (a warning names the other), so routing never flips between them."""
+        out: dict[str, tuple[str, list[str]]] = {}
+        urls: dict[str, set[str]] = {}
+        for service, found in self.slices.values():
+            urls.setdefault(service, set()).update(found)
+        for key in sorted(self.deployments):
+            model = self.deployments[key]
+            if model in out:
+                log.warning("%s and %s both serve the model %r; requests go to %s", out[model][0], key, model,
+                            out[model][0])
+                continue
+            out[model] = (key, sorted(urls.get(key, ())))
+        return out
+
+
+class KubeSource:
+    """Keeps `apply(routes)` called with the cluster's current routes; wakes deployments at zero."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient, namespaces: Iterable[str],
+                 apply: Callable[[dict[str, tuple[str, list[str]]]], None], loop: asyncio.AbstractEventLoop) -> None:
+        self.api = api_client
+        self.namespaces = list(namespaces)
+        self.apply = apply
+        self.loop = loop
+        self.view = ClusterView()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._woken: dict[str, float] = {}
+        self._threads: list[threading.Thread] = []
+        self.synced = threading.Event()  # both first lists are in
+        self._listed: set[str] = set()
+
+    # -- watches -------------------------------------------------------------------------------
+    def start(self) -> None:
+        custom = kubernetes.client.CustomObjectsApi(self.api)
+        discovery = kubernetes.client.DiscoveryV1Api(self.api)
+        scopes = self.namespaces or [None]
+        for ns in scopes:
+            if ns is None:
+                eds = lambda **kw: custom.list_cluster_custom_object(  # noqa: E731
+                    naming.GROUP, naming.VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL, **kw)
+                slices = discovery.list_endpoint_slice_for_all_namespaces
+            else:
+                eds = lambda ns=ns, **kw: custom.list_namespaced_custom_object(  # noqa: E731
+                    naming.GROUP, naming.VERSION, ns, naming.EMBEDDING_DEPLOYMENT_PLURAL, **kw)
+                slices = lambda ns=ns, **kw: discovery.list_namespaced_endpoint_slice(ns, **kw)  # noqa: E731
+            self._spawn(f"eds-{ns or 'all'}", eds, self._on_deployment, ns)
+            self._spawn(f"slices-{ns or 'all'}", slices, self._on_slice, ns)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _spawn(self, name: str, list_fn, handle, ns: str | None) -> None:
+        thread = threading.Thread(target=self._watch, args=(list_fn, handle, ns, name), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _watch(self, list_fn, handle: Callable[[str, dict, str | None], None], ns: str | None, tag: str) -> None:
+        while not self._stop.is_set():
+            try:
+                listed = self.api.sanitize_for_serialization(list_fn(_request_timeout=30))
+                with self._lock:
+                    handle("RESET", listed, ns)
+                self._listed.add(tag)
+                if len(self._listed) == 2 * len(self.namespaces or [None]):
+                    self.synced.set()
+                self._publish()
+                version = listed["metadata"].get("resourceVersion")
+                watch = kubernetes.watch.Watch()
+                for event in watch.stream(list_fn, resource_version=version, timeout_seconds=WATCH_TIMEOUT_S,
+                                          allow_watch_bookmarks=True, _request_timeout=WATCH_TIMEOUT_S + 30):
+                    if self._stop.is_set():
+                        watch.stop()
+                        return
+                    kind = event["type"]
+                    obj = event["raw_object"]
+                    if kind == "BOOKMARK":
+                        continue
+                    if kind == "ERROR":
+                        break  # 410 Gone and friends: list again
+                    with self._lock:
+                        handle(kind, obj, ns)
+                    self._publish()
+            except ApiException as exc:
+                log.warning("watch %s: %s %s; listing again in %gs", tag, exc.status, exc.reason, RETRY_S)
+                self._stop.wait(RETRY_S)
+            except Exception as exc:  # network trouble: the view stays as it was until the next list
+                log.warning("watch %s: %s: %s; listing again in %gs", tag, type(exc).__name__, exc, RETRY_S)
+                self._stop.wait(RETRY_S)
+
+    @staticmethod
+    def _in_scope(key: str, ns: str | None) -> bool:
+        return ns is None or key.split("/", 1)[0] == ns
+
+    def _on_deployment(self, kind: str, obj: dict, ns: str | None) -> None:
+        """One watch event (or RESET: a fresh list of scope `ns`, None for all namespaces)."""
+        if kind == "RESET":
+            kept = {k: v for k, v in self.view.deployments.items() if not self._in_scope(k, ns)}
+            fresh = {deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): served_name(i)
+                     for i in obj.get("items") or []}
+            self.view.deployments = kept | fresh
+            return
+        key = deployment_key(obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if kind == "DELETED":
+            self.view.deployments.pop(key, None)
+        else:
+            self.view.deployments[key] = served_name(obj)
+
+    def _on_slice(self, kind: str, obj: dict, ns: str | None) -> None:
+        def entry(s: dict) -> tuple[str, tuple[str, list[str]]] | None:
+            service = (s["metadata"].get("labels") or {}).get(SERVICE_NAME_LABEL)
+            if not service:
+                return None
+            namespace = s["metadata"]["namespace"]
+            return deployment_key(namespace, s["metadata"]["name"]), (deployment_key(namespace, service),
+                                                                      replica_urls(s))
+
+        if kind == "RESET":
+            kept = {k: v for k, v in self.view.slices.items() if not self._in_scope(k, ns)}
+            self.view.slices = kept | dict(e for e in map(entry, obj.get("items") or []) if e is not None)
+            return
+        found = entry(obj)
+        if found is None:
+            return
+        if kind == "DELETED":
+            self.view.slices.pop(found[0], None)
+        else:
+            self.view.slices[found[0]] = found[1]
+
+    def _publish(self) -> None:
+        with self._lock:
+            routes = self.view.routes()
+        self.loop.call_soon_threadsafe(self.apply, routes)
+
+    # -- waking ----------------------------------------------------------------------------------
+    async def wake(self, key: str) -> None:
+        """Scale `<ns>/<name>` from 0 to 1 (scale subresource), at most once per WAKE_EVERY_S."""
+        now = time.monotonic()
+        if now - self._woken.get(key, float("-inf")) < WAKE_EVERY_S:
+            return
+        self._woken[key] = now
+        await asyncio.to_thread(self._wake, key)
+
+    def _wake(self, key: str) -> None:
+        namespace, name = key.split("/", 1)
+        custom = kubernetes.client.CustomObjectsApi(self.api)
+        args = (naming.GROUP, naming.VERSION, namespace, naming.EMBEDDING_DEPLOYMENT_PLURAL, name)
+        try:
+            scale = custom.get_namespaced_custom_object_scale(*args, _request_timeout=10)
+            replicas = ((scale or {}).get("spec") or {}).get("replicas") or 0
+            if replicas > 0:
+                return  # already on its way (or scaled by someone else): nothing to do
+            custom.patch_namespaced_custom_object_scale(*args, {"spec": {"replicas": 1}}, _request_timeout=10,
+                                                        _content_type="application/merge-patch+json")
+            log.info("woke %s: scale 0 -> 1 (requests held)", key)
+        except ApiException as exc:
+            log.warning("could not wake %s: %s %s", key, exc.status, exc.reason)
+        except Exception as exc:
+            log.warning("could not wake %s: %s: %s", key, type(exc).__name__, exc)

@@ -1,0 +1,330 @@
+"""The gateway's HTTP face: each work request goes, by its model, to a replica of that deployment,
+and the replica's answer goes back byte for byte (never re-serialised): streamed as it comes, or, when
+it is short and its length known, in one write.
+
+Per request: read the body (--payload-limit), find `model` (400 malformed JSON, 404 unknown model,
+400 no model while several are served), take a replica from the fleet (at once, or after a hold), send
+the request with the headers that matter and the time left of its deadline, and stream the answer.
+A replica that did not take the request (503 `draining`, connection refused or reset before any
+answer) is marked so at once and the request goes to another one, or back to the hold; once a replica
+may have run it (an answer began, or a timeout after sending) it is never sent again.
+
+The gateway's own routes: /health, /ready, /metrics, /gateway/load (what an autoscaler reads), and
+GET /v1/models merged over the deployments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from collections.abc import Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
+
+from embedfleet.gateway.config import GatewayConfig
+from embedfleet.gateway.errors import Refused, error_response
+from embedfleet.gateway.fleet import Deployment, Fleet, Ticket
+from embedfleet.gateway.metrics import UNKNOWN, GatewayMetrics
+from embedfleet.gateway.pick import State, pick
+from embedfleet.gateway.upstreams import Replica
+
+log = logging.getLogger("embedfleet.gateway.proxy")
+
+PASS_REQUEST_HEADERS = ("authorization", "content-type", "accept", "accept-encoding", "x-priority", "x-request-id",
+                        "traceparent", "tracestate", "user-agent")
+DROP_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+                                   "proxy-authenticate", "proxy-connection", "content-length", "date", "server"})
+CONNECT_TIMEOUT_S = 3.0  # a replica that does not accept a connection in this long did not get the request
+DEADLINE_GRACE_S = 2.0  # past the deadline sent down, the gateway stops waiting (the runtime answers 504 itself)
+EXTRA_ATTEMPTS = 3  # beyond one per replica: replicas can come back between attempts
+JSON_TYPE = "application/json"
+WHOLE_BELOW = 256 * 1024  # answers up to this size are passed on in one write; longer ones stream as they come
+NOT_RESENT_ON_DISCONNECT = ("/async/",)  # creates a job: not idempotent
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # work: a JSON body naming its model
+
+
+def _draining(raw: bytes) -> bool:
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("error"), dict) and doc["error"].get("code") == "draining"
+
+
+def _timeout(value: object) -> float | None:
+    """A positive finite number of seconds, or None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    return None
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, fleet: Fleet, metrics: GatewayMetrics,
+                 session: aiohttp.ClientSession, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.metrics = metrics
+        self.session = session  # keep-alive pool to the replicas, for work
+        self.rng = rng or random.Random()
+        self.draining = False
+        self.synced: Callable[[], bool] = lambda: True  # Kubernetes mode: the first lists are in
+        self._no_deadline = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.payload_limit)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/gateway/load", self.load)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        return app
+
+    # -- the gateway's own routes
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"}, dumps=_dumps)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503, dumps=_dumps)
+        if not self.synced():  # it would answer 404 for every model it has not yet seen
+            return web.json_response({"status": "syncing"}, status=503, dumps=_dumps)
+        return web.json_response({"status": "ready"}, dumps=_dumps)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def load(self, request: web.Request) -> web.Response:
+        return web.json_response({"deployments": self.fleet.snapshot(), "draining": self.draining}, dumps=_dumps)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """Every deployment's models, asked of one replica each; a deployment with none ready is listed by
+        name. A replica's refusal (a wrong API key) is the answer."""
+        headers = self._headers(request, None)
+
+        async def ask(name: str) -> tuple[str, int | None, bytes]:
+            replica = pick(self.fleet.upstreams.replicas(name), self.rng)
+            if replica is None:
+                return name, None, b""
+            try:
+                async with self.session.get(f"{replica.url}/v1/models", headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    return name, resp.status, await resp.read()
+            except (aiohttp.ClientError, TimeoutError):
+                return name, None, b""
+
+        answers = await asyncio.gather(*(ask(name) for name in self.fleet.deployments))
+        data, seen = [], set()
+        for name, status, raw in answers:
+            if status is not None and status != 200:
+                self.metrics.requests.labels(UNKNOWN, str(status)).inc()
+                return web.Response(body=raw, status=status, content_type=JSON_TYPE)
+            try:
+                cards = orjson.loads(raw)["data"] if status == 200 else None
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                cards = None
+            if not isinstance(cards, list):
+                cards = [{"id": name, "object": "model", "owned_by": "embedfleet", "ready": False}]
+            for card in cards:
+                if isinstance(card, dict) and card.get("id") not in seen:
+                    seen.add(card.get("id"))
+                    data.append(card)
+        self.metrics.requests.labels(UNKNOWN, "200").inc()
+        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+    # -- work
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        arrived = self.fleet.now()
+        try:
+            body = await self._read_body(request)
+            model, body_timeout = self._model_of(request, body)
+            deployment = self.fleet.resolve(model)
+        except Refused as refused:
+            return self._refuse(refused, UNKNOWN)
+        ticket = self.fleet.begin(deployment)
+        try:
+            deadline = self._deadline(request, arrived, body_timeout)
+            return await self._send(request, deployment, ticket, body, deadline)
+        except Refused as refused:
+            return self._refuse(refused, deployment.name)
+        finally:
+            self.fleet.end(deployment)
+
+    def _refuse(self, refused: Refused, deployment: str) -> web.Response:
+        self.metrics.requests.labels(deployment, str(refused.status)).inc()
+        response = error_response(refused)
+        if refused.status == 413:
+            response.force_close()  # the body was left unread
+        return response
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        if not request.body_exists:
+            return b""
+        limit = self.config.payload_limit
+        length = request.content_length
+        if length is not None and length > limit:
+            raise Refused(413, f"request body of {length} bytes is over the payload limit of {limit} bytes "
+                          "(--payload-limit)", "payload_too_large")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise Refused(413, f"request body is over the payload limit of {limit} bytes (--payload-limit)",
+                          "payload_too_large") from None
+
+    @staticmethod
+    def _model_of(request: web.Request, body: bytes) -> tuple[str | None, float | None]:
+        """The served model the request names (body `model`, or `?model=` on a GET or DELETE) and the
+        body's `timeout`, if any."""
+        if request.method not in BODY_METHODS:
+            return request.query.get("model"), None
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise Refused(400, f"malformed JSON body: {exc}", "invalid_json") from None
+        if not isinstance(doc, dict):
+            return None, None
+        model = doc.get("model")
+        if model is not None and not isinstance(model, str):
+            raise Refused(400, f"`model` must be a string naming a served model, not {type(model).__name__}",
+                          "invalid_request")
+        return model, _timeout(doc.get("timeout"))
+
+    def _deadline(self, request: web.Request, arrived: float, body_timeout: float | None) -> float | None:
+        """When the request must be answered (time.monotonic()): the soonest of the client's
+        X-Request-Timeout, its body's `timeout` and --request-timeout; None without any."""
+        timeouts = [t for t in (body_timeout, self.config.request_timeout) if t is not None]
+        raw = request.headers.get("x-request-timeout")
+        if raw is not None:
+            try:
+                value = _timeout(float(raw))
+            except ValueError:
+                value = None
+            if value is None:
+                raise Refused(422, f"X-Request-Timeout must be a positive number of seconds, not {raw!r}",
+                              "invalid_timeout")
+            timeouts.append(value)
+        return arrived + min(timeouts) if timeouts else None
+
+    def _headers(self, request: web.Request, deadline: float | None) -> dict[str, str]:
+        headers = {name: value for name in PASS_REQUEST_HEADERS if (value := request.headers.get(name)) is not None}
+        if deadline is not None:
+            left = deadline - self.fleet.now()
+            if left <= 0:
+                raise Refused(504, "the request's deadline passed before a replica could take it",
+                              "deadline_exceeded")
+            headers["x-request-timeout"] = f"{left:.3f}"
+        return headers
+
+    async def _send(self, request: web.Request, deployment: Deployment, ticket: Ticket, body: bytes,
+                    deadline: float | None) -> web.StreamResponse:
+        attempts = 0
+        while True:
+            replica = await self.fleet.acquire(deployment, ticket, deadline)
+            try:
+                answer = await self._exchange(request, deployment, replica, ticket, body, deadline)
+            finally:
+                self.fleet.done(replica)
+            if answer is not None:
+                return answer
+            attempts += 1
+            if attempts >= len(self.fleet.upstreams.replicas(deployment.name)) + EXTRA_ATTEMPTS:
+                raise Refused(502, f"no replica of {deployment.name} took the request after {attempts} attempts",
+                              "upstream_unavailable")
+
+    async def _exchange(self, request: web.Request, deployment: Deployment, replica: Replica, ticket: Ticket,
+                        body: bytes, deadline: float | None) -> web.StreamResponse | None:
+        """One attempt on `replica`: its answer streamed back, or None when it did not take the request
+        (marked so; the caller tries again)."""
+        headers = self._headers(request, deadline)
+        timeout = self._no_deadline if deadline is None else \
+            aiohttp.ClientTimeout(total=deadline - self.fleet.now() + DEADLINE_GRACE_S, sock_connect=CONNECT_TIMEOUT_S)
+        upstreams = self.fleet.upstreams
+        sent = self.fleet.now()
+        try:
+            upstream = await self.session.request(request.method, URL(replica.url + request.raw_path, encoded=True),
+                                                  data=body or None, headers=headers, timeout=timeout)
+        except aiohttp.ConnectionTimeoutError as exc:
+            return self._not_taken(deployment, replica, State.DOWN, "connect", f"connect timed out: {exc}")
+        except TimeoutError:
+            raise Refused(504, f"no answer from {deployment.name} within the request's deadline",
+                          "upstream_timeout") from None
+        except aiohttp.ClientConnectorError as exc:  # refused, unreachable: the replica never saw it
+            return self._not_taken(deployment, replica, State.DOWN, "connect", f"{type(exc).__name__}: {exc}")
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # closed or reset before any answer: most often a kept-alive connection the replica had just
+            # closed, so the replica is not marked (a dead one refuses the next connection). A job
+            # submission is not sent twice: the job may have been stored before the connection dropped.
+            if request.path.startswith(NOT_RESENT_ON_DISCONNECT):
+                raise Refused(502, f"a replica of {deployment.name} closed the connection before answering; the "
+                              "job may or may not have been stored", "upstream_disconnected") from None
+            return self._not_taken(deployment, replica, None, "disconnected", f"{type(exc).__name__}: {exc}")
+        except aiohttp.ClientError as exc:
+            raise Refused(502, f"bad answer from a replica of {deployment.name}: {exc}", "bad_gateway") from None
+        async with upstream:
+            first_byte = self.fleet.now()
+            upstreams.answered(replica, upstream.headers)
+            length = upstream.content_length
+            if upstream.status == 503 or (length is not None and length <= WHOLE_BELOW):
+                # read whole: a 503 to see whether it is `draining`; a short answer to pass on in one write
+                try:
+                    raw = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise Refused(502, f"the answer from a replica of {deployment.name} broke off: {exc}",
+                                  "upstream_broke_off") from None
+                if upstream.status == 503 and _draining(raw):
+                    return self._not_taken(deployment, replica, State.DRAINING, "draining", "answered 503 draining")
+                self._answered(deployment, ticket, upstream.status, first_byte, sent)
+                return web.Response(body=raw, status=upstream.status, reason=upstream.reason,
+                                    headers=self._response_headers(upstream))
+            self._answered(deployment, ticket, upstream.status, first_byte, None)
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                          headers=self._response_headers(upstream))
+            if length is not None:
+                response.content_length = length
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientError, TimeoutError) as exc:  # the answer broke off after we began ours
+                log.warning("%s: answer from %s broke off: %s", deployment.name, replica.url, exc)
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            await response.write_eof()
+        self.metrics.upstream_seconds.labels(deployment.name).observe(self.fleet.now() - sent)
+        return response
+
+    def _not_taken(self, deployment: Deployment, replica: Replica, state: State | None, reason: str,
+                   detail: str) -> None:
+        if state is not None:
+            self.fleet.upstreams.mark(replica, state, detail)
+        else:
+            log.debug("%s: %s did not answer: %s", deployment.name, replica.url, detail)
+        self.metrics.retries.labels(deployment.name, reason).inc()
+        return None
+
+    def _answered(self, deployment: Deployment, ticket: Ticket, status: int, first_byte: float,
+                  sent: float | None) -> None:
+        """Count the answer; a held request's cold start ends at the answer's first byte; `sent`: the
+        answer is complete, so the upstream's time is known too."""
+        self.metrics.requests.labels(deployment.name, str(status)).inc()
+        if ticket.held_since is not None:
+            self.metrics.cold_start.labels(deployment.name).observe(first_byte - ticket.held_since)
+        if sent is not None:
+            self.metrics.upstream_seconds.labels(deployment.name).observe(self.fleet.now() - sent)
+
+    @staticmethod
+    def _response_headers(upstream: aiohttp.ClientResponse) -> list[tuple[str, str]]:
+        return [(k, v) for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS]
+
+
+def _dumps(obj) -> str:
+    return orjson.dumps(obj).decode()

@@ -1,0 +1,197 @@
+"""The replicas behind each deployment, and what the gateway knows of each.
+
+A replica's state (pick.State), its last reported expected wait, the requests this gateway has in
+flight to it and its mean service time. Three sources keep them fresh: a cheap poll of every
+replica's `GET /load` (every --poll-interval, faster while requests are held), the
+`x-embedfleet-expected-wait` and `server-timing` headers on every answer, and what happens to a
+request (a 503 `draining` marks the replica draining at once, a refused connection marks it down).
+
+The replica set of a deployment is replaced at run time by `set_replicas`: from --upstream flags
+locally, from watched EndpointSlices on Kubernetes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from embedfleet.gateway.pick import State
+
+log = logging.getLogger("embedfleet.gateway.upstreams")
+
+SERVICE_ALPHA = 0.2  # weight of the newest answer in a replica's mean service time
+DEFAULT_SERVICE_S = 0.01  # before a replica's first answer
+RUNTIME_STATES = {"ready": State.READY, "saturated": State.BUSY, "draining": State.DRAINING}
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    deployment: str
+    url: str
+    state: State = State.DOWN
+    reported_wait_s: float = 0.0  # the replica's expected queue wait, as last reported
+    reported_at: float = -math.inf  # time.monotonic() of that report
+    in_flight: int = 0  # requests this gateway has sent it and not finished
+    service_s: float = DEFAULT_SERVICE_S  # mean of its answers' server-timing
+    marked_at: float = -math.inf  # when a request's outcome last set `state` (a poll begun before is stale)
+    detail: str = "not polled yet"
+
+    def report_wait(self, wait_s: float, at: float) -> None:
+        if at >= self.reported_at and math.isfinite(wait_s):
+            self.reported_wait_s, self.reported_at = max(0.0, wait_s), at
+
+    def report_service(self, seconds: float) -> None:
+        if math.isfinite(seconds) and seconds >= 0:
+            self.service_s += SERVICE_ALPHA * (seconds - self.service_s)
+
+
+def read_load(doc: Any, deployment: str) -> tuple[State, float | None, str]:
+    """A runtime's `GET /load` document -> (state, expected wait for `deployment`'s model, detail)."""
+    if not isinstance(doc, dict):
+        return State.DOWN, None, "GET /load answered something other than a JSON object"
+    status = doc.get("status")
+    if doc.get("draining"):
+        state = State.DRAINING
+    elif isinstance(status, str):
+        state = RUNTIME_STATES.get(status, State.DOWN)
+    else:
+        state = State.READY if doc.get("ready") else State.DOWN
+    models = doc.get("models") if isinstance(doc.get("models"), dict) else {}
+    waits = {name: m.get("expected_wait_s") for name, m in models.items() if isinstance(m, dict)}
+    waits = {name: float(w) for name, w in waits.items() if isinstance(w, int | float) and not isinstance(w, bool)}
+    wait = waits.get(deployment, max(waits.values(), default=None))
+    return state, wait, str(status or ("ready" if state is State.READY else "not ready"))
+
+
+def server_timing_s(value: str | None) -> float | None:
+    """`server-timing: total;dur=12.5` -> 0.0125 (seconds); None when absent or unreadable."""
+    if not value:
+        return None
+    for metric in value.split(","):
+        name, _, params = metric.strip().partition(";")
+        if name.strip() != "total":
+            continue
+        for param in params.split(";"):
+            key, _, dur = param.strip().partition("=")
+            if key == "dur":
+                try:
+                    return float(dur) / 1000
+                except ValueError:
+                    return None
+    return None
+
+
+class Upstreams:
+    def __init__(self, session: aiohttp.ClientSession, *, poll_interval: float, held_poll_interval: float,
+                 poll_timeout: float, on_change: Callable[[str], None], holding: Callable[[], bool],
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.session = session  # for polls only: a poll never waits behind work for a connection
+        self.poll_interval = poll_interval
+        self.held_poll_interval = held_poll_interval
+        self.poll_timeout = aiohttp.ClientTimeout(total=poll_timeout)
+        self.on_change = on_change  # called with a deployment's name when its replicas may take more work
+        self.holding = holding  # true while requests are held: poll faster
+        self.now = now
+        self.deployments: dict[str, dict[str, Replica]] = {}
+        self._wake = asyncio.Event()
+
+    def set_replicas(self, deployment: str, urls: Iterable[str]) -> None:
+        """The replicas of `deployment` are now exactly `urls`; known ones keep their state, new ones
+        are down until polled (at once), removed ones get no new work."""
+        old = self.deployments.get(deployment, {})
+        new = {url: old.get(url) or Replica(deployment, url) for url in dict.fromkeys(u.rstrip("/") for u in urls)}
+        self.deployments[deployment] = new
+        for url in new.keys() - old.keys():
+            log.info("%s: replica %s added", deployment, url)
+        for url in old.keys() - new.keys():
+            log.info("%s: replica %s removed", deployment, url)
+        self.poll_now()
+
+    def replicas(self, deployment: str) -> Collection[Replica]:
+        return self.deployments.get(deployment, {}).values()
+
+    def _set_state(self, replica: Replica, state: State, detail: str) -> None:
+        if replica.state is not state:
+            level = logging.INFO if state in (State.READY, State.DRAINING) or replica.state is State.READY \
+                else logging.DEBUG
+            log.log(level, "%s: replica %s %s -> %s (%s)", replica.deployment, replica.url, replica.state.value,
+                    state.value, detail)
+        replica.state, replica.detail = state, detail
+
+    def mark(self, replica: Replica, state: State, detail: str) -> None:
+        """What a request found (draining, down); holds until a poll begun after now says otherwise."""
+        replica.marked_at = self.now()
+        self._set_state(replica, state, detail)
+
+    def answered(self, replica: Replica, headers) -> None:
+        """Read the load a replica reports on its answer."""
+        wait = headers.get("x-embedfleet-expected-wait")
+        if wait is not None:
+            try:
+                replica.report_wait(float(wait), self.now())
+            except ValueError:
+                pass
+        took = server_timing_s(headers.get("server-timing"))
+        if took is not None:
+            replica.report_service(took)
+
+    def poll_now(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Poll every replica until cancelled."""
+        while True:
+            self._wake.clear()
+            try:
+                await self.poll_once()
+            except Exception:  # a bug here must not stop every later poll
+                log.exception("poll failed")
+            interval = self.held_poll_interval if self.holding() else self.poll_interval
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except TimeoutError:
+                pass
+
+    async def poll_once(self) -> None:
+        by_url: dict[str, list[Replica]] = {}
+        for replicas in self.deployments.values():
+            for replica in replicas.values():
+                by_url.setdefault(replica.url, []).append(replica)
+        if not by_url:
+            return
+        started = self.now()
+        results = await asyncio.gather(*(self._fetch_load(url) for url in by_url))
+        changed: set[str] = set()
+        for replicas, (doc, problem) in zip(by_url.values(), results, strict=True):
+            for replica in replicas:
+                if problem is None:
+                    state, wait, detail = read_load(doc, replica.deployment)
+                    if wait is not None:
+                        replica.report_wait(wait, started)
+                else:
+                    state, detail = State.DOWN, problem
+                if started < replica.marked_at:
+                    continue  # a request saw newer news than this poll
+                was = replica.state
+                self._set_state(replica, state, detail)
+                if state is not was:
+                    changed.add(replica.deployment)
+        for deployment in changed:
+            self.on_change(deployment)
+
+    async def _fetch_load(self, url: str) -> tuple[Any, str | None]:
+        try:
+            async with self.session.get(f"{url}/load", timeout=self.poll_timeout) as resp:
+                if resp.status != 200:
+                    return None, f"GET /load answered {resp.status}"
+                return orjson.loads(await resp.read()), None
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            return None, f"GET /load failed: {type(exc).__name__}: {exc}"

@@ -1,0 +1,52 @@
+"""`embedfleet gateway` flags: upstreams parsed as NAME=URL, bad settings refused naming the flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from embedfleet.gateway.config import ConfigError, GatewayConfig, parse_upstreams
+from tests.procs import ROOT, child_env
+
+
+def test_upstreams_group_replicas_by_name_in_order():
+    got = parse_upstreams(["a=http://10.0.0.1:8080/", "b=http://10.0.0.2:8080", "a=http://10.0.0.3:8080",
+                           "a=http://10.0.0.1:8080"])
+    assert got == {"a": ["http://10.0.0.1:8080", "http://10.0.0.3:8080"], "b": ["http://10.0.0.2:8080"]}
+
+
+@pytest.mark.parametrize("value", ["http://x:1", "=http://x:1", "a=x:1", "a=ftp://x", "a=http://x:1/v1",
+                                   "a=http://:80"])
+def test_bad_upstreams_are_refused(value):
+    with pytest.raises(ConfigError, match="--upstream"):
+        parse_upstreams([value])
+
+
+@pytest.mark.parametrize(("field", "value", "flag"), [
+    ("port", 0, "--port"), ("poll_interval", 0, "--poll-interval"), ("hold_timeout", -1, "--hold-timeout"),
+    ("max_held", -1, "--max-held"), ("request_timeout", 0, "--request-timeout"),
+    ("poll_timeout", float("nan"), "--poll-timeout"), ("payload_limit", 0, "--payload-limit"),
+])
+def test_bad_settings_name_their_flag(field, value, flag):
+    with pytest.raises(ConfigError, match=flag):
+        GatewayConfig(**{field: value})
+
+
+def gateway(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "embedfleet.runtime.cli", "gateway", *args], env=child_env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_no_upstream_exits_2_saying_what_is_missing():
+    done = gateway()
+    assert done.returncode == 2 and "--upstream NAME=URL" in done.stderr
+
+
+def test_help_documents_every_flag_with_its_default():
+    out = gateway("--help").stdout
+    for flag in ("--upstream", "--port", "--poll-interval", "--max-held", "--hold-timeout", "--request-timeout",
+                 "--payload-limit", "--cold-start-default", "--drain-timeout"):
+        assert flag in out
+    assert "default: 256" in out and "default: 60.0" in out and "default: 8000" in out
