@@ -83,9 +83,21 @@ def fullname(release: str) -> str:
     return release if "embedfleet" in release else f"{release}-embedfleet"
 
 
+def operator_deployment(objects: Iterable[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The operator's Deployment (the chart also renders the gateway's)."""
+    (deployment,) = [d for d in by_kind(objects, "Deployment")
+                     if d["metadata"]["labels"].get("app.kubernetes.io/component") != "gateway"]
+    return deployment
+
+
+def gateway_deployment(objects: Iterable[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    found = [d for d in by_kind(objects, "Deployment")
+             if d["metadata"]["labels"].get("app.kubernetes.io/component") == "gateway"]
+    return found[0] if found else None
+
+
 def operator_container(objects: Iterable[Mapping[str, Any]]) -> Mapping[str, Any]:
-    (deployment,) = by_kind(objects, "Deployment")
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (container,) = operator_deployment(objects)["spec"]["template"]["spec"]["containers"]
     return container
 
 

@@ -23,10 +23,12 @@ from tests.chart.helm import (
     SCHEMA,
     by_kind,
     fullname,
+    gateway_deployment,
     helm,
     install_crds,
     named,
     operator_container,
+    operator_deployment,
     template,
     template_text,
 )
@@ -136,7 +138,7 @@ def test_helm_refuses_nonsense_values(sets: dict[str, str], says: str) -> None:
 @pytest.mark.parametrize(("name", "files", "sets"), CASES, ids=IDS)
 def test_operator_pod_is_non_root_read_only_and_probed(name: str, files: list[Path], sets: dict[str, str]) -> None:
     objects = template(files, sets)
-    (deployment,) = by_kind(objects, "Deployment")
+    deployment = operator_deployment(objects)
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
     container = operator_container(objects)
@@ -197,11 +199,11 @@ def test_role_region_and_namespaces_reach_the_operator() -> None:
 
 def test_without_leader_election_one_replica_is_replaced_not_rolled() -> None:
     objects = template(sets={"leaderElection.enabled": "false"})
-    (deployment,) = by_kind(objects, "Deployment")
+    deployment = operator_deployment(objects)
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     assert "--no-leader-elect" in operator_container(objects)["args"]
     assert not [r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith("-leases")]
-    (hub,) = by_kind(template([CI_VALUES["hub"]]), "Deployment")
+    hub = operator_deployment(template([CI_VALUES["hub"]]))
     assert hub["spec"]["replicas"] == 2 and "strategy" not in hub["spec"]
 
 
@@ -300,11 +302,53 @@ def test_node_agent_daemonset_is_locked_down(role: str) -> None:
     assert {"key": "node-role.kubernetes.io/control-plane", "operator": "DoesNotExist"} in terms[0]["matchExpressions"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     # Its pods are not the operator's: the Deployment's selector must not match them.
-    (deployment,) = by_kind(objects, "Deployment")
+    deployment = operator_deployment(objects)
     operator_selector = deployment["spec"]["selector"]["matchLabels"].items()
     assert not operator_selector <= ds["spec"]["template"]["metadata"]["labels"].items()
     assert not by_kind(template([CI_VALUES[role]], {"nodeAgent.enabled": "false"}), "DaemonSet")
     assert not by_kind(template([CI_VALUES["hub"]]), "DaemonSet")
+
+
+@pytest.mark.parametrize("role", ["standalone", "spoke"])
+def test_gateway_is_ha_locked_down_and_may_only_read_and_scale(role: str) -> None:
+    """Two replicas behind a Service with a PodDisruptionBudget, non-root with a read-only root; its
+    identity reads EmbeddingDeployments and EndpointSlices and may change nothing but their scale."""
+    objects = template([], {"role": role})
+    gateway = gateway_deployment(objects)
+    assert gateway is not None and gateway["spec"]["replicas"] == 2
+    pod = gateway["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "embedfleet-gateway"
+    assert gateway["spec"]["template"]["metadata"]["labels"]["embedfleet.dev/component"] == "gateway"
+    (container,) = pod["containers"]
+    assert container["command"] == ["embedfleet", "gateway", "--kubernetes"]
+    assert {"--port=8000", "--max-held=256", "--hold-timeout=60"} <= set(container["args"])
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True and security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]} and not security["allowPrivilegeEscalation"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # the operator's selector does not take the gateway's pods, and the operator knows the gateway port
+    operator_selector = operator_deployment(objects)["spec"]["selector"]["matchLabels"].items()
+    assert not operator_selector <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    operator_env = {e["name"]: e.get("value") for e in operator_container(objects)["env"]}
+    assert operator_env["EMBEDFLEET_GATEWAY_PORT"] == "8000"
+    service = named(objects, "Service", "embedfleet-gateway")
+    assert service["spec"]["selector"] == gateway["spec"]["selector"]["matchLabels"]
+    assert named(objects, "PodDisruptionBudget", "embedfleet-gateway")["spec"]["minAvailable"] == 1
+    assert _rules(objects)[("ClusterRole", "embedfleet-gateway")] == {
+        ("embedfleet.dev", "embeddingdeployments"): {"get", "list", "watch"},
+        ("embedfleet.dev", "embeddingdeployments/scale"): {"get", "patch"},
+        ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
+    }
+    (binding,) = [b for b in by_kind(objects, "ClusterRoleBinding") if b["roleRef"]["name"] == "embedfleet-gateway"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "embedfleet-gateway",
+                                    "namespace": "embedfleet-system"}]
+    scoped = template([], {"role": role, "watchNamespaces": "{team-a,team-b}"})
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(scoped, "RoleBinding")
+                  if b["roleRef"]["name"] == "embedfleet-gateway") == ["team-a", "team-b"]
+    assert "--namespace=team-a" in gateway_deployment(scoped)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert gateway_deployment(template([CI_VALUES[role]])) is not None
+    assert gateway_deployment(template([CI_VALUES[role]], {"gateway.enabled": "false"})) is None
+    assert gateway_deployment(template([CI_VALUES["hub"]])) is None
 
 
 def test_hub_access_is_spoke_only_and_exact() -> None:
@@ -396,7 +440,7 @@ def test_notes_render(role: str) -> None:
 
 
 def test_release_name_shapes_the_object_names() -> None:
-    (deployment,) = by_kind(template(release="search"), "Deployment")
+    deployment = operator_deployment(template(release="search"))
     assert deployment["metadata"]["name"] == "search-embedfleet"
     long = template(release="x" * 53)  # helm allows 53
     assert all(len(o["metadata"]["name"]) <= 63 for o in long

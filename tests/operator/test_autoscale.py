@@ -123,6 +123,33 @@ def test_scale_to_zero_waits_for_the_grace_period() -> None:
     assert late.replicas == 0
 
 
+def test_traffic_a_gateway_saw_between_ticks_keeps_the_fleet_from_zero() -> None:
+    """Queries of a few milliseconds read as 0 in flight at every tick; the gateway's last request time
+    is what says the deployment is in use."""
+    config = cfg(scale_to_zero=True, scale_to_zero_grace_s=30)
+    busy = desired_replicas([Observation(100, 5, 1)], config, History(1), now=100.0)
+    seen = desired_replicas([Observation(131, 0, 1, last_request_at=125.0)], config, busy.history, now=131.0)
+    assert seen.replicas == 1 and "scale to zero after" in seen.reason
+    idle = desired_replicas([Observation(156, 0, 1, last_request_at=125.0)], config, seen.history, now=156.0)
+    assert idle.replicas == 0, idle.reason
+
+
+def test_no_scale_to_zero_while_a_gateway_cannot_say_whether_traffic_came() -> None:
+    config = cfg(scale_to_zero=True, scale_to_zero_grace_s=30)
+    busy = desired_replicas([Observation(100, 5, 1)], config, History(1), now=100.0)
+    unknown = desired_replicas([Observation(200, 0, 1, activity_unknown=True)], config, busy.history, now=200.0)
+    assert unknown.replicas == 1 and "did not say" in unknown.reason
+    known = desired_replicas([Observation(201, 0, 1)], config, unknown.history, now=201.0)
+    assert known.replicas == 0, known.reason
+
+
+def test_requests_held_by_a_gateway_wake_a_fleet_at_zero() -> None:
+    config = cfg(scale_to_zero=True, scale_to_zero_grace_s=30)
+    woken = desired_replicas([Observation(100, 0, 0, queue_depth=3, last_request_at=100.0)], config, History(0),
+                             now=100.0)
+    assert woken.replicas == 1, woken.reason
+
+
 def test_trim_observations_keeps_only_visible_samples() -> None:
     config = cfg(stable_window_s=60, panic_window_s=6)
     kept = trim_observations(steady(1, now=200, span=200), config, now=200.0)
@@ -308,3 +335,19 @@ def test_is_pure(s: tuple[AutoscalerConfig, list[Observation], History, float]) 
     second = desired_replicas(obs, config, history, now)
     assert first == second
     assert history == before
+
+
+def test_gateway_reports_fold_into_held_requests_and_the_newest_traffic() -> None:
+    from embedfleet.operator.gateway_signal import combine
+
+    key = "team-a/bge"
+    reports = [
+        {"deployments": {key: {"held": 2, "in_flight": 3, "last_request_age_s": 4.0}, "other/x": {"held": 9}}},
+        {"deployments": {key: {"held": 1, "last_request_age_s": 0.5}}},
+        {"deployments": {}},
+    ]
+    reading = combine(reports, key)
+    assert (reading.held, reading.last_request_age_s, reading.gateways, reading.unknown) == (3.0, 0.5, 3, False)
+    assert combine([{"deployments": {}}], key).last_request_age_s is None, "no traffic seen is not traffic"
+    broken = combine([*reports, "gw-2: ConnectError: refused"], key)
+    assert broken.unknown and broken.held == 3.0

@@ -31,6 +31,10 @@ embedfleet-spoke
 {{- printf "%s-node-agent" (include "embedfleet.fullname" . | trunc 52 | trimSuffix "-") -}}
 {{- end -}}
 
+{{- define "embedfleet.gatewayName" -}}
+{{- printf "%s-gateway" (include "embedfleet.fullname" . | trunc 55 | trimSuffix "-") -}}
+{{- end -}}
+
 {{- define "embedfleet.hubAccessServiceAccountName" -}}
 {{- default (printf "%s-hub" (include "embedfleet.fullname" .)) .Values.hubAccess.serviceAccount.name -}}
 {{- end -}}

@@ -145,12 +145,18 @@ class Observation:
     queued inside a pod); ``queue_depth`` counts work held *outside* the pods' HTTP queues: the async
     jobs waiting in Redis (``embedfleet_async_queue_depth``, KEDA-style: each job is one request's worth
     of load), or requests a gateway holds during a cold start from zero.
+
+    ``last_request_at`` (same clock as ``timestamp``): the newest request a gateway routed to the
+    deployment, so traffic between ticks counts as activity for scale-to-zero; ``activity_unknown``:
+    a gateway did not answer, so idleness cannot be known and the fleet is not scaled to zero.
     """
 
     timestamp: float
     in_flight: float
     ready_pods: int
     queue_depth: float | None = None
+    last_request_at: float | None = None
+    activity_unknown: bool = False
 
     @property
     def load(self) -> float:
@@ -314,12 +320,16 @@ def desired_replicas(
 
     last_active = history.last_active_at
     active_times = [o.timestamp for o in observations if o.load > 0 and o.timestamp <= now]
+    active_times += [min(o.last_request_at, now) for o in observations if o.last_request_at is not None]
     if active_times:
         last_active = max(active_times + ([last_active] if last_active is not None else []))
     elif last_active is None:
         last_active = now  # never seen traffic: the grace period starts now, not at the epoch
     idle_for = now - last_active
-    if config.scale_to_zero and latest.load == 0 and idle_for >= config.scale_to_zero_grace_s:
+    if config.scale_to_zero and latest.load == 0 and latest.activity_unknown:
+        raw = max(raw, config.floor, 1 if current > 0 else 0)
+        notes.append("a gateway did not say when it last saw traffic: not scaling to zero")
+    elif config.scale_to_zero and latest.load == 0 and idle_for >= config.scale_to_zero_grace_s:
         raw = 0
         notes.append(f"idle for {idle_for:.0f}s >= {config.scale_to_zero_grace_s:g}s: scale to zero")
     else:

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -43,6 +43,7 @@ from embedfleet.operator.autoscale import (
     trim_observations,
 )
 from embedfleet.operator.crd import naming
+from embedfleet.operator.gateway_signal import GatewayReading, gateway_targets, read_gateways
 from embedfleet.operator.kube import Kube, KubeError
 from embedfleet.operator.render import runtime_name
 from embedfleet.operator.signals import (
@@ -66,6 +67,12 @@ ENV_PROMETHEUS_URL = "EMBEDFLEET_PROMETHEUS_URL"
 IDLE_RECHECK_S = 5.0
 #: A pod whose /metrics keeps failing is named in a Warning Event (and the log) at most this often.
 UNREACHABLE_WARN_EVERY_S = 300.0
+#: The gateways' HTTP port (the chart sets it from gateway.port).
+ENV_GATEWAY_PORT = "EMBEDFLEET_GATEWAY_PORT"
+#: Between ticks the daemon looks this often at its in-memory view for a change of spec.replicas (a
+#: gateway waking the fleet from zero through the scale subresource, or `kubectl scale`): acted on at
+#: once, not after the rest of the interval.
+WAKE_POLL_S = 0.1
 
 
 @dataclass
@@ -137,6 +144,17 @@ def runtime_deployments(namespace: str, labels: kopf.Labels, body: kopf.Body, **
     return {(namespace, labels.get(naming.INSTANCE_LABEL, "")): dict(body)}
 
 
+@kopf.index("", "v1", "pods", labels={naming.COMPONENT_LABEL: "gateway"})
+def gateway_pods(body: kopf.Body, **_: Any) -> dict[str, Any]:
+    """The cluster's gateway pods (chart, gateway.enabled): asked for held requests and last traffic."""
+    return {"gateways": dict(body)}
+
+
+def read_gateway_activity(name: str, namespace: str, gateways: Sequence[Mapping[str, Any]]) -> GatewayReading:
+    port = int(os.environ.get(ENV_GATEWAY_PORT, "8000"))
+    return asyncio.run(read_gateways(gateway_targets(gateways, port), f"{namespace}/{name}"))
+
+
 def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: int,
                 pods: list[dict[str, Any]]) -> Reading:
     """In-flight total from Prometheus when a URL is configured, else from every Ready pod's /metrics."""
@@ -198,6 +216,7 @@ def tick(
     now: float,
     deployment: dict[str, Any] | None,
     pods: list[dict[str, Any]],
+    gateways: Sequence[Mapping[str, Any]] = (),
 ) -> Decision | None:
     """One round of the loop; returns the decision, or None when there was nothing to decide on.
 
@@ -240,9 +259,17 @@ def tick(
         return None
     state.signal_ok = True
 
-    state.observations = trim_observations(
-        [*state.observations, Observation(now, reading.in_flight, ready, reading.async_depth)], config, now
-    )
+    # Requests a gateway holds (no ready replica yet) are load; its last request time is activity.
+    gateway = read_gateway_activity(name, namespace, gateways) if gateways else GatewayReading()
+    if gateway.unknown:
+        log.info("%s/%s: gateway activity unknown: %s", namespace, name, "; ".join(gateway.errors))
+    depth = reading.async_depth
+    if gateway.held:
+        depth = (depth or 0.0) + gateway.held
+    last_request = None if gateway.last_request_age_s is None else now - gateway.last_request_age_s
+    observation = Observation(now, reading.in_flight, ready, depth, last_request_at=last_request,
+                              activity_unknown=gateway.unknown)
+    state.observations = trim_observations([*state.observations, observation], config, now)
     decision = desired_replicas(state.observations, config, state.history.with_current(current), now)
     if fleet is not None and fleet.estimated:
         estimates = "; ".join(p.describe(now) for p in fleet.estimated)
@@ -299,6 +326,7 @@ async def autoscale(
     logger: kopf.Logger,
     runtime_pods: kopf.Index,
     runtime_deployments: kopf.Index,
+    gateway_pods: kopf.Index,
     **_: Any,
 ) -> None:
     """Runs for as long as the EmbeddingDeployment exists; ``body`` is kopf's live view of it.
@@ -327,12 +355,25 @@ async def autoscale(
         try:
             deployment = next(iter(runtime_deployments.get((namespace, name), [])), None)
             pods = list(runtime_pods.get((namespace, name), []))
+            gateways = list(gateway_pods.get("gateways", []))
             decision = await asyncio.to_thread(
                 tick, name, namespace, dict(body), config, autoscaling, parsed.runtime.port, state,
-                time.monotonic(), deployment, pods,
+                time.monotonic(), deployment, pods, gateways,
             )
             if decision is not None and decision.changed:
                 logger.info("%s", decision.reason)
         except (KubeError, kubernetes.client.ApiException, OSError) as exc:
             logger.warning("autoscaler tick failed, retrying next interval: %s", exc)
-        await stopped.wait(parsed.autoscaling.interval_seconds)
+        await wait_for_tick(stopped, body, parsed.autoscaling.interval_seconds)
+
+
+async def wait_for_tick(stopped: kopf.DaemonStopped, body: kopf.Body, seconds: float) -> None:
+    """The interval, cut short when spec.replicas changes in kopf's live view of the object: a gateway
+    holding requests for a fleet at zero scales it through the scale subresource and must not wait a
+    whole interval for the pods (an in-memory check; nothing is read from the API server)."""
+    seen = (body.get("spec") or {}).get("replicas")
+    end = time.monotonic() + seconds
+    while not stopped and time.monotonic() < end:
+        await stopped.wait(min(WAKE_POLL_S, max(0.0, end - time.monotonic())))
+        if (body.get("spec") or {}).get("replicas") != seen:
+            return
