@@ -83,6 +83,11 @@ class FleetClusterSpec(CamelModel):
     connection: ConnectionSpec
     lease: LeaseSpec = Field(default_factory=LeaseSpec)
     taints: list[TaintSpec] = Field(default_factory=list)
+    gateway_url: str | None = Field(
+        default=None, max_length=2048, pattern=r"^https?://[^\s/?#]+/?$",
+        description="This cluster's gateway (embedfleet gateway) as other clusters' gateways reach it: requests "
+        "spill here when the placement policy allows (ActiveActive, RegionLocked within its regions, ActivePassive to "
+        "the standby). Unset: nothing spills to this cluster.")
 
 
 class FleetClusterStatus(CamelModel):

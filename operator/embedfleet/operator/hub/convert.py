@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +33,8 @@ from embedfleet.operator.scheduling import (
 HUB_MANAGED_LABEL = "embedfleet.dev/hub-managed"
 #: Annotation with the hub object's uid, so a re-created hub object is not confused with an old one.
 HUB_UID_ANNOTATION = "embedfleet.dev/hub-uid"
+#: On a spoke copy: where its gateway may spill requests (scheduling/spill.py; read by gateway/spill.py).
+SPILL_ANNOTATION = "embedfleet.dev/spill-to"
 #: How a status row's reasons mark the problem of that cluster (first reason, when there is one).
 PROBLEM_PREFIX = "problem: "
 #: How many of a spoke's problems with a spec its refusal quotes (the rest are counted): enough to act on,
@@ -161,8 +164,10 @@ def deployment_from(
     )
 
 
-def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlacement) -> dict[str, Any]:
-    """The EmbeddingDeployment a spoke runs: the hub's spec with this spoke's bounds, placement removed."""
+def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlacement,
+                   spill: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """The EmbeddingDeployment a spoke runs: the hub's spec with this spoke's bounds, placement removed, and
+    where its gateway may spill requests (`spill`, from scheduling/spill.py; absent when nowhere)."""
     meta = hub_obj["metadata"]
     spec = copy.deepcopy(dict(hub_obj.get("spec") or {}))
     spec.pop("placement", None)
@@ -186,7 +191,9 @@ def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlace
             "name": meta["name"],
             "namespace": meta["namespace"],
             "labels": {HUB_MANAGED_LABEL: cluster, naming.MANAGED_BY_LABEL: "embedfleet-hub"},
-            "annotations": {HUB_UID_ANNOTATION: str(meta.get("uid") or "")},
+            "annotations": {HUB_UID_ANNOTATION: str(meta.get("uid") or ""),
+                            **({SPILL_ANNOTATION: json.dumps(spill, sort_keys=True, separators=(",", ":"))}
+                               if spill else {})},
         },
         "spec": spec,
     }

@@ -54,6 +54,7 @@ from embedfleet.operator.hub.health import Health, observe
 from embedfleet.operator.kube import KINDS, Kube, KubeError
 from embedfleet.operator.platform import PlatformPolicy
 from embedfleet.operator.scheduling import Cluster, Deployment, Placement, place
+from embedfleet.operator.scheduling.spill import spill_targets
 from embedfleet.operator.spoke.heartbeat import (
     CACHED_ANNOTATION,
     LEASE_NAME,
@@ -148,6 +149,7 @@ class SpokeView:
     copies: dict[str, dict[str, Any]] | None = None  # hub-managed copies by namespace/name; None: not listed
     #: The spoke's platform allow-lists (the key is ``cluster.platform_policy``); a sentence when unreadable.
     policy: PlatformPolicy | str = field(default_factory=PlatformPolicy)
+    gateway_url: str | None = None  # FleetCluster spec.gatewayUrl: where other clusters' gateways spill to
 
 
 @dataclass
@@ -259,7 +261,8 @@ class HubLoop:
             "allocatable": spec.capacity.model_dump(by_alias=True),
         })
         cluster = convert.cluster_from(name, spec, health, cached, policy_key)
-        return SpokeView(name, spec.region, cluster, health, link, error, last_seen, policy=policy)
+        return SpokeView(name, spec.region, cluster, health, link, error, last_seen, policy=policy,
+                         gateway_url=spec.gateway_url)
 
     def _seen_at(self, name: str, health: Health, now: float) -> str | None:
         """The hub's wall time of the renewal ``health`` last saw (kept, so it reads the same each time)."""
@@ -354,13 +357,14 @@ class HubLoop:
         rows: list[dict[str, Any]] = []
         failures: dict[str, str] = {}
         unavailable: dict[str, str] = {}
+        gateways = {n: v.gateway_url for n, v in views.items() if v.gateway_url}
         for name, view in sorted(views.items()):
             share = placement.clusters.get(name) if placement.accepted else None
             if view.copies is not None:
                 live = view.copies.get(key)
                 problem = None
                 try:
-                    live = self._propagate(view, obj, share, live)
+                    live = self._propagate(view, obj, share, live, spill_targets(placement, name, gateways))
                 except SPOKE_ERRORS as exc:
                     problem = f"propagation failed: {describe(exc)}"
                 if share is not None or live is not None or problem:
@@ -397,7 +401,7 @@ class HubLoop:
         self._write_status(obj, wanted)
 
     def _propagate(self, view: SpokeView, obj: dict[str, Any], share: Any,
-                   live: dict[str, Any] | None) -> dict[str, Any] | None:
+                   live: dict[str, Any] | None, spill: list[dict[str, str]] | None = None) -> dict[str, Any] | None:
         """Create, update or delete one spoke copy; no request at all when it already is what the hub wants."""
         assert view.link is not None
         meta = obj["metadata"]
@@ -408,12 +412,13 @@ class HubLoop:
                 view.link.kube.delete(ED, meta["name"], meta["namespace"])
                 log.info("removed %s from %s (no longer placed there)", _key(obj), view.name)
             return None
-        wanted = convert.spoke_manifest(obj, view.name, share)
+        wanted = convert.spoke_manifest(obj, view.name, share, spill or [])
         result = view.link.kube.apply(wanted, live=live)
         if result == "unchanged":
             return live
         log.info("%s %s on %s: %s", result, _key(obj), view.name, share.range)
-        return wanted if live is None else {**live, "spec": wanted["spec"]}
+        return wanted if live is None else {**live, "spec": wanted["spec"],
+                                            "metadata": {**live["metadata"], **wanted["metadata"]}}
 
     def _events(self, obj: dict[str, Any], old_rows: Mapping[str, Mapping[str, Any]], rows: list[dict[str, Any]],
                 placement: Placement) -> None:

@@ -1,0 +1,70 @@
+"""Cross-region spill: sending a request to another region's gateway when this region cannot serve it soon.
+
+Which regions a deployment may spill to is the placement policy's decision, made by the hub
+(operator/scheduling/spill.py) and handed to each spoke's copy of the EmbeddingDeployment in the
+annotation `embedfleet.dev/spill-to`; locally, `--spill NAME=REGION=URL`. The gateway never widens it:
+no targets, no spill (RegionLocked to one region, or a standby that runs nothing yet), and the request
+is held or refused here as it would be without spill.
+
+When: the deployment has no replica here that can take work and its expected cold start (the learned
+time, less how long it has already been cold) is over `--spill-after`; a request that was itself
+spilled (`x-embedfleet-spilled-from`) is never spilled again, so two regions cannot bounce a request.
+Where: the first target not marked down in the last DOWN_FOR_S (targets are in the hub's order:
+best-scored region first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+SPILLED_FROM = "x-embedfleet-spilled-from"  # header on a spilled request: the region it left
+ANNOTATION = "embedfleet.dev/spill-to"  # on a spoke's EmbeddingDeployment: JSON list of {cluster, region, url}
+DOWN_FOR_S = 10.0  # a target whose gateway did not take a request is skipped this long
+
+
+@dataclass(eq=False, slots=True)
+class Target:
+    """Another region's gateway for one deployment."""
+
+    region: str
+    url: str
+    down_at: float = -math.inf  # when it last failed to take a request
+
+
+def parse_annotation(raw: str | None) -> list[Target]:
+    """The hub's `embedfleet.dev/spill-to` value -> targets; anything malformed is no target at all (a
+    broken annotation must not send requests somewhere the policy did not name)."""
+    if not raw:
+        return []
+    try:
+        items = json.loads(raw)
+    except ValueError:
+        return []
+    if not isinstance(items, list):
+        return []
+    out = []
+    for item in items:
+        if not isinstance(item, dict):
+            return []
+        region, url = item.get("region"), item.get("url")
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if not isinstance(region, str) or parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            return []
+        out.append(Target(region, url.rstrip("/")))
+    return out
+
+
+def should_spill(routable_here: bool, spilled_in: bool, cold_remaining_s: float, spill_after_s: float,
+                 targets: Sequence[Target]) -> bool:
+    """Pure: spill when nothing here can take the request, the wait for a cold start here is over the
+    threshold, the request did not come from another region, and the policy named somewhere to go."""
+    return (not routable_here and not spilled_in and bool(targets) and cold_remaining_s > spill_after_s)
+
+
+def choose(targets: Sequence[Target], now: float) -> Target | None:
+    """The first target (the hub's order) not marked down within DOWN_FOR_S."""
+    return next((t for t in targets if now - t.down_at >= DOWN_FOR_S), None)
