@@ -4,7 +4,8 @@
 #   scripts/setup.sh          the runtime and the operator:       .venv/bin/embedfleet serve
 #   scripts/setup.sh --test   also what the tests need: apt packages (redis-server, prometheus, iproute2,
 #                             openssl), the `test` extra, and the test control plane built from its Go
-#                             modules by scripts/kube-tools.sh (once per machine, cached; ~15 min cold).
+#                             modules by scripts/kube-tools.sh (once per machine, cached; ~15 min cold),
+#                             and the Gateway API CRDs by scripts/gateway-api-crds.sh (seconds, cached).
 #
 # torch: PyPI's torch 2.13.0 wheel for Linux x86-64 is the CUDA build (about 2.7 GB of NVIDIA libraries
 # come with it; a 5.6 GB venv). It runs on CPU without a GPU. PyTorch's CPU-only wheels live only on
@@ -43,6 +44,7 @@ fi
 if [ "$want_tests" = 1 ]; then
   if command -v go >/dev/null 2>&1; then
     bash scripts/kube-tools.sh
+    bash scripts/gateway-api-crds.sh  # the Gateway API CRDs the chart's HTTPRoute is checked against
   else
     echo "setup: Go is not installed (https://go.dev/doc/install): the control-plane tests will skip" >&2
   fi
