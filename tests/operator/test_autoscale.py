@@ -134,6 +134,18 @@ def test_traffic_a_gateway_saw_between_ticks_keeps_the_fleet_from_zero() -> None
     assert idle.replicas == 0, idle.reason
 
 
+def test_a_fleet_at_zero_with_no_load_stays_at_zero() -> None:
+    """Fresh (rendered at zero) or scaled to zero: only load (requests held by a gateway) or a wake
+    through the scale subresource starts a replica, whatever the grace period or a gateway's silence."""
+    config = cfg(scale_to_zero=True, scale_to_zero_grace_s=3600, min_replicas=0)
+    fresh = desired_replicas([Observation(10, 0, 0)], config, History(0), now=10.0)
+    assert fresh.replicas == 0, fresh.reason
+    unknown = desired_replicas([Observation(11, 0, 0, activity_unknown=True)], config, fresh.history, now=11.0)
+    assert unknown.replicas == 0, unknown.reason
+    held = desired_replicas([Observation(12, 0, 0, queue_depth=3)], config, unknown.history, now=12.0)
+    assert held.replicas == 1, held.reason
+
+
 def test_no_scale_to_zero_while_a_gateway_cannot_say_whether_traffic_came() -> None:
     config = cfg(scale_to_zero=True, scale_to_zero_grace_s=30)
     busy = desired_replicas([Observation(100, 5, 1)], config, History(1), now=100.0)

@@ -10,7 +10,6 @@ delete: everything owned is gone.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,57 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 from tests.kube.controlplane import Cluster, wait_until
+from tests.kube.kubelet import RUNTIME_PORT as PORT
+from tests.kube.kubelet import FakeKubelet
 from tests.kube.netns import PodNetwork
 from tests.operator.real import condition, operator_writes, release, small, wait_condition
-from tests.procs import ROOT, child_env, spawn, stop_process
-
-PORT = 8080
-
-
-class FakeKubelet:
-    """Starts one real runtime per Running pod IP (and stops it when the pod goes)."""
-
-    def __init__(self, cluster: Cluster, net: PodNetwork, namespace: str, selector: str, logs: Path) -> None:
-        self.cluster, self.net, self.namespace, self.selector, self.logs = cluster, net, namespace, selector, logs
-        self.runtimes: dict[str, object] = {}
-        self.stop_flag = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> FakeKubelet:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop_flag.set()
-        self.thread.join(30)
-        for proc in self.runtimes.values():
-            stop_process(proc)
-
-    def _loop(self) -> None:
-        while not self.stop_flag.wait(0.5):
-            pods = self.cluster.get_json("pods", "-n", self.namespace, "-l", self.selector) or {"items": []}
-            live = {p["status"].get("podIP") for p in pods["items"]
-                    if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
-            live.discard(None)
-            for ip in live - set(self.runtimes):
-                log = open(self.logs / f"runtime-{ip}.log", "ab")
-                self.runtimes[ip] = spawn(
-                    [*self.net.prefix(), sys.executable, "-m", "embedfleet.runtime.cli", "serve",
-                     "--host", ip, "--port", str(PORT), "--max-concurrent-requests", "256"],
-                    stdout=log, stderr=log, env=child_env(), cwd=ROOT,
-                )
-            for ip in set(self.runtimes) - live:
-                stop_process(self.runtimes.pop(ip))
-
-    def ready_ips(self) -> list[str]:
-        out = []
-        for ip in list(self.runtimes):
-            try:
-                if httpx.get(f"http://{ip}:{PORT}/ready", timeout=2).status_code == 200:
-                    out.append(ip)
-            except httpx.HTTPError:
-                pass
-        return out
 
 
 async def _load(url: str, stop: threading.Event, concurrency: int) -> int:

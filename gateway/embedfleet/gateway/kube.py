@@ -229,14 +229,32 @@ class KubeSource:
         custom = kubernetes.client.CustomObjectsApi(self.api)
         args = (naming.GROUP, naming.VERSION, namespace, naming.EMBEDDING_DEPLOYMENT_PLURAL, name)
         try:
-            scale = custom.get_namespaced_custom_object_scale(*args, _request_timeout=10)
-            replicas = ((scale or {}).get("spec") or {}).get("replicas") or 0
-            if replicas > 0:
+            # The object, not its scale: GET .../scale answers 500 while spec.replicas is unset (an
+            # autoscaled deployment that was never scaled by hand), and the scale says nothing of the
+            # autoscaler's own size.
+            obj = custom.get_namespaced_custom_object(*args, _request_timeout=10)
+            size = fleet_size(obj)
+            if size > 0:
                 return  # already on its way (or scaled by someone else): nothing to do
+            if ((obj.get("spec") or {}).get("replicas")) == 1:
+                # Setting it again changes nothing the operator could see; it starts a replica from the
+                # held requests this gateway reports (GET /gateway/load) instead.
+                log.info("%s is at zero and its spec.replicas is already 1: waiting for the autoscaler", key)
+                return
             custom.patch_namespaced_custom_object_scale(*args, {"spec": {"replicas": 1}}, _request_timeout=10,
                                                         _content_type="application/merge-patch+json")
             log.info("woke %s: scale 0 -> 1 (requests held)", key)
         except ApiException as exc:
-            log.warning("could not wake %s: %s %s", key, exc.status, exc.reason)
+            log.warning("could not wake %s: %s %s %s", key, exc.status, exc.reason, (exc.body or "")[:300])
         except Exception as exc:
             log.warning("could not wake %s: %s: %s", key, type(exc).__name__, exc)
+
+
+def fleet_size(obj: Mapping[str, Any]) -> int:
+    """Replicas an EmbeddingDeployment has or is about to have: the larger of the autoscaler's desired
+    and the current count (status), or spec.replicas before the operator wrote any status."""
+    replicas = (obj.get("status") or {}).get("replicas") or {}
+    known = [int(v) for v in (replicas.get("desired"), replicas.get("current")) if v is not None]
+    if known:
+        return max(known)
+    return int((obj.get("spec") or {}).get("replicas") or 0)

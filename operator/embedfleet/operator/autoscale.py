@@ -16,6 +16,7 @@ The formula, step by step (each step has its own named parameter):
 4. tolerance band (HPA): in stable mode, if |load / (current * target) - 1| <= ``tolerance`` keep current.
 5. floor: never below ceil(latest in-flight / max_batch_requests) — the work already accepted needs it.
 6. scale to zero only when ``scale_to_zero`` is on and the load has been zero for ``scale_to_zero_grace_s``.
+   A fleet at zero with no load stays at zero (only load, e.g. held requests, or a wake starts one).
 7. stabilization (HPA v2): the result is the current count pulled up to the *lowest* recommendation of
    the scale-up window and down to the *highest* recommendation of the scale-down window.
 8. rate limits (HPA v2, ``selectPolicy: Max``): per ``period_s`` grow by at most max(percent, pods)
@@ -326,7 +327,12 @@ def desired_replicas(
     elif last_active is None:
         last_active = now  # never seen traffic: the grace period starts now, not at the epoch
     idle_for = now - last_active
-    if config.scale_to_zero and latest.load == 0 and latest.activity_unknown:
+    if config.scale_to_zero and latest.load == 0 and current == 0:
+        # Nothing asks for a replica: a fleet at zero stays there (waking comes from load, i.e. requests a
+        # gateway holds, or from its scale subresource); the grace period is for getting *to* zero.
+        raw = 0
+        notes.append("at zero with no load: staying at zero until a request comes")
+    elif config.scale_to_zero and latest.load == 0 and latest.activity_unknown:
         raw = max(raw, config.floor, 1 if current > 0 else 0)
         notes.append("a gateway did not say when it last saw traffic: not scaling to zero")
     elif config.scale_to_zero and latest.load == 0 and idle_for >= config.scale_to_zero_grace_s:

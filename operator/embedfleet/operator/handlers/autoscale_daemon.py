@@ -314,6 +314,12 @@ def _apply(name: str, namespace: str, body: dict[str, Any], decision: Decision, 
         scale = {"spec": {"replicas": decision.replicas}}
         KUBE.patch_merge("Deployment", runtime_name(name), namespace, scale)
         record_event(body, "Scaled", decision.reason)
+        spec_replicas = (body.get("spec") or {}).get("replicas")
+        if decision.replicas == 0 and spec_replicas not in (None, 0):
+            # The scale subresource says 0 too (as an HPA keeps its target's scale true): a gateway's next
+            # wake, setting it to 1, is then a change this daemon sees, not a write of the value already there.
+            KUBE.patch_merge(KIND, name, namespace, {"spec": {"replicas": 0}})
+            state.seen_spec_replicas = 0  # our own write, not a `kubectl scale`
     return decision
 
 

@@ -1,0 +1,82 @@
+"""A stand-in kubelet: kwok runs no containers, so this starts one real `embedfleet serve` (the embedded
+model) per Running pod, listening on that pod's IP inside the test's network namespace (netns.py), and
+stops it when the pod is being deleted or gone.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+from tests.kube.controlplane import Cluster
+from tests.kube.netns import PodNetwork
+from tests.procs import ROOT, child_env, spawn, stop_process
+
+#: The runtime's port (the EmbeddingDeployment default, which its Service and EndpointSlice name).
+RUNTIME_PORT = 8080
+
+
+class FakeKubelet:
+    """Starts one real runtime per Running pod IP (and stops it when the pod goes)."""
+
+    def __init__(self, cluster: Cluster, net: PodNetwork, namespace: str, selector: str, logs: Path) -> None:
+        self.cluster, self.net, self.namespace, self.selector, self.logs = cluster, net, namespace, selector, logs
+        self.runtimes: dict[str, subprocess.Popen] = {}
+        #: IPs whose runtime outlives its pod until the test stops it with `stop` (a slow shutdown).
+        self.lingering: set[str] = set()
+        self._lock = threading.Lock()
+        self.stop_flag = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> FakeKubelet:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_flag.set()
+        self.thread.join(30)
+        with self._lock:
+            for proc in self.runtimes.values():
+                stop_process(proc)
+            self.runtimes.clear()
+
+    def _loop(self) -> None:
+        while not self.stop_flag.wait(0.5):
+            pods = self.cluster.get_json("pods", "-n", self.namespace, "-l", self.selector) or {"items": []}
+            live = {p["status"].get("podIP") for p in pods["items"]
+                    if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
+            live.discard(None)
+            with self._lock:
+                if self.stop_flag.is_set():
+                    return
+                for ip in live - set(self.runtimes):
+                    with open(self.logs / f"runtime-{ip}.log", "ab") as log:
+                        self.runtimes[ip] = spawn(
+                            [*self.net.prefix(), sys.executable, "-m", "embedfleet.runtime.cli", "serve",
+                             "--host", ip, "--port", str(RUNTIME_PORT), "--max-concurrent-requests", "256"],
+                            stdout=log, stderr=log, env=child_env(), cwd=ROOT,
+                        )
+                for ip in set(self.runtimes) - live - self.lingering:
+                    stop_process(self.runtimes.pop(ip))
+
+    def stop(self, ip: str) -> None:
+        """Stop the runtime on `ip` now (one left lingering after its pod went, say)."""
+        with self._lock:
+            self.lingering.discard(ip)
+            proc = self.runtimes.pop(ip, None)
+        if proc is not None:
+            stop_process(proc)
+
+    def ready_ips(self) -> list[str]:
+        out = []
+        for ip in list(self.runtimes):
+            try:
+                if httpx.get(f"http://{ip}:{RUNTIME_PORT}/ready", timeout=2).status_code == 200:
+                    out.append(ip)
+            except httpx.HTTPError:
+                pass
+        return out
