@@ -3,8 +3,9 @@ load a test sets and logs every work request it gets, so routing can be checked 
 
 `GET /load` and every answer's `x-embedfleet-expected-wait` report `expected_wait`; work requests
 sleep `delay` seconds, then answer 200 with the stub's name, or 503 `draining` while `draining` is
-set (without running them, like the runtime). POST /_control changes those settings; GET /_log lists
-the work requests received (path, model, the headers the gateway passed down, the body's `tag`).
+set (without running them, like the runtime), or `fail_status` (e.g. 500) while that is set. POST
+/_control changes those settings; GET /_log lists the work requests received (path, model, the
+headers the gateway passed down, the body's `tag`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ LOGGED_HEADERS = ("authorization", "x-priority", "x-request-id", "x-request-time
 
 
 def make_app(name: str, model: str, expected_wait: float, delay: float) -> web.Application:
-    state = {"expected_wait": expected_wait, "delay": delay, "draining": False, "status": "ready"}
+    state = {"expected_wait": expected_wait, "delay": delay, "draining": False, "status": "ready", "fail_status": 0}
     log: list[dict] = []
     in_flight = 0
 
@@ -61,6 +62,9 @@ def make_app(name: str, model: str, expected_wait: float, delay: float) -> web.A
             body = {"error": {"message": "the server is draining", "type": "service_unavailable",
                               "code": "draining"}}
             return web.json_response(body, status=503, headers={"retry-after": "1", "connection": "close"})
+        if state["fail_status"]:
+            body = {"error": {"message": "the stub was told to fail", "type": "server_error", "code": "stub_failure"}}
+            return web.json_response(body, status=state["fail_status"])
         in_flight += 1
         try:
             await asyncio.sleep(state["delay"])

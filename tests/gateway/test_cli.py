@@ -28,6 +28,10 @@ def test_bad_upstreams_are_refused(value):
     ("port", 0, "--port"), ("poll_interval", 0, "--poll-interval"), ("hold_timeout", -1, "--hold-timeout"),
     ("max_held", -1, "--max-held"), ("request_timeout", 0, "--request-timeout"),
     ("poll_timeout", float("nan"), "--poll-timeout"), ("payload_limit", 0, "--payload-limit"),
+    ("max_queue_seconds", -1, "--max-queue-seconds"), ("max_queue_seconds_bulk", float("inf"),
+                                                       "--max-queue-seconds-bulk"),
+    ("urgent_max_inputs", -1, "--urgent-max-inputs"), ("eject_after", -1, "--eject-after"),
+    ("eject_base", 0, "--eject-base"), ("eject_max", 1, "--eject-max"), ("balance", "random", "--balance"),
 ])
 def test_bad_settings_name_their_flag(field, value, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -47,6 +51,12 @@ def test_no_upstream_exits_2_saying_what_is_missing():
 def test_help_documents_every_flag_with_its_default():
     out = gateway("--help").stdout
     for flag in ("--upstream", "--port", "--poll-interval", "--max-held", "--hold-timeout", "--request-timeout",
-                 "--payload-limit", "--cold-start-default", "--drain-timeout"):
+                 "--payload-limit", "--cold-start-default", "--drain-timeout", "--balance", "--max-queue-seconds",
+                 "--max-queue-seconds-bulk", "--urgent-max-inputs", "--eject-after", "--eject-base", "--eject-max"):
         assert flag in out
     assert "default: 256" in out and "default: 60.0" in out and "default: 8000" in out
+
+
+def test_round_robin_says_it_is_a_benchmark_baseline():
+    out = " ".join(gateway("--help").stdout.split())
+    assert "round-robin: in turn, blind to load; only a baseline for benchmarks" in out

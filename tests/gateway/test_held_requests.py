@@ -80,6 +80,39 @@ def test_held_requests_reach_the_replica_in_arrival_order(gateway_factory):
     assert gateway.count("embedfleet_gateway_cold_start_seconds_count", deployment="m") == 6
 
 
+def test_a_query_held_after_bulk_work_reaches_the_replica_first(gateway_factory):
+    port = free_port()
+    gateway = gateway_factory("--upstream", f"m=http://127.0.0.1:{port}", "--max-connections-per-replica", "1")
+    sends = [  # (tag, body, headers): bulk by header, bulk by size (5 inputs > 4), then a query
+        ("bulk-0", {"input": "x"}, {"x-priority": "bulk"}),
+        ("bulk-1", {"input": ["p"] * 5}, {}),
+        ("bulk-2", {"input": "x"}, {"x-priority": "bulk"}),
+        ("query", {"input": "x"}, {}),
+        ("bulk-3", {"input": ["p"] * 8}, {}),
+    ]
+    stub = None
+
+    async def scenario() -> list[httpx.Response]:
+        nonlocal stub
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as client:
+            tasks = []
+            for i, (tag, body, headers) in enumerate(sends):
+                tasks.append(asyncio.create_task(client.post("/v1/embeddings", headers=headers,
+                                                             json={"model": "m", "tag": tag, **body})))
+                await until(lambda i=i: held(gateway, "m") == i + 1, f"{i + 1} requests held")
+            stub = start_stub("--model", "m", port=port)
+            return await asyncio.gather(*tasks)
+
+    try:
+        answers = asyncio.run(scenario())
+        assert [a.status_code for a in answers] == [200] * len(sends)
+        received = stub.received()
+    finally:
+        if stub is not None:
+            stub.stop()
+    assert [e["tag"] for e in received] == ["query", "bulk-0", "bulk-1", "bulk-2", "bulk-3"]
+
+
 def test_beyond_the_bounds_requests_are_refused_with_retry_after(gateway_factory):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing ever listens here
     gateway = gateway_factory("--upstream", f"m={dead}", "--max-held", "2", "--hold-timeout", "3",

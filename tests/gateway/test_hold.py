@@ -1,4 +1,4 @@
-"""Held requests: bounded, released oldest first, refused past the bound."""
+"""Held requests: bounded, released interactive first then oldest first, refused past the bound."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from embedfleet.gateway.hold import Held, HeldQueue
 
 
-def held(arrival: int) -> Held[str]:
-    return Held(arrival, float(arrival), f"r{arrival}")
+def held(arrival: int, bulk: bool = False) -> Held[str]:
+    return Held(arrival, float(arrival), f"r{arrival}", bulk)
 
 
 def test_release_is_in_arrival_order_and_empties_the_queue():
@@ -89,3 +89,32 @@ def test_bounded_fifo_under_any_sequence(bound, script):
         assert list(q) == model
     out.extend(q.release())
     assert sorted(h.arrival for h in out) == [h.arrival for h in admitted]
+
+
+def test_queries_are_released_before_bulk_work_held_earlier():
+    q: HeldQueue[str] = HeldQueue(8)
+    for a, bulk in ((1, True), (2, True), (3, False), (4, True), (5, False)):
+        q.admit(held(a, bulk))
+    assert q.oldest().arrival == 1  # how long the deployment has been cold: whatever the class
+    assert [h.arrival for h in q.release()] == [3, 5, 1, 2, 4]
+
+
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), max_size=40), st.integers(0, 12))
+def test_release_order_is_class_then_arrival_under_any_sequence(script, bound):
+    """Admit (bulk or not) or remove the longest held, in any order: what is released is every
+    interactive request before any bulk one, each class in arrival order, each request once."""
+    q: HeldQueue[str] = HeldQueue(bound)
+    live: list[Held[str]] = []
+    for arrival, (admit, bulk) in enumerate(script):
+        if admit:
+            h = held(arrival, bulk)
+            if q.admit(h):
+                live.append(h)
+        elif live:
+            oldest = q.oldest()
+            assert oldest is min(live, key=lambda h: h.since)
+            assert q.remove(oldest) and not q.remove(oldest)
+            live.remove(oldest)
+        assert len(q) == len(live) <= bound
+    out = q.release()
+    assert out == sorted(live, key=lambda h: (h.bulk, h.arrival)) and len(q) == 0

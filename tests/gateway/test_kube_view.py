@@ -48,3 +48,13 @@ def test_every_model_routes_to_exactly_one_of_its_deployments(deployments):
     for model, (key, urls) in routes.items():
         assert deployments[key] == model and urls == []
         assert key == min(k for k, m in deployments.items() if m == model), "stable: the first by key"
+
+
+def test_the_hubs_spill_annotation_is_read_from_each_deployment():
+    from embedfleet.gateway.kube import spill_annotation
+    from embedfleet.gateway.spill import ANNOTATION, parse_annotation
+
+    raw = '[{"cluster":"us-1","region":"us-east-1","url":"https://gw.us.example"}]'
+    obj = {"metadata": {"name": "bge", "annotations": {ANNOTATION: raw}}}
+    assert [t.region for t in parse_annotation(spill_annotation(obj))] == ["us-east-1"]
+    assert spill_annotation({"metadata": {"name": "bge"}}) == ""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedfleet.gateway.pick import ROUTABLE, State, expected_wait, pick
+from embedfleet.gateway.pick import ROUTABLE, State, expected_wait, pick, pick_in_turn
 
 
 @dataclass
@@ -90,3 +90,10 @@ def test_identical_idle_replicas_are_chosen_at_random_not_in_turn():
     seen = Counter(pick(rs, rng).name for _ in range(400))
     assert set(seen) == {"0", "1", "2", "3"}
     assert min(seen.values()) > 50
+
+
+def test_round_robin_goes_in_turn_over_the_best_state_blind_to_load():
+    a, b, c = R("a", reported_wait_s=30), R("b"), R("c", State.DOWN)
+    assert [pick_in_turn([a, b, c], turn).name for turn in range(4)] == ["a", "b", "a", "b"]
+    assert pick_in_turn([R("busy", State.BUSY), c], 3).name == "busy"
+    assert pick_in_turn([c], 0) is None

@@ -23,7 +23,7 @@ import sys
 import aiohttp
 from aiohttp import web
 
-from embedfleet.gateway.config import ConfigError, GatewayConfig, parse_upstreams
+from embedfleet.gateway.config import BALANCES, ConfigError, GatewayConfig, parse_spill, parse_upstreams
 from embedfleet.gateway.fleet import Fleet
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
@@ -42,6 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and wake deployments at zero through their scale subresource")
     parser.add_argument("--namespace", action="append", default=[], metavar="NS",
                         help="with --kubernetes: watch this namespace (repeat); default: every namespace")
+    parser.add_argument("--region", default=D.region,
+                        help="this gateway's region: named on requests it spills to another region (metrics, logs)")
+    parser.add_argument("--spill", action="append", default=[], metavar="NAME=REGION=URL",
+                        help="another region's gateway that deployment NAME may spill to when it has no ready "
+                             "replica here (repeat; tried in order). On Kubernetes the hub sets this per deployment "
+                             "from its placement policy (annotation embedfleet.dev/spill-to)")
+    parser.add_argument("--spill-after", type=float, default=D.spill_after,
+                        help="spill only when the expected cold start here is longer than this many seconds "
+                             f"(default: {D.spill_after})")
     parser.add_argument("--host", default=D.host, help=f"address to bind (default: {D.host})")
     parser.add_argument("--port", type=int, default=D.port, help=f"port to bind (default: {D.port})")
     parser.add_argument("--poll-interval", type=float, default=D.poll_interval,
@@ -67,6 +76,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep-alive connections to one replica at most; 0: no limit (default: 0)")
     parser.add_argument("--drain-timeout", type=float, default=D.drain_timeout,
                         help=f"on SIGTERM, seconds in-flight requests may take to finish (default: {D.drain_timeout})")
+    parser.add_argument("--balance", choices=BALANCES, default=D.balance,
+                        help="least-wait: the replica with the least expected wait (default). round-robin: in turn, "
+                             "blind to load; only a baseline for benchmarks, never for serving")
+    parser.add_argument("--max-queue-seconds", type=float, default=D.max_queue_seconds,
+                        help="refuse a query at once (429 overloaded, Retry-After) when every replica reports an "
+                             "expected wait over this and says it is saturated; 0: never (default: "
+                             f"{D.max_queue_seconds}, the runtime's)")
+    parser.add_argument("--max-queue-seconds-bulk", type=float, default=D.max_queue_seconds_bulk,
+                        help="the same for bulk requests (X-Priority: bulk, or more than --urgent-max-inputs "
+                             f"inputs), by reported wait alone (default: {D.max_queue_seconds_bulk}, the runtime's)")
+    parser.add_argument("--urgent-max-inputs", type=int, default=D.urgent_max_inputs,
+                        help="requests with more inputs are bulk: held behind queries, shed against the bulk bound "
+                             f"(default: {D.urgent_max_inputs}, the runtime's)")
+    parser.add_argument("--eject-after", type=int, default=D.eject_after,
+                        help="a replica failing this many requests in a row (connection refused, 5xx but 503 "
+                             f"draining and 504) is not picked for a while; 0: never (default: {D.eject_after})")
+    parser.add_argument("--eject-base", type=float, default=D.eject_base,
+                        help=f"seconds of a first ejection, doubled while it fails again (default: {D.eject_base})")
+    parser.add_argument("--eject-max", type=float, default=D.eject_max,
+                        help=f"longest ejection in seconds (default: {D.eject_max})")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -76,6 +105,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError("--kubernetes takes the replicas from the cluster: drop --upstream")
     if args.namespace and not args.kubernetes:
         raise ConfigError("--namespace is for --kubernetes")
+    spill = parse_spill(args.spill)
+    if args.kubernetes and spill:
+        raise ConfigError("--kubernetes takes spill targets from the hub's annotation: drop --spill")
+    unknown = sorted(set(spill) - set(upstreams))
+    if unknown:
+        raise ConfigError(f"--spill names deployments with no --upstream: {', '.join(unknown)}")
     if not upstreams and not args.kubernetes:
         raise ConfigError("no upstreams: give --upstream NAME=URL (once per replica), or --kubernetes")
     return GatewayConfig(
@@ -84,7 +119,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         hold_timeout=args.hold_timeout, cold_start_default=args.cold_start_default,
         request_timeout=args.request_timeout, payload_limit=args.payload_limit,
         max_connections_per_replica=args.max_connections_per_replica, drain_timeout=args.drain_timeout,
-        kubernetes=args.kubernetes, namespaces=tuple(args.namespace))
+        kubernetes=args.kubernetes, namespaces=tuple(args.namespace), region=args.region, spill=spill,
+        spill_after=args.spill_after, balance=args.balance, max_queue_seconds=args.max_queue_seconds,
+        max_queue_seconds_bulk=args.max_queue_seconds_bulk, urgent_max_inputs=args.urgent_max_inputs,
+        eject_after=args.eject_after, eject_base=args.eject_base, eject_max=args.eject_max)
 
 
 async def serve(config: GatewayConfig) -> int:
@@ -95,7 +133,7 @@ async def serve(config: GatewayConfig) -> int:
     polls = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
     rng = random.Random()
     fleet = Fleet(config, polls, rng)
-    gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot), work, rng)
+    gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     poller = asyncio.create_task(fleet.upstreams.run(), name="poll")
     stop = asyncio.Event()
@@ -133,12 +171,17 @@ def watch_cluster(config: GatewayConfig, fleet: Fleet, gateway: Gateway, loop: a
     import kubernetes
 
     from embedfleet.gateway.kube import KubeSource
+    from embedfleet.gateway.spill import parse_annotation
 
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
-    source = KubeSource(kubernetes.client.ApiClient(), config.namespaces, fleet.set_routes, loop)
+    def apply_spill(annotations: dict[str, str]) -> None:
+        for key in fleet.deployments:
+            fleet.set_spill(key, parse_annotation(annotations.get(key)))
+
+    source = KubeSource(kubernetes.client.ApiClient(), config.namespaces, fleet.set_routes, loop, apply_spill)
     fleet.on_hold = lambda deployment: loop.create_task(source.wake(deployment.name))
     gateway.synced = source.synced.is_set
     source.start()

@@ -8,6 +8,8 @@ from urllib.parse import urlsplit
 
 from embedfleet.gateway.coldstart import DEFAULT_COLD_START_S
 
+BALANCES = ("least-wait", "round-robin")
+
 
 class ConfigError(ValueError):
     """A bad setting; the message names the flag."""
@@ -28,6 +30,16 @@ class GatewayConfig:
     payload_limit: int = 2_000_000  # bytes; 413 beyond
     max_connections_per_replica: int = 0  # 0: no limit
     drain_timeout: float = 30.0  # on SIGTERM: how long in-flight (and held) requests may finish
+    region: str = ""  # this gateway's region: named on the requests it spills, and in metrics
+    spill: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # deployment -> [(region, gateway URL)]
+    spill_after: float = 2.0  # spill when the expected cold start here is longer than this (seconds)
+    balance: str = "least-wait"  # or "round-robin": a baseline for benchmarks only
+    max_queue_seconds: float = 5.0  # shed (429) a query when every replica's expected wait is over it; 0: never
+    max_queue_seconds_bulk: float = 30.0  # the same for bulk requests
+    urgent_max_inputs: int = 4  # requests with more inputs are bulk (the runtime's --urgent-max-inputs)
+    eject_after: int = 5  # failures in a row that eject a replica for a while; 0: never
+    eject_base: float = 5.0  # seconds of the first ejection (doubling while it keeps failing)
+    eject_max: float = 60.0  # longest ejection
     kubernetes: bool = False  # replicas from the cluster (kube.py) instead of `upstreams`
     namespaces: tuple[str, ...] = ()  # Kubernetes mode: watch these; empty: every namespace
 
@@ -35,21 +47,44 @@ class GatewayConfig:
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"--port must be 1..65535, not {self.port}")
         for flag, value in (("--poll-interval", self.poll_interval), ("--held-poll-interval", self.held_poll_interval),
-                            ("--poll-timeout", self.poll_timeout), ("--hold-timeout", self.hold_timeout)):
+                            ("--poll-timeout", self.poll_timeout), ("--hold-timeout", self.hold_timeout),
+                            ("--eject-base", self.eject_base), ("--eject-max", self.eject_max)):
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{flag} must be a positive number of seconds, not {value}")
+        if self.balance not in BALANCES:
+            raise ConfigError(f"--balance must be one of {', '.join(BALANCES)}, not {self.balance!r}")
         for flag, value in (("--cold-start-default", self.cold_start_default),
-                            ("--drain-timeout", self.drain_timeout)):
+                            ("--max-queue-seconds", self.max_queue_seconds),
+                            ("--max-queue-seconds-bulk", self.max_queue_seconds_bulk),
+                            ("--drain-timeout", self.drain_timeout), ("--spill-after", self.spill_after)):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{flag} must be >= 0 seconds, not {value}")
         if self.request_timeout is not None and not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
             raise ConfigError(f"--request-timeout must be a positive number of seconds, not {self.request_timeout}")
         for flag, value in (("--max-held", self.max_held),
-                            ("--max-connections-per-replica", self.max_connections_per_replica)):
+                            ("--max-connections-per-replica", self.max_connections_per_replica),
+                            ("--urgent-max-inputs", self.urgent_max_inputs), ("--eject-after", self.eject_after)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, not {value}")
+        if self.eject_max < self.eject_base:
+            raise ConfigError(f"--eject-max ({self.eject_max}) must be >= --eject-base ({self.eject_base})")
         if self.payload_limit < 1:
             raise ConfigError(f"--payload-limit must be >= 1 byte, not {self.payload_limit}")
+
+
+def parse_spill(values: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """["NAME=REGION=URL", ...] -> {NAME: [(REGION, URL), ...]} in the order given (the order tried)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for value in values:
+        name, _, rest = value.partition("=")
+        region, _, url = rest.partition("=")
+        parts = urlsplit(url.strip())
+        if not name.strip() or not region.strip() or parts.scheme not in ("http", "https") or not parts.hostname \
+                or parts.path not in ("", "/"):
+            raise ConfigError(f"--spill {value!r}: expected NAME=REGION=URL (another region's gateway, "
+                              "http(s)://HOST[:PORT])")
+        out.setdefault(name.strip(), []).append((region.strip(), url.strip().rstrip("/")))
+    return out
 
 
 def parse_upstreams(values: list[str]) -> dict[str, list[str]]:

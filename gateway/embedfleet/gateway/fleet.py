@@ -1,15 +1,19 @@
 """The deployments the gateway fronts: for each, its replicas, its held requests and its cold start.
 
-`acquire` gives a request a replica at once (pick's least-wait choice, counted in flight before it
-returns) or, when none can take work, holds it until one can. When a poll finds one, the held
-requests are handed out oldest first, each to the least-wait replica at that moment, in the same
-step, so no later request overtakes them. A hold is bounded in number (--max-held) and in time
-(--hold-timeout); both refusals say when to come back from the deployment's learned cold start.
+`acquire` gives a request a replica at once (pick's least-wait choice among the replicas not
+ejected for failing (eject.py), counted in flight before it returns), refuses it at once with 429
+`overloaded` when every replica would refuse it for its expected wait (shed.py), or, when none can
+take work, holds it until one can. When a poll finds one, the held requests are handed out
+interactive first, then oldest first, each to the least-wait replica at that moment, in the same
+step, so no later request overtakes them and no query waits behind bulk work. A hold is bounded in
+number (--max-held) and in time (--hold-timeout); both refusals say when to come back from the
+deployment's learned cold start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -19,10 +23,15 @@ import aiohttp
 
 from embedfleet.gateway.coldstart import ColdStart
 from embedfleet.gateway.config import GatewayConfig
+from embedfleet.gateway.eject import admitted
 from embedfleet.gateway.errors import Refused
 from embedfleet.gateway.hold import Held, HeldQueue
-from embedfleet.gateway.pick import ROUTABLE, pick
+from embedfleet.gateway.pick import ROUTABLE, State, expected_wait, pick, pick_in_turn
+from embedfleet.gateway.shed import decide
+from embedfleet.gateway.spill import Target, choose, should_spill
 from embedfleet.gateway.upstreams import Replica, Upstreams
+
+log = logging.getLogger("embedfleet.gateway.fleet")
 
 
 @dataclass
@@ -32,6 +41,7 @@ class Deployment:
     cold: ColdStart
     in_flight: int = 0  # requests the gateway is handling for it, held ones included
     last_request_at: float | None = None  # time.monotonic() of the latest arrival
+    turn: int = 0  # --balance round-robin: requests routed so far
 
 
 @dataclass(slots=True)
@@ -39,8 +49,11 @@ class Ticket:
     """One request's place in line: its arrival number, and when it was first held (if ever)."""
 
     arrival: int
+    bulk: bool = False  # bulk work (classes.py): held behind queries, shed against the bulk bound
     held_since: float | None = None
     hold: Held | None = field(default=None, repr=False)
+    may_spill: bool = True  # false for a request another region spilled here (never spilled again)
+    spilled_to: Target | None = None  # the region's gateway this attempt goes to (spill.py)
 
 
 class Fleet:
@@ -52,13 +65,16 @@ class Fleet:
         self.deployments: dict[str, Deployment] = {}
         # Kubernetes mode: served model name -> deployment ("<namespace>/<name>"); empty: names are models
         self.aliases: dict[str, str] = {}
-        self.on_hold: Callable[[Deployment], None] | None = None  # a request was held for it (waking)
+        self.on_hold: Callable[[Deployment], None] | None = None  # a request found no replica (waking)
+        self.spill: dict[str, list[Target]] = {}  # deployment -> other regions' gateways, policy's order
         self.upstreams = Upstreams(poll_session, poll_interval=config.poll_interval,
                                    held_poll_interval=config.held_poll_interval, poll_timeout=config.poll_timeout,
                                    on_change=self._replicas_changed, holding=self.holding, now=now)
         self._arrivals = 0
         for name, urls in config.upstreams.items():
             self.set_replicas(name, urls)
+        for name, targets in config.spill.items():
+            self.set_spill(name, [Target(region, url) for region, url in targets])
 
     # -- the replica set (flags now, EndpointSlices on Kubernetes)
 
@@ -69,6 +85,11 @@ class Fleet:
             self.deployments[name] = Deployment(name, HeldQueue(self.config.max_held),
                                                 ColdStart(default_s=self.config.cold_start_default))
         self.upstreams.set_replicas(name, urls)
+
+    def set_spill(self, name: str, targets: list[Target]) -> None:
+        """Where `name` may spill (the policy's choice; empty: nowhere). Known targets keep their state."""
+        old = {t.url: t for t in self.spill.get(name, [])}
+        self.spill[name] = [old.get(t.url, t) for t in targets]
 
     def set_routes(self, routes: dict[str, tuple[str, list[str]]]) -> None:
         """Kubernetes mode (kube.py): served model name -> (deployment, replica URLs), the whole set.
@@ -112,15 +133,22 @@ class Fleet:
     async def acquire(self, deployment: Deployment, ticket: Ticket, deadline: float | None) -> Replica:
         """A replica for the request, counted in flight (give it back with `done`), at once or after a
         hold. Refused: 503 hold_full / cold_start with Retry-After, or 504 when `deadline` passes."""
-        replica = pick(self.upstreams.replicas(deployment.name), self.rng)
+        self._shed(deployment, ticket)
+        replica = self._pick(deployment)
         if replica is not None:
             replica.in_flight += 1
             return replica
         now = self.now()
+        target = self._spill_target(deployment, ticket, now)
+        if target is not None:  # another region's gateway, as if it were a replica (the proxy marks it)
+            ticket.spilled_to = target
+            if self.on_hold is not None:  # and wake this region's replicas for the requests after it
+                self.on_hold(deployment)
+            return Replica(deployment.name, target.url, state=State.READY, in_flight=1)
         if ticket.held_since is None:
             ticket.held_since = now
         future: asyncio.Future[Replica] = asyncio.get_running_loop().create_future()
-        ticket.hold = Held(ticket.arrival, ticket.held_since, future)
+        ticket.hold = Held(ticket.arrival, ticket.held_since, future, ticket.bulk)
         if not deployment.held.admit(ticket.hold):
             raise Refused(503, f"{deployment.name} has no replica ready and already holds {deployment.held.bound} "
                           "requests (--max-held); retry later", "hold_full", self._retry_after(deployment, now))
@@ -150,8 +178,52 @@ class Fleet:
                 deployment.held.remove(ticket.hold)
             raise
 
+    def _spill_target(self, deployment: Deployment, ticket: Ticket, now: float) -> Target | None:
+        targets = self.spill.get(deployment.name, [])
+        if not targets or not ticket.may_spill:
+            return None
+        cold_for = 0.0 if ticket.held_since is None else now - ticket.held_since
+        remaining = deployment.cold.expected_s() - cold_for
+        routable = any(r.state in ROUTABLE for r in self.upstreams.replicas(deployment.name))
+        if not should_spill(routable, not ticket.may_spill, remaining, self.config.spill_after, targets):
+            return None
+        return choose(targets, now)
+
+    def _pick(self, deployment: Deployment) -> Replica | None:
+        """The replica for the next request, of those not ejected: the least-wait one, or the next in
+        turn with --balance round-robin (a baseline for benchmarks)."""
+        replicas = admitted(self.upstreams.replicas(deployment.name), self.now())
+        if self.config.balance == "round-robin":
+            deployment.turn += 1
+            return pick_in_turn(replicas, deployment.turn)
+        return pick(replicas, self.rng)
+
+    def _shed(self, deployment: Deployment, ticket: Ticket) -> None:
+        """429 `overloaded` now when every replica would refuse the request for its expected wait."""
+        bound = self.config.max_queue_seconds_bulk if ticket.bulk else self.config.max_queue_seconds
+        shed = decide(admitted(self.upstreams.replicas(deployment.name), self.now()), bound, ticket.bulk)
+        if shed is not None:
+            flag = "--max-queue-seconds-bulk" if ticket.bulk else "--max-queue-seconds"
+            raise Refused(429, f"every replica of {deployment.name} is overloaded: the least loaded expects "
+                          f"{shed.least_wait_s:.1f}s of queued work, over the bound of {bound:g}s ({flag}); retry "
+                          f"in {shed.retry_after}s", "overloaded", shed.retry_after)
+
     def done(self, replica: Replica) -> None:
         replica.in_flight -= 1
+
+    def outcome(self, replica: Replica, failed: bool) -> bool:
+        """What a request found on `replica` (eject.is_failure); True when this failure ejects it."""
+        if not failed:
+            replica.ejection.succeeded()
+            return False
+        if not self.config.eject_after:
+            return False
+        now = self.now()
+        if not replica.ejection.failed(now, self.config.eject_after, self.config.eject_base, self.config.eject_max):
+            return False
+        log.warning("%s: replica %s ejected for %.0fs after failing requests", replica.deployment, replica.url,
+                    replica.ejection.until - now)
+        return True
 
     def _retry_after(self, deployment: Deployment, now: float, cold_since: float | None = None) -> int:
         """Seconds until the deployment is expected to be ready: the learned cold start less how long it
@@ -173,9 +245,13 @@ class Fleet:
         oldest = deployment.held.oldest()
         deployment.cold.observe(now - oldest.since)
         for held in deployment.held.release():
-            replica = pick(replicas, self.rng)
+            replica = self._pick(deployment)
             replica.in_flight += 1
             held.item.set_result(replica)
+
+    def replica_waits(self) -> dict[str, dict[str, float]]:
+        """Per deployment, per replica URL: the expected wait the gateway routes by (pick.expected_wait)."""
+        return {name: {r.url: expected_wait(r) for r in self.upstreams.replicas(name)} for name in self.deployments}
 
     def holding(self) -> bool:
         return any(len(d.held) for d in self.deployments.values())

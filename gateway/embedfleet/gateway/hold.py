@@ -1,26 +1,36 @@
 """Requests held for a deployment that has no replica able to take them (a cold start).
 
-Pure bookkeeping: a bounded queue kept in arrival order. A request is admitted while there is room,
-refused past the bound, taken out when it gives up (its hold timed out or its client left), and all
-of them are released, oldest first, when a replica becomes ready. A request that goes back to the
-queue (its replica failed before answering) keeps its place by its arrival number.
+Pure bookkeeping: a bounded queue kept interactive requests first, then in arrival order (classes.py:
+a query is never queued behind bulk work). A request is admitted while there is room, refused past
+the bound, taken out when it gives up (its hold timed out or its client left), and all of them are
+released in that order when a replica becomes ready. A request that goes back to the queue (its
+replica failed before answering) keeps its place by its class and arrival number.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
-@dataclass(order=True, slots=True)
+@dataclass(slots=True)
 class Held(Generic[T]):
-    arrival: int  # the gateway's arrival counter: the order of release
-    since: float = field(compare=False)  # time.monotonic() when it was first held
-    item: T = field(compare=False)  # what the caller waits on (a future)
+    arrival: int  # the gateway's arrival counter: the order of release within a class
+    since: float  # time.monotonic() when it was first held
+    item: T  # what the caller waits on (a future)
+    bulk: bool = False  # released after every interactive request held
+
+    @property
+    def order(self) -> tuple[bool, int]:
+        return self.bulk, self.arrival
+
+
+def _order(held: Held) -> tuple[bool, int]:
+    return held.order
 
 
 class HeldQueue(Generic[T]):
@@ -41,18 +51,19 @@ class HeldQueue(Generic[T]):
         return len(self._held) >= self.bound
 
     def oldest(self) -> Held[T] | None:
-        return self._held[0] if self._held else None
+        """The request held longest, whatever its class (how long the deployment has been cold)."""
+        return min(self._held, key=lambda h: h.since, default=None)
 
     def admit(self, held: Held[T]) -> bool:
-        """Hold `held` in arrival order; False (and nothing held) when the queue is full."""
+        """Hold `held` in its place (class, then arrival); False (and nothing held) when the queue is full."""
         if self.full:
             return False
-        bisect.insort(self._held, held)
+        bisect.insort(self._held, held, key=_order)
         return True
 
     def remove(self, held: Held[T]) -> bool:
         """Take out a request that gave up; False when it was not held (already released)."""
-        i = bisect.bisect_left(self._held, held)
+        i = bisect.bisect_left(self._held, held.order, key=_order)
         if i < len(self._held) and self._held[i] is held:
             del self._held[i]
             return True
@@ -63,7 +74,8 @@ class HeldQueue(Generic[T]):
         return True
 
     def release(self, n: int | None = None) -> list[Held[T]]:
-        """The oldest `n` (all when None), oldest first; they are no longer held."""
+        """The first `n` (all when None) in release order (interactive first, then oldest first); they are
+        no longer held."""
         n = len(self._held) if n is None else max(0, n)
         out, self._held = self._held[:n], self._held[n:]
         return out

@@ -31,6 +31,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
+from embedfleet.gateway.spill import ANNOTATION
 from embedfleet.operator.crd import naming
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,11 @@ def served_name(obj: Mapping[str, Any]) -> str:
     """The model name requests use for this EmbeddingDeployment (as render.runtime_env tells the runtime)."""
     model = (obj.get("spec") or {}).get("model") or {}
     return model.get("servedModelName") or obj["metadata"]["name"]
+
+
+def spill_annotation(obj: Mapping[str, Any]) -> str:
+    """Where the hub lets this deployment's requests spill (gateway/spill.py parses it); "" for nowhere."""
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION, "")
 
 
 def replica_urls(slice_: Mapping[str, Any], port_name: str = "http") -> list[str]:
@@ -77,6 +83,7 @@ class ClusterView:
     """What the watches have seen: pure bookkeeping, turned into the fleet's replica sets by `routes`."""
 
     deployments: dict[str, str] = field(default_factory=dict)  # "<ns>/<name>" -> served model name
+    spill: dict[str, str] = field(default_factory=dict)  # "<ns>/<name>" -> the hub's spill-to annotation
     slices: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # "<ns>/<slice>" -> ("<ns>/<svc>", urls)
 
     def routes(self) -> dict[str, tuple[str, list[str]]]:
@@ -100,10 +107,12 @@ class KubeSource:
     """Keeps `apply(routes)` called with the cluster's current routes; wakes deployments at zero."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient, namespaces: Iterable[str],
-                 apply: Callable[[dict[str, tuple[str, list[str]]]], None], loop: asyncio.AbstractEventLoop) -> None:
+                 apply: Callable[[dict[str, tuple[str, list[str]]]], None], loop: asyncio.AbstractEventLoop,
+                 apply_spill: Callable[[dict[str, str]], None] | None = None) -> None:
         self.api = api_client
         self.namespaces = list(namespaces)
         self.apply = apply
+        self.apply_spill = apply_spill  # deployment -> its `embedfleet.dev/spill-to` annotation (spill.py)
         self.loop = loop
         self.view = ClusterView()
         self._lock = threading.Lock()
@@ -179,15 +188,19 @@ class KubeSource:
         """One watch event (or RESET: a fresh list of scope `ns`, None for all namespaces)."""
         if kind == "RESET":
             kept = {k: v for k, v in self.view.deployments.items() if not self._in_scope(k, ns)}
-            fresh = {deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): served_name(i)
-                     for i in obj.get("items") or []}
+            items = obj.get("items") or []
+            fresh = {deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): served_name(i) for i in items}
             self.view.deployments = kept | fresh
+            self.view.spill = {k: v for k, v in self.view.spill.items() if not self._in_scope(k, ns)} | {
+                deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): spill_annotation(i) for i in items}
             return
         key = deployment_key(obj["metadata"]["namespace"], obj["metadata"]["name"])
         if kind == "DELETED":
             self.view.deployments.pop(key, None)
+            self.view.spill.pop(key, None)
         else:
             self.view.deployments[key] = served_name(obj)
+            self.view.spill[key] = spill_annotation(obj)
 
     def _on_slice(self, kind: str, obj: dict, ns: str | None) -> None:
         def entry(s: dict) -> tuple[str, tuple[str, list[str]]] | None:
@@ -213,7 +226,10 @@ class KubeSource:
     def _publish(self) -> None:
         with self._lock:
             routes = self.view.routes()
+            spill = dict(self.view.spill)
         self.loop.call_soon_threadsafe(self.apply, routes)
+        if self.apply_spill is not None:
+            self.loop.call_soon_threadsafe(self.apply_spill, spill)
 
     # -- waking ----------------------------------------------------------------------------------
     async def wake(self, key: str) -> None:

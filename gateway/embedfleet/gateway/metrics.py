@@ -3,7 +3,8 @@
 Events are counters and histograms updated as they happen; the state an autoscaler reads (held and
 in-flight requests, replicas able to take work) is read from the fleet when scraped, so it can never
 drift from what /gateway/load says. `deployment` is a deployment the gateway fronts, or `-` for a
-request that named no known one (so clients cannot grow the series).
+request that named no known one (so clients cannot grow the series); `replica` is a replica URL the
+gateway knows (from its flags or the cluster's EndpointSlices, never from a client).
 """
 
 from __future__ import annotations
@@ -44,8 +45,29 @@ class _FleetState:
         return []
 
 
+class _ReplicaWaits:
+    """Collector: each known replica's expected wait, as the gateway routes by it, at scrape time."""
+
+    def __init__(self, waits: Callable[[], dict[str, dict[str, float]]]) -> None:
+        self.waits = waits
+
+    def collect(self):
+        family = GaugeMetricFamily("embedfleet_gateway_replica_expected_wait_seconds",
+                                   "A replica's expected wait as the gateway routes by it: its last reported queue "
+                                   "wait plus this gateway's requests in flight to it times its service time",
+                                   labels=["deployment", "replica"])
+        for deployment, replicas in self.waits().items():
+            for url, wait in replicas.items():
+                family.add_metric([deployment, url], wait)
+        yield family
+
+    def describe(self):
+        return []
+
+
 class GatewayMetrics:
-    def __init__(self, snapshot: Callable[[], dict[str, dict]]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, dict]],
+                 replica_waits: Callable[[], dict[str, dict[str, float]]] = dict) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("embedfleet_gateway_requests", "Requests answered, by HTTP status",
                                 ["deployment", "code"], registry=r)
@@ -58,4 +80,12 @@ class GatewayMetrics:
         self.cold_start = Histogram("embedfleet_gateway_cold_start_seconds", "Held requests: time from being held "
                                     "to the first byte of a replica's answer", ["deployment"],
                                     buckets=COLD_START_BUCKETS, registry=r)
+        self.spilled = Counter("embedfleet_gateway_spilled", "Requests sent to another region's gateway (spill.py), "
+                               "by the region they went to", ["deployment", "to"], registry=r)
+        self.shed = Counter("embedfleet_gateway_shed", "Requests refused at once (429 overloaded) because every "
+                            "replica's expected wait was over the bound (shed.py)", ["deployment", "reason"],
+                            registry=r)
+        self.ejections = Counter("embedfleet_gateway_ejections", "Replicas ejected for a while after failing "
+                                 "requests in a row (eject.py)", ["deployment"], registry=r)
         r.register(_FleetState(snapshot))
+        r.register(_ReplicaWaits(replica_waits))

@@ -57,3 +57,14 @@ def pick(replicas: Iterable[R], rng: random.Random) -> R | None:
         if best:
             return best[0] if len(best) == 1 else rng.choice(best)
     return None
+
+
+def pick_in_turn(replicas: Iterable[R], turn: int) -> R | None:
+    """Round-robin, for benchmarks only (--balance round-robin): the `turn`-th replica of the best
+    routable state, blind to load."""
+    replicas = list(replicas)
+    for state in ROUTABLE:
+        tier = [r for r in replicas if r.state is state]
+        if tier:
+            return tier[turn % len(tier)]
+    return None

@@ -27,11 +27,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
+from embedfleet.gateway.classes import input_count, is_bulk
 from embedfleet.gateway.config import GatewayConfig
+from embedfleet.gateway.eject import is_failure
 from embedfleet.gateway.errors import Refused, error_response
 from embedfleet.gateway.fleet import Deployment, Fleet, Ticket
 from embedfleet.gateway.metrics import UNKNOWN, GatewayMetrics
 from embedfleet.gateway.pick import State, pick
+from embedfleet.gateway.spill import SPILLED_FROM
 from embedfleet.gateway.upstreams import Replica
 
 log = logging.getLogger("embedfleet.gateway.proxy")
@@ -145,15 +148,20 @@ class Gateway:
         arrived = self.fleet.now()
         try:
             body = await self._read_body(request)
-            model, body_timeout = self._model_of(request, body)
+            model, body_timeout, inputs = self._model_of(request, body)
             deployment = self.fleet.resolve(model)
         except Refused as refused:
             return self._refuse(refused, UNKNOWN)
         ticket = self.fleet.begin(deployment)
+        ticket.may_spill = SPILLED_FROM not in request.headers
+        ticket.bulk = is_bulk(request.headers.get("x-priority"), inputs, self.config.urgent_max_inputs)
         try:
             deadline = self._deadline(request, arrived, body_timeout)
             return await self._send(request, deployment, ticket, body, deadline)
         except Refused as refused:
+            if refused.code == "overloaded":
+                reason = "expected_wait_bulk" if ticket.bulk else "expected_wait"
+                self.metrics.shed.labels(deployment.name, reason).inc()
             return self._refuse(refused, deployment.name)
         finally:
             self.fleet.end(deployment)
@@ -180,22 +188,22 @@ class Gateway:
                           "payload_too_large") from None
 
     @staticmethod
-    def _model_of(request: web.Request, body: bytes) -> tuple[str | None, float | None]:
-        """The served model the request names (body `model`, or `?model=` on a GET or DELETE) and the
-        body's `timeout`, if any."""
+    def _model_of(request: web.Request, body: bytes) -> tuple[str | None, float | None, int]:
+        """The served model the request names (body `model`, or `?model=` on a GET or DELETE), the
+        body's `timeout`, if any, and how many inputs it carries (classes.py)."""
         if request.method not in BODY_METHODS:
-            return request.query.get("model"), None
+            return request.query.get("model"), None, 1
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise Refused(400, f"malformed JSON body: {exc}", "invalid_json") from None
         if not isinstance(doc, dict):
-            return None, None
+            return None, None, 1
         model = doc.get("model")
         if model is not None and not isinstance(model, str):
             raise Refused(400, f"`model` must be a string naming a served model, not {type(model).__name__}",
                           "invalid_request")
-        return model, _timeout(doc.get("timeout"))
+        return model, _timeout(doc.get("timeout")), input_count(doc)
 
     def _deadline(self, request: web.Request, arrived: float, body_timeout: float | None) -> float | None:
         """When the request must be answered (time.monotonic()): the soonest of the client's
@@ -233,7 +241,12 @@ class Gateway:
             finally:
                 self.fleet.done(replica)
             if answer is not None:
+                if ticket.spilled_to is not None:
+                    self.metrics.spilled.labels(deployment.name, ticket.spilled_to.region).inc()
                 return answer
+            if ticket.spilled_to is not None:  # that region's gateway did not take it: not again for a while
+                ticket.spilled_to.down_at = self.fleet.now()
+                ticket.spilled_to = None
             attempts += 1
             if attempts >= len(self.fleet.upstreams.replicas(deployment.name)) + EXTRA_ATTEMPTS:
                 raise Refused(502, f"no replica of {deployment.name} took the request after {attempts} attempts",
@@ -244,6 +257,8 @@ class Gateway:
         """One attempt on `replica`: its answer streamed back, or None when it did not take the request
         (marked so; the caller tries again)."""
         headers = self._headers(request, deadline)
+        if ticket.spilled_to is not None:
+            headers[SPILLED_FROM] = self.config.region or "unknown"
         timeout = self._no_deadline if deadline is None else \
             aiohttp.ClientTimeout(total=deadline - self.fleet.now() + DEADLINE_GRACE_S, sock_connect=CONNECT_TIMEOUT_S)
         upstreams = self.fleet.upstreams
@@ -281,10 +296,10 @@ class Gateway:
                                   "upstream_broke_off") from None
                 if upstream.status == 503 and _draining(raw):
                     return self._not_taken(deployment, replica, State.DRAINING, "draining", "answered 503 draining")
-                self._answered(deployment, ticket, upstream.status, first_byte, sent)
+                self._answered(deployment, replica, ticket, upstream.status, first_byte, sent)
                 return web.Response(body=raw, status=upstream.status, reason=upstream.reason,
                                     headers=self._response_headers(upstream))
-            self._answered(deployment, ticket, upstream.status, first_byte, None)
+            self._answered(deployment, replica, ticket, upstream.status, first_byte, None)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                           headers=self._response_headers(upstream))
             if length is not None:
@@ -306,20 +321,28 @@ class Gateway:
                    detail: str) -> None:
         if state is not None:
             self.fleet.upstreams.mark(replica, state, detail)
+            if reason == "connect":
+                self._outcome(deployment, replica, True)
         else:
             log.debug("%s: %s did not answer: %s", deployment.name, replica.url, detail)
         self.metrics.retries.labels(deployment.name, reason).inc()
         return None
 
-    def _answered(self, deployment: Deployment, ticket: Ticket, status: int, first_byte: float,
+    def _answered(self, deployment: Deployment, replica: Replica, ticket: Ticket, status: int, first_byte: float,
                   sent: float | None) -> None:
-        """Count the answer; a held request's cold start ends at the answer's first byte; `sent`: the
-        answer is complete, so the upstream's time is known too."""
+        """Count the answer (and, for the replica, a success or a failure: eject.py); a held request's
+        cold start ends at the answer's first byte; `sent`: the answer is complete, so the upstream's
+        time is known too."""
         self.metrics.requests.labels(deployment.name, str(status)).inc()
+        self._outcome(deployment, replica, is_failure(status))
         if ticket.held_since is not None:
             self.metrics.cold_start.labels(deployment.name).observe(first_byte - ticket.held_since)
         if sent is not None:
             self.metrics.upstream_seconds.labels(deployment.name).observe(self.fleet.now() - sent)
+
+    def _outcome(self, deployment: Deployment, replica: Replica, failed: bool) -> None:
+        if self.fleet.outcome(replica, failed):
+            self.metrics.ejections.labels(deployment.name).inc()
 
     @staticmethod
     def _response_headers(upstream: aiohttp.ClientResponse) -> list[tuple[str, str]]:

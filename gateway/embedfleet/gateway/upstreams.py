@@ -17,12 +17,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 
+from embedfleet.gateway.eject import Ejection
 from embedfleet.gateway.pick import State
 
 log = logging.getLogger("embedfleet.gateway.upstreams")
@@ -43,6 +44,7 @@ class Replica:
     service_s: float = DEFAULT_SERVICE_S  # mean of its answers' server-timing
     marked_at: float = -math.inf  # when a request's outcome last set `state` (a poll begun before is stale)
     detail: str = "not polled yet"
+    ejection: Ejection = field(default_factory=Ejection)  # failures in a row, and when an ejection ends (eject.py)
 
     def report_wait(self, wait_s: float, at: float) -> None:
         if at >= self.reported_at and math.isfinite(wait_s):

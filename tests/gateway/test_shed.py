@@ -1,0 +1,117 @@
+"""Shedding at the gateway: a request every replica would refuse for its expected wait is refused at
+once (429 overloaded, Retry-After) instead of being sent down; worked examples, invariants, then the
+gateway in front of stand-in runtimes reporting chosen waits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import httpx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embedfleet.gateway.pick import ROUTABLE, State
+from embedfleet.gateway.shed import decide, over
+from tests.gateway.conftest import wait_for
+
+
+@dataclass
+class R:
+    state: State = State.READY
+    reported_wait_s: float = 0.0
+    in_flight: int = 0
+    service_s: float = 0.01
+
+
+def test_every_replica_over_the_bound_sheds_with_retry_after():
+    shed = decide([R(State.BUSY, 12.0), R(State.BUSY, 9.2)], 5.0, bulk=False)
+    assert shed is not None and shed.retry_after == 5 and shed.least_wait_s == 9.2  # ceil(9.2 - 5)
+    assert decide([R(State.BUSY, 5.1)], 5.0, bulk=False).retry_after == 1  # at least 1
+
+
+def test_one_replica_under_the_bound_takes_it():
+    assert decide([R(State.BUSY, 12.0), R(State.READY, 1.0)], 5.0, bulk=False) is None
+
+
+def test_a_backfilling_replica_still_takes_queries_but_not_more_bulk_work():
+    # a long reported wait with the runtime still ready: queries jump ahead of its bulk queue
+    backfilling = [R(State.READY, 40.0), R(State.READY, 35.0)]
+    assert decide(backfilling, 5.0, bulk=False) is None
+    assert decide(backfilling, 30.0, bulk=True).retry_after == 5
+
+
+def test_nothing_routable_is_held_not_shed_and_zero_turns_shedding_off():
+    assert decide([R(State.DOWN, 50.0), R(State.DRAINING, 50.0)], 5.0, bulk=True) is None
+    assert decide([], 5.0, bulk=True) is None
+    assert decide([R(State.BUSY, 50.0)], 0.0, bulk=False) is None
+
+
+replicas = st.lists(st.builds(R, state=st.sampled_from(list(State)), reported_wait_s=st.floats(0, 120)), max_size=6)
+
+
+@given(replicas, st.floats(0.1, 60), st.booleans())
+def test_sheds_exactly_when_every_routable_replica_would_refuse(rs, bound, bulk):
+    shed = decide(rs, bound, bulk)
+    routable = [r for r in rs if r.state in ROUTABLE]
+    assert (shed is not None) == (bool(routable) and all(over(r, bound, bulk) for r in routable))
+    if shed is not None:
+        least = min(r.reported_wait_s for r in routable)
+        assert shed.retry_after >= 1 and shed.retry_after == max(1, math.ceil(least - bound))
+        assert least - bound <= shed.retry_after  # by then the least-loaded one is expected under the bound
+
+
+@given(replicas, st.floats(0.1, 60), st.floats(0, 60), st.booleans())
+def test_a_higher_bound_never_sheds_more(rs, bound, more, bulk):
+    if decide(rs, bound + more, bulk) is not None:
+        assert decide(rs, bound, bulk) is not None
+
+
+@given(replicas, st.floats(0.1, 60))
+def test_a_query_is_shed_only_when_bulk_work_would_be_at_the_same_bound(rs, bound):
+    if decide(rs, bound, bulk=False) is not None:
+        assert decide(rs, bound, bulk=True) is not None
+
+
+def test_the_gateway_sheds_when_every_replica_is_over_the_bound(gateway_factory, stub_factory):
+    a = stub_factory("--model", "m", "--name", "a")
+    b = stub_factory("--model", "m", "--name", "b")
+    gateway = gateway_factory("--upstream", f"m={a.url}", "--upstream", f"m={b.url}", "--poll-interval", "0.1",
+                              "--max-queue-seconds", "5")
+    wait_for(lambda: gateway.load()["m"]["ready_replicas"] == 2, "both replicas ready")
+    a.control(status="saturated", expected_wait=12.0)
+    b.control(status="saturated", expected_wait=8.5)
+    waits = {a.url: 12.0, b.url: 8.5}
+    wait_for(lambda: all(gateway.count("embedfleet_gateway_replica_expected_wait_seconds", deployment="m",
+                                       replica=url) == wait for url, wait in waits.items()),
+             "the gateway to see both waits (per-replica metric)")
+    r = httpx.post(f"{gateway.url}/v1/embeddings", json={"model": "m", "input": "q"}, timeout=30)
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "overloaded" and "--max-queue-seconds" in r.json()["error"]["message"]
+    assert r.headers["retry-after"] == "4"  # ceil(8.5 - 5): the least-loaded one's time back under the bound
+    assert a.received() == b.received() == []  # never sent down
+    assert gateway.count("embedfleet_gateway_shed_total", deployment="m", reason="expected_wait") == 1
+    assert gateway.count("embedfleet_gateway_requests_total", deployment="m", code="429") == 1
+
+    # one replica back under the bound: it takes the work
+    b.control(status="ready", expected_wait=0.5)
+    wait_for(lambda: httpx.post(f"{gateway.url}/v1/embeddings", json={"model": "m", "input": "q"},
+                                timeout=30).status_code == 200, "b to take queries again")
+
+
+def test_a_backfilling_fleet_takes_queries_and_sheds_bulk_work(gateway_factory, stub_factory):
+    a = stub_factory("--model", "m", "--name", "a", "--expected-wait", "40")
+    b = stub_factory("--model", "m", "--name", "b", "--expected-wait", "45")
+    gateway = gateway_factory("--upstream", f"m={a.url}", "--upstream", f"m={b.url}", "--poll-interval", "0.1")
+    wait_for(lambda: gateway.load()["m"]["ready_replicas"] == 2, "both replicas ready")
+    query = httpx.post(f"{gateway.url}/v1/embeddings", json={"model": "m", "input": "q"}, timeout=30)
+    assert query.status_code == 200 and query.json()["served_by"] == "a"
+    marked = httpx.post(f"{gateway.url}/v1/embeddings", json={"model": "m", "input": "q"},
+                        headers={"x-priority": "bulk"}, timeout=30)
+    large = httpx.post(f"{gateway.url}/v1/embeddings", json={"model": "m", "input": ["p"] * 5}, timeout=30)
+    for r in (marked, large):
+        assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.text
+        assert "--max-queue-seconds-bulk" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "10"  # ceil(40 - 30)
+    assert gateway.count("embedfleet_gateway_shed_total", deployment="m", reason="expected_wait_bulk") == 2
+    assert len(a.received()) == 1 and b.received() == []
