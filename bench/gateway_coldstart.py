@@ -26,6 +26,7 @@ import time
 import httpx
 
 from _common import ROOT, SOURCE_PATHS, free_port, wait_ready
+from embedfleet.gateway.config import GatewayConfig
 from embedfleet.runtime.settings import DEFAULT_MODEL_NAME
 from fastpath import cpu_name
 
@@ -82,7 +83,8 @@ def one_round(gateway_url: str, runtime_port: int) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--held-poll-interval", type=float, default=0.1, help="the gateway's flag (its default)")
+    p.add_argument("--held-poll-interval", type=float, default=GatewayConfig().held_poll_interval,
+                   help="the gateway's flag (default: its default)")
     a = p.parse_args()
     runtime_port, gateway_port = free_port(), free_port()
     gateway = start(["gateway", "--host", "127.0.0.1", "--port", str(gateway_port), "--log-level", "warning",

@@ -21,7 +21,7 @@ class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     poll_interval: float = 0.5  # seconds between polls of every replica's GET /load
-    held_poll_interval: float = 0.1  # the same while any request is held
+    held_poll_interval: float = 0.05  # the same while any request is held: a cold start ends within this of ready
     poll_timeout: float = 2.0  # a poll slower than this marks the replica down
     max_held: int = 256  # held requests per deployment; beyond: 503 hold_full
     hold_timeout: float = 60.0  # longest a request is held; then 503 cold_start
