@@ -4,6 +4,7 @@ bfloat16` as a real process on this machine (which may fault on AMX: engines/cpu
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,3 +94,21 @@ def test_serve_bfloat16_on_a_cpu_that_faults(runtime_factory, tmp_path, fault, s
     warning = [line for line in srv.log().splitlines() if "WARNING" in line and "bfloat16 on CPU" in line]
     assert len(warning) == 1 and "SIGILL" in warning[0], srv.log()[-3000:]
     assert (f"capping {ISA_ENV}=AVX512_CORE_BF16" if fault == "amx" else "serving float32 instead") in warning[0]
+
+
+def test_the_engine_protocol_is_the_whole_contract():
+    """service.py reads nothing of an engine but the Protocol's members, so every engine has each one
+    (a member read through getattr with a default once hid an engine that lacked it)."""
+    from embedfleet.runtime.engines import base, trtllm_engine
+
+    members = {name for name in vars(base.Engine) if not name.startswith("_")} | set(base.Engine.__annotations__)
+    assert {"capabilities", "effective_dtype", "fp8_gate", "warmup", "embed", "classify"} <= members
+    engine = TorchEngine(load_spec(default_model_dir()), dtype="float32")
+    for name in members:
+        assert hasattr(engine, name), name
+    assert engine.fp8_gate is None and engine.effective_dtype == "float32"
+    source = Path(trtllm_engine.__file__).read_text()  # it cannot be built without a GPU: its source, then
+    for name in ("effective_dtype", "fp8_gate"):
+        assert f"self.{name} =" in source, name
+    assert "def warmup(self)" in source and "getattr(self.engine" not in Path(base.__file__).parent.parent.joinpath(
+        "service.py").read_text()

@@ -81,11 +81,11 @@ class ModelService:
     @property
     def effective_dtype(self) -> str:
         """The precision actually served: `fp8` may have fallen back to bfloat16 at the quality gate."""
-        return getattr(self.engine, "effective_dtype", self.settings.dtype)
+        return self.engine.effective_dtype if self.engine is not None else self.settings.dtype
 
     @property
     def fp8_min_cosine(self) -> float | None:
-        gate = getattr(self.engine, "fp8_gate", None)
+        gate = self.engine.fp8_gate if self.engine is not None else None
         return gate.min_cosine if gate is not None else None
 
     @property
@@ -102,9 +102,9 @@ class ModelService:
         # per calling thread, and a model touched from several threads ran single queries 2x slower here.
         loop = asyncio.get_running_loop()
         engine = await loop.run_in_executor(self.engine_thread, build_engine, self.settings, spec)
-        await loop.run_in_executor(self.engine_thread, getattr(engine, "warmup", lambda: None))
+        await loop.run_in_executor(self.engine_thread, engine.warmup)
         self.spec, self.engine = spec, engine
-        gate = getattr(engine, "fp8_gate", None)
+        gate = engine.fp8_gate
         if gate is not None:
             self._runtime_metrics.fp8_min_cosine.labels(self.name).set(gate.min_cosine)
             self._runtime_metrics.fp8_accepted.labels(self.name).set(1 if gate.passed else 0)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from embedfleet.runtime.engines.quality_gate import GateResult
 
 
 @dataclass(frozen=True)
@@ -19,9 +22,17 @@ class Capabilities:
 
 
 class Engine(Protocol):
-    """Batches are lists of token-id lists or of objects with `.ids` and `.type_ids` (pairs)."""
+    """The engine's whole contract with the service (service.py uses nothing else).
+
+    Batches are lists of token-id lists or of objects with `.ids` and `.type_ids` (pairs)."""
 
     capabilities: Capabilities
+    effective_dtype: str  # the precision that runs ("fp8" only once the quality gate accepted it)
+    fp8_gate: GateResult | None  # the FP8 start-up quality gate's result; None when FP8 was not asked for
+
+    def warmup(self) -> None:
+        """Run the shapes live traffic will use once, before the server says it is ready."""
+        ...
 
     def embed(self, batch: list) -> np.ndarray:
         """Pooled, unnormalised float32 vectors, one row per input, in input order."""
