@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ from embedfleet.runtime.engines.trtllm_engine import (
 from embedfleet.runtime.models.spec import load_spec
 
 HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
-KEY = EngineKey("sha256:" + "ab" * 32, "NVIDIA H100 80GB HBM3", "bfloat16", "1.0.0", 16384, 512)
+KEY = EngineKey("sha256:" + "ab" * 32, "NVIDIA H100 80GB HBM3", "bfloat16", "1.0.0", 16384, 512, 64)
 
 
 @pytest.mark.skipif(HAS_TRTLLM, reason="tensorrt_llm is installed here; this checks the error where it is not")
@@ -47,12 +47,14 @@ def test_server_refuses_to_start_without_tensorrt_llm(runtime_factory, tiny):
 
 
 def test_key_changes_with_every_field():
+    """Every field, read from the dataclass (a list written by hand here once missed the batch size)."""
     names = {KEY.dirname()}
-    for field, value in [("model_digest", "sha256:" + "cd" * 32), ("gpu_name", "NVIDIA H200"),
-                         ("dtype", "float16"), ("trtllm_version", "1.1.0"), ("max_batch_tokens", 32768),
-                         ("max_seq_len", 8192)]:
-        names.add(replace(KEY, **{field: value}).dirname())
-    assert len(names) == 7
+    for field in fields(EngineKey):
+        value = getattr(KEY, field.name)
+        changed = value * 2 if isinstance(value, int) else f"{value}-other"
+        names.add(replace(KEY, **{field.name: changed}).dirname())
+    assert len(names) == len(fields(EngineKey)) + 1
+    assert "max_batch_size" in {f.name for f in fields(EngineKey)}
 
 
 def test_dirname_is_readable_and_filesystem_safe():

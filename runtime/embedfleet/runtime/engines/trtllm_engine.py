@@ -70,6 +70,7 @@ class EngineKey:
     trtllm_version: str
     max_batch_tokens: int
     max_seq_len: int
+    max_batch_size: int  # --max-batch-requests: an engine built for fewer would refuse larger batches
 
     def hash(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()
@@ -186,7 +187,7 @@ class TrtLlmEngine:
         self.max_batch_tokens = settings.max_batch_tokens
         self.max_batch_size = settings.max_batch_requests
         self.key = EngineKey(spec.digest, torch.cuda.get_device_name(), self.dtype, trtllm.__version__,
-                             self.max_batch_tokens, self.max_seq_len)
+                             self.max_batch_tokens, self.max_seq_len, self.max_batch_size)
         cache_root = Path(settings.engine_cache_dir or default_engine_cache_dir(spec.path))
         self.path = engine_path(cache_root, spec, self.key)
         if settings.dtype == "fp8":
