@@ -231,23 +231,30 @@ class TrtLlmEngine:
         seqs = [getattr(x, "ids", x) for x in batch]
         types = [getattr(x, "type_ids", None) or [0] * len(s) for x, s in zip(batch, seqs, strict=True)]
         lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
-        inputs = {
+        host = {
             "input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
             "token_type_ids": torch.tensor([t for s in types for t in s], dtype=torch.int32),
             "position_ids": torch.cat([torch.arange(int(n), dtype=torch.int32) for n in lengths]),
             "input_lengths": lengths,
-            "max_input_length": torch.empty(int(lengths.max()), dtype=torch.int32),
         }
-        inputs = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in inputs.items()}
-        infos = [TensorInfo(k, self.trtllm.torch_dtype_to_trt(v.dtype), tuple(v.shape)) for k, v in inputs.items()]
-        shapes = {i.name: i for i in self.session.infer_shapes(infos)}
-        out_info = shapes[self.output_name]
-        output = torch.empty(tuple(out_info.shape), dtype=self.trtllm.trt_dtype_to_torch(out_info.dtype),
-                             device=self.device)
+        # One pinned buffer for the whole batch (not a pinned allocation per tensor); the copies run on the
+        # engine's own stream, where the session runs, so they are ordered before it without synchronising
+        # the device, and the caching allocator ties the device buffers to that stream. Each input gets
+        # its own device tensor (the allocator's alignment), copied from a view of the pinned buffer.
+        packed = torch.cat(list(host.values())).pin_memory()
+        views = torch.split(packed, [v.numel() for v in host.values()])
+        with torch.cuda.stream(self.stream):
+            inputs = {k: v.to(self.device, non_blocking=True) for k, v in zip(host, views, strict=True)}
+            inputs["max_input_length"] = torch.empty(int(lengths.max()), dtype=torch.int32, device=self.device)
+            infos = [TensorInfo(k, self.trtllm.torch_dtype_to_trt(v.dtype), tuple(v.shape)) for k, v in inputs.items()]
+            shapes = {i.name: i for i in self.session.infer_shapes(infos)}
+            out_info = shapes[self.output_name]
+            output = torch.empty(tuple(out_info.shape), dtype=self.trtllm.trt_dtype_to_torch(out_info.dtype),
+                                 device=self.device)
         if not self.session.run(inputs, {self.output_name: output}, self.stream.cuda_stream):
             raise RuntimeError("TensorRT-LLM session failed to run the batch")
         self.stream.synchronize()
-        return output, lengths.to(self.device)
+        return output, inputs["input_lengths"]
 
     @torch.inference_mode()
     def embed(self, batch: list) -> np.ndarray:
