@@ -156,3 +156,21 @@ def test_packed_pooling_equals_padded_pooling(how):
         mask[i, :n] = 1
         start += n
     torch.testing.assert_close(pool_packed(hidden, lengths, how), pool(padded, mask, how))
+
+
+def test_roberta_family_uses_its_own_classes_and_position_offset():
+    """Built with BERT classes and positions from 0, RoBERTa and XLM-R run and give wrong vectors."""
+    from embedfleet.runtime.engines.trtllm_engine import model_classes, position_ids
+
+    assert model_classes("bert") == ("BertModel", "BertForSequenceClassification")
+    roberta = ("RobertaModel", "RobertaForSequenceClassification")
+    assert model_classes("roberta") == model_classes("xlm-roberta") == roberta
+    assert position_ids([3, 2], "bert", 0) == [0, 1, 2, 0, 1]
+    assert position_ids([3, 2], "xlm-roberta", 1) == [2, 3, 4, 2, 3]  # padding_idx 1: positions from 2
+    # the same as transformers computes for unpadded inputs
+    import torch
+    from transformers.models.roberta.modeling_roberta import RobertaEmbeddings
+
+    ids = torch.tensor([[5, 6, 7]])
+    expected = RobertaEmbeddings.create_position_ids_from_input_ids(ids, padding_idx=1).tolist()[0]
+    assert expected == position_ids([3], "roberta", 1)

@@ -43,6 +43,22 @@ INSTALL_HINT = (
     "built from runtime/Dockerfile.gpu (NVIDIA's TensorRT-LLM release image); otherwise serve with "
     "--engine torch")
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta"}
+ROBERTA_TYPES = {"roberta", "xlm-roberta"}
+
+
+def model_classes(model_type: str) -> tuple[str, str]:
+    """TensorRT-LLM's (encoder, sequence classifier) class names for a model type: RoBERTa and XLM-R
+    need the RoBERTa classes (built as BERT they run, and give wrong vectors)."""
+    if model_type in ROBERTA_TYPES:
+        return "RobertaModel", "RobertaForSequenceClassification"
+    return "BertModel", "BertForSequenceClassification"
+
+
+def position_ids(lengths: list[int], model_type: str, pad_token_id: int) -> list[int]:
+    """Packed position ids: 0.. per sequence for BERT; RoBERTa and XLM-R count from padding_idx + 1,
+    as their embeddings were trained (transformers' create_position_ids_from_input_ids)."""
+    start = pad_token_id + 1 if model_type in ROBERTA_TYPES else 0
+    return [start + i for n in lengths for i in range(n)]
 TRTLLM_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "fp8": "bfloat16"}
 MANIFEST = "embedfleet-engine.json"
 
@@ -200,10 +216,11 @@ class TrtLlmEngine:
             device="cuda", dim=spec.hidden_size if spec.task == "embed" else len(spec.labels))
 
     def _build(self, out: Path) -> None:
+        import tensorrt_llm.models
         from tensorrt_llm import BuildConfig, build
-        from tensorrt_llm.models import BertForSequenceClassification, BertModel
 
-        cls = BertModel if self.spec.task == "embed" else BertForSequenceClassification
+        encoder, classifier = model_classes(self.spec.model_type)
+        cls = getattr(tensorrt_llm.models, encoder if self.spec.task == "embed" else classifier)
         model = cls.from_hugging_face(str(self.spec.path), dtype=self.dtype)
         config = BuildConfig(max_batch_size=self.max_batch_size, max_input_len=self.max_seq_len,
                              max_num_tokens=self.max_batch_tokens)
@@ -234,7 +251,8 @@ class TrtLlmEngine:
         host = {
             "input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
             "token_type_ids": torch.tensor([t for s in types for t in s], dtype=torch.int32),
-            "position_ids": torch.cat([torch.arange(int(n), dtype=torch.int32) for n in lengths]),
+            "position_ids": torch.tensor(position_ids([len(s) for s in seqs], self.spec.model_type,
+                                                      self.spec.pad_token_id), dtype=torch.int32),
             "input_lengths": lengths,
         }
         # One pinned buffer for the whole batch (not a pinned allocation per tensor); the copies run on the
