@@ -125,3 +125,27 @@ def test_bucketed_staging_adds_rows_and_columns_without_empty_rows():
     assert tuple(got["input_ids"].shape) == (4, 32)
     assert got["attention_mask"].sum(dim=1).tolist() == [3, 20, 1, 1]  # the filler row has one token
     assert got["input_ids"][1, :20].tolist() == [8] * 20 and got["input_ids"][1, 20:].sum() == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 64), st.integers(16, 1024), st.integers(512, 65536), st.data())
+def test_every_shape_a_batch_can_take_is_captured_at_start_up(max_rows, max_width, max_tokens, data):
+    """A batch the planner can make (rows <= --max-batch-requests, width <= the model's limit, padded
+    tokens within the budget, or a lone input of any allowed length) lands on a captured shape, so live
+    traffic never compiles; and the set stays small."""
+    from embedfleet.runtime.engines.cuda import served_shapes
+
+    shapes = set(served_shapes(max_rows, max_width, max_tokens))
+    rows = data.draw(st.integers(1, max_rows))
+    width = data.draw(st.integers(1, max_width))
+    if rows == 1 or rows * width <= max_tokens:
+        assert bucket_shape(rows, width, max_rows, max_width) in shapes
+    assert len(shapes) <= (max_rows.bit_length() + 1) * (max_width.bit_length() + 1)
+
+
+def test_served_shapes_for_the_default_limits_are_few():
+    from embedfleet.runtime.engines.cuda import served_shapes
+
+    shapes = served_shapes(32, 512, 16384)  # --max-batch-requests 32, a 512-token model, 16384 tokens
+    assert (1, 512) in shapes and (32, 512) in shapes and (32, 16) in shapes
+    assert len(shapes) == 36

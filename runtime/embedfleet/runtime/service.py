@@ -51,7 +51,7 @@ def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
                        num_threads=settings.num_threads or settings.cores(),
                        max_batch_tokens=settings.max_batch_tokens, fp8_min_cosine=settings.fp8_min_cosine,
                        fp8_strict=settings.fp8_strict, fp8_activation_scaling=settings.fp8_activation_scaling,
-                       cuda_graphs=settings.cuda_graphs)
+                       cuda_graphs=settings.cuda_graphs, max_batch_requests=settings.max_batch_requests)
 
 
 class ModelService:

@@ -125,6 +125,22 @@ def bucket_shape(rows: int, width: int, max_rows: int, max_width: int) -> tuple[
     return bucket(rows, max_rows, floor=1), bucket(width, max_width)
 
 
+def served_shapes(max_rows: int, max_width: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Every bucketed (rows, width) a batch can have: rows <= max_rows (--max-batch-requests), width <=
+    max_width (the model's limit), and padded tokens rows x width <= max_tokens (the planner's budget)
+    before bucketing, except a lone input, which may be as long as the model allows. Each one is a CUDA
+    graph to capture at start-up, so that live traffic never compiles (and never falls back to eager
+    past torch.compile's recompile limit)."""
+    def smallest(cap: int, floor: int) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for n in range(1, cap + 1):
+            out.setdefault(bucket(n, cap, floor), n)
+        return out
+
+    rows, widths = smallest(max_rows, 1), smallest(max_width, 16)
+    return sorted((r, w) for r, r0 in rows.items() for w, w0 in widths.items() if r0 == 1 or r0 * w0 <= max_tokens)
+
+
 # -- staging ----------------------------------------------------------------------------------
 class DeviceStager:
     """Batch -> padded device tensors, copying only real tokens.

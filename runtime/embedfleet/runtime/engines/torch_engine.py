@@ -12,6 +12,7 @@ oneDNN's ISA is capped or the engine serves float32.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from embedfleet.runtime.engines.quality_gate import DEFAULT_MIN_COSINE, GateResu
 from embedfleet.runtime.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+MAX_GRAPHS = 128  # CUDA graph shapes captured at most (each costs start-up time and a little memory)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINE_DTYPES = (*DTYPES, "fp8")  # fp8: bf16 model with FP8 linears in the transformer layers
@@ -49,7 +51,8 @@ class TorchEngine:
     def __init__(self, spec: ModelSpec, device: str = "cpu", dtype: str = "float32",
                  num_threads: int = 0, *, max_batch_tokens: int | None = None,
                  fp8_min_cosine: float = DEFAULT_MIN_COSINE, fp8_strict: bool = False,
-                 fp8_activation_scaling: str = "token", cuda_graphs: bool = False) -> None:
+                 fp8_activation_scaling: str = "token", cuda_graphs: bool = False,
+                 max_batch_requests: int = 32) -> None:
         from transformers import AutoModel, AutoModelForSequenceClassification
 
         if dtype not in ENGINE_DTYPES:
@@ -80,6 +83,8 @@ class TorchEngine:
             dtypes=ENGINE_DTYPES, device=device, dim=spec.hidden_size if spec.task == "embed" else len(spec.labels))
         self._stage = None
         self._forward = self.model
+        self.graph_shapes: list[tuple[int, int]] = []  # captured at warm-up when cuda_graphs is on
+        self.max_batch_requests = max_batch_requests
         if dtype == "fp8":
             self._enable_fp8(fp8_min_cosine, fp8_strict, fp8_activation_scaling)
         if self.device.type == "cuda":
@@ -108,20 +113,44 @@ class TorchEngine:
     def _setup_cuda(self, max_batch_tokens: int | None, cuda_graphs: bool) -> None:
         from embedfleet.runtime.engines.cuda import DeviceStager, check_cuda_memory
 
-        bucket_to = (max_batch_tokens or self.spec.max_length, self.spec.max_length) if cuda_graphs else None
+        bucket_to = (self.max_batch_requests, self.spec.max_length) if cuda_graphs else None
         self._stage = DeviceStager(self.device, self.spec.pad_token_id, bucket_to)
         if max_batch_tokens:
             # bucketing rounds both dimensions up to a power of two: up to 4x the padded tokens
             check_cuda_memory(self.model.config, max_batch_tokens * (4 if cuda_graphs else 1),
                               self.effective_dtype, self.device)
         if cuda_graphs:
+            from embedfleet.runtime.engines.cuda import served_shapes
+
+            self.graph_shapes = served_shapes(*bucket_to, max_batch_tokens or self.spec.max_length)
+            if len(self.graph_shapes) > MAX_GRAPHS:
+                raise EngineError(f"--cuda-graphs would capture {len(self.graph_shapes)} shapes (more than "
+                                  f"{MAX_GRAPHS}); lower --max-batch-requests or --max-batch-tokens, or serve "
+                                  "without it")
+            # every served shape is compiled once at warm-up: the recompile limit must not send any to eager
+            import torch._dynamo
+
+            limit = len(self.graph_shapes) + 4
+            for name in ("cache_size_limit", "recompile_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
             # reduce-overhead = CUDA graphs per static shape; bucketing keeps the shapes few
             self._forward = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
-            log.info("cuda graphs on: shapes bucketed to powers of two (rows <= %d, width <= %d)", *bucket_to)
+            log.info("cuda graphs on: %d shapes (rows <= %d, width <= %d), captured at warm-up",
+                     len(self.graph_shapes), *bucket_to)
 
     def warmup(self) -> None:
+        """One small batch; with CUDA graphs, one batch of every served shape, so live traffic never
+        compiles (the count and time are logged)."""
         run = self.embed if self.spec.task == "embed" else self.classify
-        run([[self.spec.pad_token_id + 1] * 8, [self.spec.pad_token_id + 1] * 3])
+        token = self.spec.pad_token_id + 1
+        if not self.graph_shapes:
+            run([[token] * 8, [token] * 3])
+            return
+        started = time.perf_counter()
+        for rows, width in self.graph_shapes:
+            run([[token] * width] * rows)
+        log.info("captured %d CUDA graph shapes in %.1fs", len(self.graph_shapes), time.perf_counter() - started)
 
     def _inputs(self, batch: list) -> dict[str, torch.Tensor]:
         if self._stage is not None:
