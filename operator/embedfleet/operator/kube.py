@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.parse
@@ -211,6 +212,17 @@ def _selector_matches(selector: Mapping[str, str], obj_labels: Mapping[str, str]
     return all(obj_labels.get(k) == v for k, v in selector.items())
 
 
+def identity() -> str:
+    """This process among the operator's replicas: the pod name (the chart sets POD_NAME), else host and
+    PID. It names the leader-election holder and is sent as the User-Agent, so the audit log tells which
+    replica made a call even though all replicas share one ServiceAccount."""
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def user_agent() -> str:
+    return f"embedfleet-operator/{identity()}"
+
+
 def load_client(kubeconfig: str | os.PathLike[str] | None = None) -> kubernetes.client.ApiClient:
     """An explicit kubeconfig, else in-cluster credentials in a pod, else ``$KUBECONFIG`` / ~/.kube/config."""
     config = kubernetes.client.Configuration()
@@ -222,7 +234,9 @@ def load_client(kubeconfig: str | os.PathLike[str] | None = None) -> kubernetes.
         kubernetes.config.load_kube_config(
             config_file=str(path) if path else None, client_configuration=config
         )
-    return kubernetes.client.ApiClient(configuration=config)
+    client = kubernetes.client.ApiClient(configuration=config)
+    client.user_agent = user_agent()
+    return client
 
 
 class Kube:

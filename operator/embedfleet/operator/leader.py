@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from embedfleet.operator.kube import Kube, KubeError
+from embedfleet.operator.kube import Kube, KubeError, identity
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ def decide(lease: LeaseView | None, identity: str, now: float, duration: int) ->
 
 def default_identity() -> str:
     """Pod name when running in a pod (the chart sets POD_NAME), else host and PID."""
-    return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+    return identity()
 
 
 class LeaderElector:
