@@ -133,12 +133,13 @@ def lease_rights(*names: str) -> set[tuple[str, str, str]]:
 
 HUB_RIGHTS = (
     KOPF_RIGHTS
-    | _crud("fleetclusters.embedfleet.dev", "list")
-    | _crud("placementpolicies.embedfleet.dev", "list")
-    | _crud("embeddingdeployments.embedfleet.dev", "list")
+    | _crud("fleetclusters.embedfleet.dev", "list watch")  # informers: one list, then a watch
+    | _crud("placementpolicies.embedfleet.dev", "list watch")
+    | _crud("embeddingdeployments.embedfleet.dev", "list watch")
     | _crud("fleetclusters.embedfleet.dev/status", "patch")
     | _crud("embeddingdeployments.embedfleet.dev/status", "patch")
-    | _crud("namespaces", "get")
+    | _crud("placementpolicies.embedfleet.dev/status", "patch")
+    | _crud("namespaces", "list watch")
     | _crud("events", "create")
     | _crud("secrets", "get")  # the spokes' kubeconfigs, release namespace only
     | lease_rights("embedfleet-operator")
@@ -214,11 +215,11 @@ def test_hub_places_on_a_spoke_through_the_charts_hub_access(plane: ControlPlane
     helm_install(spoke, "embedfleet", system, "spoke", NO_PROMETHEUS)
     helm_install(hub, "embedfleet", system, "hub", {})
     hub_identity = f"system:serviceaccount:{system}:embedfleet-hub"
-    assert rights(spoke, hub_identity, system) == (
-        _crud("embeddingdeployments.embedfleet.dev", "list create patch delete")
-        | {("leases.coordination.k8s.io", "embedfleet-spoke", "get")})
-    assert rights(spoke, hub_identity, "embeddings") == _crud("embeddingdeployments.embedfleet.dev",
-                                                              "list create patch delete")
+    hub_on_spoke = (_crud("embeddingdeployments.embedfleet.dev", "get list watch create patch delete")
+                    | _crud("namespaces", "get create"))  # no Secret: hubAccess.propagateSecrets is off
+    assert rights(spoke, hub_identity, system) == hub_on_spoke | {
+        ("leases.coordination.k8s.io", "embedfleet-spoke", verb) for verb in ("get", "list", "watch")}
+    assert rights(spoke, hub_identity, "embeddings") == hub_on_spoke
     hub.audit_mark()
     spoke.audit_mark()
 
@@ -258,8 +259,11 @@ def test_hub_places_on_a_spoke_through_the_charts_hub_access(plane: ControlPlane
         assert errors == [], "\n".join(map(str, errors))
     hub_calls = [e for e in spoke.audit() if e.user == hub_identity]
     assert failures(hub_calls) == []
-    assert {(e.verb, e.resource) for e in hub_calls if e.code < 300} >= {
-        ("get", "leases"), ("create", "embeddingdeployments"), ("delete", "embeddingdeployments")}
+    made = {(e.verb, e.resource) for e in hub_calls if e.code < 300}
+    assert made >= {("create", "embeddingdeployments"), ("delete", "embeddingdeployments")}, made
+    # the heartbeat: read by name (a get, or the watch-driven loop's list and watch by field selector)
+    assert made & {("get", "leases"), ("watch", "leases")}, made
+    assert {e.name for e in hub_calls if e.resource == "leases"} == {"embedfleet-spoke"}
     assert rights(hub, hub_proc.user, system) == HUB_RIGHTS
     assert rights(hub, hub_proc.user, "embeddings") == HUB_RIGHTS - _crud("secrets", "get") - {
         r for r in HUB_RIGHTS if r[0] == "leases.coordination.k8s.io"}

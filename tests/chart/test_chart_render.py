@@ -39,13 +39,31 @@ from tests.kube.controlplane import ROOT, Cluster
 CASES = [("defaults", [], {})]
 CASES += [(f"ci/{role}", [path], {}) for role, path in CI_VALUES.items()]
 CASES += [(f"role={role}", [], {"role": role}) for role in ROLES]
+#: The opt-ins that add objects or rights: the hub may copy Secrets; a spoke's and a hub's timing flags.
+CASES += [("spoke+propagateSecrets", [CI_VALUES["spoke"]], {"hubAccess.propagateSecrets": "true"}),
+          ("spoke+timing", [CI_VALUES["spoke"]], {"spoke.heartbeatInterval": "2", "spoke.leaseDuration": "7"}),
+          ("hub+timing", [CI_VALUES["hub"]], {"hub.interval": "3", "hub.rampSeconds": "0",
+                                              "hub.spokeWriteTimeout": "4"})]
 IDS = [case[0] for case in CASES]
+
+
+def _nested(sets: Mapping[str, str]) -> dict[str, Any]:
+    """`--set a.b=1` as helm reads it: nested maps, the value typed (ints and booleans; helm keeps "2.5" a
+    string, which no case here sets)."""
+    out: dict[str, Any] = {}
+    for dotted, text in sets.items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(text)
+    return out
 
 
 def merged_values(files: list[Path], sets: Mapping[str, str]) -> dict[str, Any]:
     """The release's .Values the way helm merges them: maps key by key, anything else (lists too) replaced."""
     out: dict[str, Any] = json.loads(json.dumps(DEFAULTS))
-    for override in [yaml.safe_load(p.read_text()) or {} for p in files] + [dict(sets)]:
+    for override in [yaml.safe_load(p.read_text()) or {} for p in files] + [_nested(sets)]:
         stack: list[tuple[dict[str, Any], dict[str, Any]]] = [(out, override)]
         while stack:
             base, over = stack.pop()
@@ -121,6 +139,15 @@ def test_values_yaml_and_schema_are_in_sync() -> None:
         ({"hubAccess.subjects[0].kind": "User", "hubAccess.subjects[0].name": "u",
           "hubAccess.subjects[0].namespace": "x"}, "subjects"),
         ({"role": "spoke", "hubAccess.serviceAccount.create": "false"}, "hubAccess.enabled with no identity"),
+        ({"hubAccess.propagateSecrets": "yes"}, "propagateSecrets"),
+        ({"hub.interval": "0"}, "interval"),
+        ({"hub.spokeWriteTimeout": "-1"}, "spokeWriteTimeout"),
+        ({"hub.rampSeconds": "-1"}, "rampSeconds"),
+        ({"hub.every": "1"}, "every"),
+        ({"spoke.heartbeatInterval": "0"}, "heartbeatInterval"),
+        ({"spoke.leaseDuration": "0"}, "leaseDuration"),
+        ({"role": "spoke", "spoke.heartbeatInterval": "30", "spoke.leaseDuration": "30"},
+         "need heartbeatInterval < leaseDuration"),
         ({"gateway.httpRoute.enabled": "true"}, "gateway.httpRoute.enabled needs gateway.httpRoute.parentRefs"),
         ({"gateway.httpRoute.hostnames[0]": "Bad_Host"}, "hostnames"),
         ({"gateway.httpRoute.parentRefs[0].name": "gw", "gateway.httpRoute.parentRefs[0].port": "80"}, "port"),
@@ -186,6 +213,60 @@ def test_operator_args_are_accepted_by_the_cli(name: str, files: list[Path], set
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert "EMBEDFLEET_PULLER_CLUSTER_ROLE" not in env  # the operator binds no role any more
     assert {"POD_NAME", "POD_NAMESPACE"} <= env.keys()
+    # Timing reaches the operator of its own role only, and only when set (else the operator's default).
+    for (section, key), dest in TIMING.items():
+        value = values[section][key] if section == values["role"] else None
+        assert getattr(args, dest) == value, (section, key)
+
+
+#: Chart value -> the `embedfleet operator run` argument it renders as (dest), for its role's operator only.
+TIMING = {("hub", "interval"): "hub_interval", ("hub", "rampSeconds"): "hub_ramp_seconds",
+          ("hub", "spokeWriteTimeout"): "spoke_write_timeout", ("spoke", "heartbeatInterval"): "heartbeat_interval",
+          ("spoke", "leaseDuration"): "heartbeat_lease_duration"}
+ALL_TIMING = {"hub.interval": "3", "hub.rampSeconds": "0", "hub.spokeWriteTimeout": "4",
+              "spoke.heartbeatInterval": "2", "spoke.leaseDuration": "7"}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_timing_values_render_as_flags_for_their_role_only(role: str) -> None:
+    """Every timing value set: the hub's operator gets the hub's three flags, a spoke's the heartbeat's
+    two, a standalone operator none; and the CLI exports them as the variables the loops read."""
+    container = operator_container(template(sets={"role": role, **ALL_TIMING}))
+    timing = sorted(a for a in container["args"] if a.startswith(("--hub-", "--spoke-", "--heartbeat-")))
+    expected = {
+        "hub": ["--hub-interval=3", "--hub-ramp-seconds=0", "--spoke-write-timeout=4"],
+        "spoke": ["--heartbeat-interval=2", "--heartbeat-lease-duration=7"],
+        "standalone": [],
+    }[role]
+    assert timing == expected
+    parser = argparse.ArgumentParser()
+    operator_cli.add_arguments(parser)
+    exported = operator_cli.interval_env(parser.parse_args(["run", *container["args"]]))
+    assert exported == {
+        "hub": {"EMBEDFLEET_HUB_INTERVAL": "3", "EMBEDFLEET_HUB_RAMP_SECONDS": "0",
+                "EMBEDFLEET_HUB_WRITE_TIMEOUT": "4"},
+        "spoke": {"EMBEDFLEET_HEARTBEAT_INTERVAL": "2", "EMBEDFLEET_LEASE_DURATION": "7"},
+        "standalone": {},
+    }[role]
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_timing_left_empty_renders_no_flag(role: str) -> None:
+    """The defaults are empty: the operator's own defaults apply (one home for them, the code that reads
+    them), and an environment a test or a wrapper sets is not overridden by a chart default."""
+    assert all(DEFAULTS[section][key] is None for section, key in TIMING)
+    args = operator_container(template(sets={"role": role}))["args"]
+    assert not [a for a in args if a.startswith(("--hub-", "--spoke-", "--heartbeat-"))]
+
+
+def test_fractional_timing_renders_as_written(tmp_path: Path) -> None:
+    """A values file's 0.5 reaches the flag as 0.5 (helm's --set would keep it a string, which the schema
+    refuses: use -f or --set-json for fractions)."""
+    values = tmp_path / "timing.yaml"
+    values.write_text(yaml.safe_dump({"role": "hub", "hub": {"interval": 0.5, "spokeWriteTimeout": 2.5}}))
+    args = operator_container(template([values]))["args"]
+    assert "--hub-interval=0.5" in args and "--spoke-write-timeout=2.5" in args
+    assert not [a for a in args if a.startswith("--hub-ramp-seconds")]
 
 
 def test_role_region_and_namespaces_reach_the_operator() -> None:
@@ -243,8 +324,10 @@ def test_rbac_has_no_wildcards_and_binds_only_its_own_roles(name: str, files: li
             assert "clusterrolebindings" not in rule["resources"] and "rolebindings" not in rule["resources"]
     for binding in by_kind(objects, "ClusterRoleBinding") + by_kind(objects, "RoleBinding"):
         assert (binding["roleRef"]["kind"], binding["roleRef"]["name"]) in roles
-    for table in roles.values():
-        assert ("", "secrets") not in table or table[("", "secrets")] == {"get"}
+    for (kind, role_name), table in roles.items():
+        # Secrets are read (get) only, but by the hub on a spoke that opted in to API-key Secret copies.
+        allowed = {"get", "create", "patch"} if role_name.endswith("-hub-access-propagate") else {"get"}
+        assert table.get(("", "secrets"), allowed) == allowed, (kind, role_name)
 
 
 def test_the_operator_never_reads_secrets_or_writes_nodes_outside_the_hub() -> None:
@@ -444,14 +527,33 @@ def test_httproute_values_schema_follows_the_gateway_api(tmp_path: Path) -> None
     assert ours["requestTimeout"]["pattern"] == f"^$|{timeout}"
 
 
-def test_hub_access_is_spoke_only_and_exact() -> None:
-    objects = template([CI_VALUES["spoke"]])
+#: What the hub's loop calls on a spoke, by role object: its copies, what a copy needs there, its heartbeat.
+HUB_COPIES = {("embedfleet.dev", "embeddingdeployments"): {"get", "list", "watch", "create", "patch", "delete"}}
+HUB_PROPAGATES = {("", "namespaces"): {"get", "create"}}
+HUB_SECRETS = {("", "secrets"): {"get", "create", "patch"}}
+
+
+@pytest.mark.parametrize("propagate_secrets", [False, True])
+def test_hub_access_is_spoke_only_and_exact(propagate_secrets: bool) -> None:
+    sets = {"hubAccess.propagateSecrets": "true"} if propagate_secrets else {}
+    objects = template([CI_VALUES["spoke"]], sets)
     tables = _rules(objects)
-    assert tables[("ClusterRole", "embedfleet-hub-access")] == {
-        ("embedfleet.dev", "embeddingdeployments"): {"list", "create", "patch", "delete"}}
+    assert tables[("ClusterRole", "embedfleet-hub-access")] == HUB_COPIES
+    assert tables[("ClusterRole", "embedfleet-hub-access-propagate")] == (
+        {**HUB_PROPAGATES, **HUB_SECRETS} if propagate_secrets else HUB_PROPAGATES)
     lease_role = named(objects, "Role", "embedfleet-hub-access")
+    # By name only, list and watch too (the API server matches a metadata.name field selector against
+    # resourceNames: tests/chart/test_hub_access_real.py).
     assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                                    "resourceNames": ["embedfleet-spoke"], "verbs": ["get"]}]
+                                    "resourceNames": ["embedfleet-spoke"], "verbs": ["get", "list", "watch"]}]
+    hub_roles = {(b["roleRef"]["kind"], b["roleRef"]["name"]) for b in
+                 by_kind(objects, "ClusterRoleBinding") + by_kind(objects, "RoleBinding")
+                 if {"kind": "ServiceAccount", "name": "embedfleet-hub", "namespace": "embedfleet-system"}
+                 in b["subjects"]}
+    assert hub_roles == {("ClusterRole", "embedfleet-hub-access"), ("ClusterRole", "embedfleet-hub-access-propagate"),
+                         ("Role", "embedfleet-hub-access")}
+    secret_rights = {verb for role in hub_roles for verb in tables[role].get(("", "secrets"), set())}
+    assert secret_rights == ({"get", "create", "patch"} if propagate_secrets else set())
     subjects = named(objects, "ClusterRoleBinding", "embedfleet-hub-access")["subjects"]
     assert subjects == [{"kind": "ServiceAccount", "name": "embedfleet-hub", "namespace": "embedfleet-system"}]
     extra = template([CI_VALUES["spoke"]], {
@@ -460,11 +562,13 @@ def test_hub_access_is_spoke_only_and_exact() -> None:
         "hubAccess.subjects[1].kind": "ServiceAccount", "hubAccess.subjects[1].name": "hub",
     })
     assert not [sa for sa in by_kind(extra, "ServiceAccount") if sa["metadata"]["name"] == "embedfleet-hub"]
-    assert named(extra, "RoleBinding", "embedfleet-hub-access")["subjects"] == [
-        {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "arn:aws:iam::1:role/hub"},
-        {"kind": "ServiceAccount", "name": "hub", "namespace": "embedfleet-system"}]
+    for kind, name in (("RoleBinding", "embedfleet-hub-access"), ("ClusterRoleBinding", "embedfleet-hub-access"),
+                       ("ClusterRoleBinding", "embedfleet-hub-access-propagate")):
+        assert named(extra, kind, name)["subjects"] == [
+            {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "arn:aws:iam::1:role/hub"},
+            {"kind": "ServiceAccount", "name": "hub", "namespace": "embedfleet-system"}]
     for role in ("standalone", "hub"):
-        assert not [o for o in template([CI_VALUES[role]]) if "hub-access" in o["metadata"]["name"]]
+        assert not [o for o in template([CI_VALUES[role]], sets) if "hub-access" in o["metadata"]["name"]]
     assert not [o for o in template([CI_VALUES["spoke"]], {"hubAccess.enabled": "false"})
                 if "hub-access" in o["metadata"]["name"]]
 

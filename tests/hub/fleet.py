@@ -27,7 +27,8 @@ DIGEST = "sha256:" + "ab" * 32
 ELECTION = {"leaderElection.leaseDuration": "8", "leaderElection.renewDeadline": "6",
             "leaderElection.retryPeriod": "1"}
 #: Short intervals: hub round 1 s, heartbeat 1 s; the FleetCluster lease is 5 s + 5 s grace.
-HUB_ENV = {"EMBEDFLEET_HUB_INTERVAL": "1", "EMBEDFLEET_HUB_RAMP_SECONDS": "6"}
+HUB_ENV = {"EMBEDFLEET_HUB_INTERVAL": "1", "EMBEDFLEET_HUB_RAMP_SECONDS": "6", "EMBEDFLEET_HUB_WRITE_TIMEOUT": "3",
+           "EMBEDFLEET_HUB_CREDENTIALS_RECHECK": "2"}
 SPOKE_ENV = {"EMBEDFLEET_HEARTBEAT_INTERVAL": "1", "EMBEDFLEET_LEASE_DURATION": "5"}
 LEASE = {"durationSeconds": 5, "graceSeconds": 5}
 HEARTBEATS = {"leases"}
@@ -85,6 +86,27 @@ class Fleet:
     values: dict[str, dict[str, str]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ setting up
+
+    @classmethod
+    def create(cls, plane: ControlPlane, workdir: Path, regions: dict[str, str]) -> Fleet:
+        """A hub (no nodes) and one spoke per region entry (two kwok CPU nodes each), charts installed and
+        every spoke joined; no operator started yet (callers add namespaces and policies first)."""
+        hub = plane.add_cluster("hub", nodes=[], controllers=False)
+        spokes = {name: plane.add_cluster(name, nodes=[{"name": f"{name}-cpu-{i}", "region": region}
+                                                       for i in (1, 2)])
+                  for name, region in regions.items()}
+        fleet = cls(plane, workdir, hub, spokes, dict(regions))
+        fleet.install(hub, "hub")
+        for name, spoke in spokes.items():
+            fleet.install(spoke, "spoke", regions[name])
+        for name in spokes:
+            fleet.join(name)
+        return fleet
+
+    def start(self) -> None:
+        for name in self.spokes:
+            self.start_spoke(name)
+        self.start_hub()
 
     def install(self, cluster: Cluster, role: str, region: str = "") -> dict[str, str]:
         sets = {"role": role, **ELECTION}

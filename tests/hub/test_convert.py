@@ -9,7 +9,7 @@ import json
 import urllib3
 
 from embedfleet.operator.hub import convert
-from embedfleet.operator.hub.loop import describe
+from embedfleet.operator.hub.errors import describe
 from embedfleet.operator.kube import KubeError
 from embedfleet.operator.scheduling import ClusterPlacement, Placement, ReplicaRange
 

@@ -35,26 +35,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     plane = ControlPlane.start(workdir / "plane")
     fleet = None
     try:
-        hub = plane.add_cluster("hub", nodes=[], controllers=False)
-        spokes = {}
-        for name, region in REGIONS.items():
-            nodes = [{"name": f"{name}-cpu-{i}", "region": region} for i in (1, 2)]
-            spokes[name] = plane.add_cluster(name, nodes=nodes)
-        fleet = Fleet(plane, workdir, hub, spokes, dict(REGIONS))
-        fleet.install(hub, "hub")
-        for name, spoke in spokes.items():
-            fleet.install(spoke, "spoke", REGIONS[name])
-        for name in spokes:
-            fleet.join(name)
+        fleet = Fleet.create(plane, workdir, REGIONS)
         fleet.namespace("ml", {"team": "search"})
         fleet.namespace("ml-eu", {"residency": "eu"})
-        hub.apply({"apiVersion": "embedfleet.dev/v1alpha1", "kind": "PlacementPolicy",
-                   "metadata": {"name": "eu-data"},
-                   "spec": {"namespaceSelector": {"matchLabels": {"residency": "eu"}}, "priority": 10,
-                            "mode": "RegionLocked", "regions": ["eu-west-1"]}})
-        for name in spokes:
-            fleet.start_spoke(name)
-        fleet.start_hub()
+        fleet.hub.apply({"apiVersion": "embedfleet.dev/v1alpha1", "kind": "PlacementPolicy",
+                         "metadata": {"name": "eu-data"},
+                         "spec": {"namespaceSelector": {"matchLabels": {"residency": "eu"}}, "priority": 10,
+                                  "mode": "RegionLocked", "regions": ["eu-west-1"]}})
+        fleet.start()
         yield fleet
     finally:
         if fleet is not None:

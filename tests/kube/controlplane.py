@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -187,11 +188,18 @@ class AuditEvent:
     dry_run: bool
     message: str = ""
     user_agent: str = ""
+    #: When the API server received the request (Unix seconds; 0 when the event has no such stamp): a
+    #: watch's event is written when it ends, so "called after X" must be judged by this, not log order.
+    received: float = 0.0
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> AuditEvent:
         ref = raw.get("objectRef") or {}
         uri = raw.get("requestURI", "")
+        try:
+            received = datetime.fromisoformat(str(raw["requestReceivedTimestamp"]).replace("Z", "+00:00")).timestamp()
+        except (KeyError, ValueError):
+            received = 0.0
         return cls(
             user=(raw.get("user") or {}).get("username", ""),
             verb=raw.get("verb", ""),
@@ -204,6 +212,7 @@ class AuditEvent:
             dry_run="dryRun=" in uri,
             message=str((raw.get("responseStatus") or {}).get("message") or ""),
             user_agent=str(raw.get("userAgent") or ""),
+            received=received,
         )
 
     @property

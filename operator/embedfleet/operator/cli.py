@@ -1,20 +1,65 @@
 """``embedfleet operator run``: start the operator (kopf) in one of its roles.
 
 Settings that handlers read at run time (the Prometheus URL the autoscaler defaults to, this cluster's
-region and cloud) travel as ``EMBEDFLEET_*`` environment variables, so kopf's handler processes and
-threads see them without a global config object.
+region and cloud, the hub's and the spoke heartbeat's intervals) travel as ``EMBEDFLEET_*`` environment
+variables, so kopf's handler processes and threads see them without a global config object. An interval
+flag left out leaves its variable as it is, so the reading module's default (or an inherited value) applies:
+the defaults live in one place, next to the code that uses them.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from collections.abc import Callable
 
-ROLES = ("standalone", "spoke", "hub")
+ROLES = ("standalone", "spoke", "hub")  # main.ROLE_HANDLERS (not imported here: it pulls in kopf)
 ENV_PROMETHEUS_URL = "EMBEDFLEET_PROMETHEUS_URL"
 ENV_REGION = "EMBEDFLEET_REGION"
 ENV_CLOUD = "EMBEDFLEET_CLOUD"
+# The variables the hub loop (hub/loop.py) and the spoke heartbeat (spoke/heartbeat.py) read; the names are
+# repeated here, not imported, so that parsing flags never imports the operator's handlers.
+ENV_HUB_INTERVAL = "EMBEDFLEET_HUB_INTERVAL"
+ENV_HUB_RAMP = "EMBEDFLEET_HUB_RAMP_SECONDS"
+ENV_HUB_WRITE_TIMEOUT = "EMBEDFLEET_HUB_WRITE_TIMEOUT"
+ENV_HEARTBEAT_INTERVAL = "EMBEDFLEET_HEARTBEAT_INTERVAL"
+ENV_HEARTBEAT_DURATION = "EMBEDFLEET_LEASE_DURATION"
+
+
+def _seconds(*, allow_zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, > 0 (or >= 0 with ``allow_zero``). A zero or negative
+    interval would spin a loop or expire a lease at once; argparse turns the error into exit status 2."""
+    bound = "zero or more" if allow_zero else "more than zero"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"must be {bound} seconds, got {text!r}")
+        return value
+
+    return parse
+
+
+def _whole_seconds(text: str) -> int:
+    """An argparse type: whole seconds >= 1 (a Lease's leaseDurationSeconds is an integer, and the heartbeat
+    would silently truncate 2.5 to 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"must be whole seconds, at least 1, got {text!r}")
+    return int(value)
+
+
+def _number(value: float) -> str:
+    """As the reading module parses it back: ``10`` rather than ``10.0`` (readable in ``/proc/*/environ``)."""
+    return str(int(value)) if value == int(value) else repr(value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,17 +91,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Prometheus for the autoscaler; unset: scrape each pod's /metrics")
     run_p.add_argument("--region", default=os.environ.get(ENV_REGION), help="this cluster's region")
     run_p.add_argument("--cloud", default=os.environ.get(ENV_CLOUD), help="this cluster's cloud provider")
+    hub = run_p.add_argument_group("hub (role=hub): the scheduling loop")
+    hub.add_argument("--hub-interval", type=_seconds(), metavar="S",
+                     help=f"seconds between scheduling rounds (${ENV_HUB_INTERVAL}; default 10)")
+    hub.add_argument("--hub-ramp-seconds", type=_seconds(allow_zero=True), metavar="S",
+                     help="a spoke that came back grows to its full share over this many seconds; 0: at once "
+                          f"(${ENV_HUB_RAMP}; default 60)")
+    hub.add_argument("--spoke-write-timeout", type=_seconds(), metavar="S",
+                     help="time-out of the hub's writes to one spoke, so one slow spoke cannot stall the others "
+                          f"(${ENV_HUB_WRITE_TIMEOUT}; default 10)")
+    spoke = run_p.add_argument_group("spoke (role=spoke): the heartbeat Lease the hub reads")
+    spoke.add_argument("--heartbeat-interval", type=_seconds(), metavar="S",
+                       help=f"seconds between heartbeat renewals (${ENV_HEARTBEAT_INTERVAL}; default 10)")
+    spoke.add_argument("--heartbeat-lease-duration", type=_whole_seconds, metavar="S",
+                       help="the heartbeat Lease's leaseDurationSeconds, more than the interval "
+                            f"(${ENV_HEARTBEAT_DURATION}; default 30)")
     run_p.add_argument("--verbose", action="store_true", help="more logging")
     run_p.add_argument("--debug", action="store_true", help="kopf debug logging")
 
 
+def interval_env(args: argparse.Namespace) -> dict[str, str]:
+    """The interval variables the given flags set; a flag left out is absent (its variable untouched)."""
+    flags = ((ENV_HUB_INTERVAL, args.hub_interval), (ENV_HUB_RAMP, args.hub_ramp_seconds),
+             (ENV_HUB_WRITE_TIMEOUT, args.spoke_write_timeout), (ENV_HEARTBEAT_INTERVAL, args.heartbeat_interval),
+             (ENV_HEARTBEAT_DURATION, args.heartbeat_lease_duration))
+    return {name: _number(value) for name, value in flags if value is not None}
+
+
 def run(args: argparse.Namespace) -> int:
+    if (args.heartbeat_interval is not None and args.heartbeat_lease_duration is not None
+            and not args.heartbeat_interval < args.heartbeat_lease_duration):
+        # A lease that expires before the next renewal makes the hub see the spoke die between beats.
+        print("embedfleet operator: need --heartbeat-interval < --heartbeat-lease-duration, got "
+              f"{args.heartbeat_interval:g} >= {args.heartbeat_lease_duration}", file=sys.stderr)
+        return 2
     for name, value in ((ENV_PROMETHEUS_URL, args.prometheus_url), (ENV_REGION, args.region),
                         (ENV_CLOUD, args.cloud)):
         if value:
             os.environ[name] = value
         else:
             os.environ.pop(name, None)
+    os.environ.update(interval_env(args))
     # imports kopf and the handlers: only when running
     from embedfleet.operator.main import Election, run_operator
 

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 LAST_APPLIED = "embedfleet.dev/last-applied"
 MERGE_PATCH = "application/merge-patch+json"
-TIMEOUT = (5, 30)
+TIMEOUT = (5.0, 30.0)
 DISCOVERY_TTL = 300.0
 
 ApplyResult = Literal["created", "patched", "unchanged"]
@@ -242,8 +242,14 @@ def load_client(kubeconfig: str | os.PathLike[str] | None = None) -> kubernetes.
 class Kube:
     """A thin, synchronous façade; kopf runs sync handlers in worker threads, so blocking is fine."""
 
-    def __init__(self, api_client: kubernetes.client.ApiClient | None = None) -> None:
+    def __init__(self, api_client: kubernetes.client.ApiClient | None = None,
+                 kinds: Mapping[str, Kind] = KINDS, timeout: tuple[float, float] = TIMEOUT) -> None:
         self._client = api_client
+        #: (connect, read) seconds for every request but watches: the hub gives each spoke its own.
+        self.timeout = timeout
+        #: The kinds this client can address by name (``KINDS`` unless a caller narrows or extends it):
+        #: given at construction, never changed by an import elsewhere.
+        self.kinds: Mapping[str, Kind] = dict(kinds)
         self._lock = threading.Lock()
         self._discovery: dict[tuple[str, str], tuple[bool, float]] = {}
 
@@ -277,7 +283,7 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         response = self.client.call_api(
-            method_, url, header_params=headers, body=body_, post_params=post, _request_timeout=TIMEOUT
+            method_, url, header_params=headers, body=body_, post_params=post, _request_timeout=self.timeout
         )
         data = response.read()
         if response.status == 404 and allow_404:
@@ -288,17 +294,61 @@ class Kube:
             )
         return json.loads(data) if data else {}
 
+    # ------------------------------------------------------------ collections and watches
+
+    def list_raw(
+        self, path: str, *, label_selector: str | None = None, field_selector: str | None = None,
+    ) -> tuple[list[dict[str, Any]], str]:
+        """(items, the list's resourceVersion) of a collection URL: what an informer starts a watch from."""
+        query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
+        data = self._request("GET", path, query=query) or {}
+        return list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch(
+        self, path: str, resource_version: str, *, timeout_seconds: int = 300, label_selector: str | None = None,
+        field_selector: str | None = None, on_open: Any = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Watch events (``{"type", "object"}``) of a collection URL from ``resource_version``, with
+        bookmarks, until the server ends the watch (``timeout_seconds``) or the connection breaks.
+
+        ``on_open`` receives the streaming response, so another thread can close it to stop the watch at
+        once. An ``ERROR`` event (410 Gone: the version is too old) is yielded like any other."""
+        query = [("watch", "true"), ("resourceVersion", resource_version), ("allowWatchBookmarks", "true"),
+                 ("timeoutSeconds", str(timeout_seconds))]
+        query += [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
+        headers = {"Accept": "application/json"}
+        method, url, headers, body, post = self.client.param_serialize(
+            "GET", path, query_params=query, header_params=headers, auth_settings=["BearerToken"])
+        response = self.client.call_api(method, url, header_params=headers, body=body, post_params=post,
+                                        _request_timeout=(self.timeout[0], timeout_seconds + self.timeout[0]))
+        if response.status >= 400:
+            raise KubeError(response.status, str(response.reason), response.read().decode("utf-8", "replace"),
+                            f"WATCH {path}")
+        raw = response.response
+        if on_open is not None:
+            on_open(raw)
+        try:
+            pending = b""
+            for chunk in raw.stream(65536, decode_content=True):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line)
+        finally:
+            raw.release_conn()
+
     # ------------------------------------------------------------ objects
 
     def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
-        return self._request("GET", KINDS[kind].path(namespace, name), allow_404=True)
+        return self._request("GET", self.kinds[kind].path(namespace, name), allow_404=True)
 
     def get_metadata(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         """Only the object's metadata (PartialObjectMetadata): for a Secret, its labels without its data,
         so a value never enters this process (or its logs)."""
         return self._request(
             "GET",
-            KINDS[kind].path(namespace, name),
+            self.kinds[kind].path(namespace, name),
             allow_404=True,
             accept="application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1",
         )
@@ -309,7 +359,7 @@ class Kube:
         """Objects of a kind; the label selector is also applied here, since not every server honours it."""
         selector = dict(selector or {})
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))] if selector else []
-        data = self._request("GET", KINDS[kind].path(namespace), query=query)
+        data = self._request("GET", self.kinds[kind].path(namespace), query=query)
         items = data.get("items", []) if data else []
         return [item for item in items if _selector_matches(selector, item.get("metadata", {}).get("labels"))]
 
@@ -318,38 +368,48 @@ class Kube:
 
         ``live`` may pass the object as just seen (a watch event), None when it is known to be gone, or
         be left out to read it here."""
-        kind = KINDS[manifest["kind"]]
+        return self.apply_object(manifest, live)[0]
+
+    def apply_object(self, manifest: Mapping[str, Any], live: Any = _READ) -> tuple[ApplyResult, dict[str, Any]]:
+        """`apply`, and the object as the server answered (``live`` itself when unchanged): its
+        resourceVersion tells a watcher when its view includes this write."""
+        kind = self.kinds[manifest["kind"]]
         meta = manifest["metadata"]
         name, namespace = meta["name"], meta.get("namespace")
         desired = _with_last_applied(manifest)
         if live is _READ:
             live = self.get(manifest["kind"], name, namespace)
         if live is None:
-            self._request("POST", kind.path(namespace), body=desired)
+            created = self._request("POST", kind.path(namespace), body=desired)
             log.info("created %s %s/%s", manifest["kind"], namespace or "-", name)
-            return "created"
+            return "created", created
         if not owned_by_us(live, manifest):
             raise NotOwned(manifest["kind"], namespace, name)
         if _up_to_date(live, desired):
-            return "unchanged"
+            return "unchanged", live
         previous_text = (live.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
         previous = json.loads(previous_text) if previous_text else {}
         patch = merge_patch_deletions(previous, desired)
-        self._request("PATCH", kind.path(namespace, name), body=patch, content_type=MERGE_PATCH)
+        patched = self._request("PATCH", kind.path(namespace, name), body=patch, content_type=MERGE_PATCH)
         log.info("patched %s %s/%s", manifest["kind"], namespace or "-", name)
-        return "patched"
+        return "patched", patched
 
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         meta = manifest["metadata"]
-        return self._request("POST", KINDS[manifest["kind"]].path(meta.get("namespace")), body=dict(manifest))
+        return self._request("POST", self.kinds[manifest["kind"]].path(meta.get("namespace")), body=dict(manifest))
 
     def delete(self, kind: str, name: str, namespace: str | None = None) -> bool:
         """True when something was deleted; a missing object is already the desired state."""
+        return self.delete_object(kind, name, namespace) is not None
+
+    def delete_object(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        """`delete`, returning the server's answer (the object, with its deletionTimestamp while finalizers
+        hold it) or None when it was already gone."""
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
-        result = self._request("DELETE", KINDS[kind].path(namespace, name), body=body, allow_404=True)
+        result = self._request("DELETE", self.kinds[kind].path(namespace, name), body=body, allow_404=True)
         if result is not None:
             log.info("deleted %s %s/%s", kind, namespace or "-", name)
-        return result is not None
+        return result
 
     def patch_merge(
         self,
@@ -361,7 +421,7 @@ class Kube:
     ) -> dict[str, Any]:
         return self._request(
             "PATCH",
-            KINDS[kind].path(namespace, name, subresource),
+            self.kinds[kind].path(namespace, name, subresource),
             body=dict(patch),
             content_type=MERGE_PATCH,
         )
@@ -412,7 +472,7 @@ class Kube:
             "lastTimestamp": now,
             "count": 1,
         }
-        self._request("POST", KINDS["Event"].path(namespace), body=body)
+        self._request("POST", self.kinds["Event"].path(namespace), body=body)
 
     # ------------------------------------------------------------ ownership
 
@@ -427,7 +487,7 @@ class Kube:
         """Objects labelled as ours for this owner; namespaced ones must also carry its owner reference."""
         found: list[tuple[str, dict[str, Any]]] = []
         for kind in kinds:
-            info = KINDS[kind]
+            info = self.kinds[kind]
             if "." in info.api_version.split("/")[0] and not self.has_resource(info.api_version, info.plural):
                 continue  # an optional kind (e.g. ServiceMonitor) whose CRD is not installed here
             selector = {naming.INSTANCE_LABEL: owner_name, naming.MANAGED_BY_LABEL: naming.MANAGED_BY}

@@ -1,14 +1,15 @@
 """Run the operator in-process: what ``embedfleet operator run`` (cli.py) calls.
 
 A thin wrapper over ``kopf.run`` so the CLI, the Helm chart's container command and tests all start the
-same thing: every handler registered (``embedfleet.operator.handlers``), cluster-wide or limited to some
-namespaces, with a liveness endpoint for the kubelet. With leader election (the default) the process
-first waits to hold the operator Lease (leader.py) and only then starts kopf, so of several replicas
-exactly one acts; the others are warm standbys.
+same thing: the handlers of the role (``ROLE_HANDLERS``: the role switch is here and nowhere else),
+cluster-wide or limited to some namespaces, with a liveness endpoint for the kubelet. With leader
+election (the default) the process first waits to hold the operator Lease (leader.py) and only then
+starts kopf, so of several replicas exactly one acts; the others are warm standbys.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Sequence
@@ -16,7 +17,17 @@ from dataclasses import dataclass
 
 import kopf
 
-ROLES = ("standalone", "spoke", "hub")
+#: What each role runs. Importing a module registers its kopf handlers. standalone/spoke reconcile
+#: EmbeddingDeployments and ModelCaches into pods and scale them; a spoke also renews its heartbeat Lease;
+#: the hub only places deployments on spokes (hub/loop.py), never pods of its own.
+_LOCAL = ("embedfleet.operator.handlers.settings", "embedfleet.operator.handlers.embedding",
+          "embedfleet.operator.handlers.model_cache", "embedfleet.operator.handlers.autoscale_daemon")
+ROLE_HANDLERS: dict[str, tuple[str, ...]] = {
+    "standalone": _LOCAL,
+    "spoke": (*_LOCAL, "embedfleet.operator.spoke.handlers"),
+    "hub": ("embedfleet.operator.handlers.settings", "embedfleet.operator.hub.handlers"),
+}
+ROLES = tuple(ROLE_HANDLERS)
 ENV_POD_NAMESPACE = "POD_NAMESPACE"
 log = logging.getLogger(__name__)
 
@@ -49,15 +60,14 @@ def run_operator(
 ) -> int:
     """Block until the operator stops; returns a process exit code.
 
-    ``namespaces=None`` (or empty) watches all namespaces. ``role`` is exported as EMBEDFLEET_ROLE for
-    the handler package, which registers the hub's or the local cluster's handlers.
+    ``namespaces=None`` (or empty) watches all namespaces; ``role`` picks the handlers (ROLE_HANDLERS).
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     election = election or Election()
-    os.environ["EMBEDFLEET_ROLE"] = role
     kopf.configure(verbose=verbose, debug=debug)
-    import embedfleet.operator.handlers  # noqa: F401  (registers the handlers)
+    for module in ROLE_HANDLERS[role]:
+        importlib.import_module(module)
 
     watched = [ns for ns in (namespaces or []) if ns]
     log.info("embedfleet operator: role=%s namespaces=%s leader-election=%s", role, watched or "all",
@@ -71,6 +81,10 @@ def run_operator(
             Kube(), lease_namespace(election), election.name, lease_duration=election.lease_duration,
             renew_deadline=election.renew_deadline, retry_period=election.retry_period,
         )
+        if role == "hub":  # a standby hub keeps its view of the fleet current (hub/handlers.py)
+            from embedfleet.operator.hub.handlers import warm_standby
+
+            warm_standby()
         try:
             elector.acquire()
         except KeyboardInterrupt:  # stopped while a standby: nothing to hand back

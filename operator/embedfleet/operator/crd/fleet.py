@@ -120,11 +120,25 @@ class PlacementPolicySpec(CamelModel):
     cluster_limits: list[ClusterLimit] = Field(default_factory=list)
     max_replicas_per_cluster: int | None = Field(default=None, ge=1, le=10000)
     tolerations: list[ClusterToleration] = Field(default_factory=list)
+    propagate_secrets: bool = Field(
+        default=False,
+        description="Copy the API-key Secret a governed deployment references (spec.runtime.apiKeySecret / "
+        "apiKeysSecret) to each spoke it is placed on (the spoke's chart must grant it: "
+        "hubAccess.propagateSecrets). Off: the Secret must exist on the spoke, else Placed=False says so.")
+
+
+class PolicyConflict(CamelModel):
+    deployment: str = Field(description="namespace/name")
+    message: str
 
 
 class PlacementPolicyStatus(CamelModel):
     conditions: list[Condition] = Field(default_factory=list)
-    matched_deployments: int | None = None
+    observed_generation: int | None = None
+    matched_deployments: int | None = Field(default=None, description="Deployments this policy governs.")
+    deployments: list[str] = Field(default_factory=list, description="The first 50 it governs (namespace/name).")
+    conflicts: list[PolicyConflict] = Field(
+        default_factory=list, description="Governed deployments whose inline placement contradicts it (first 50).")
 
 
 def fleet_crds() -> list[dict[str, Any]]:
@@ -143,6 +157,7 @@ def fleet_crds() -> list[dict[str, Any]]:
                 {"name": "Provider", "type": "string", "jsonPath": ".spec.provider"},
                 _condition_column("Joined", 0),
                 _condition_column("Available", 0),
+                _condition_column("CredentialsValid", 1),
                 {"name": "Heartbeat", "type": "date", "jsonPath": ".status.lastHeartbeat"},
                 {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
             ],
@@ -158,6 +173,8 @@ def fleet_crds() -> list[dict[str, Any]]:
             columns=[
                 {"name": "Priority", "type": "integer", "jsonPath": ".spec.priority"},
                 {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
+                {"name": "Deployments", "type": "integer", "jsonPath": ".status.matchedDeployments"},
+                _condition_column("Conflicts", 1),
                 {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
             ],
             subresources={"status": {}},

@@ -1,9 +1,8 @@
-"""What every kopf handler here does the same way: write only changed status, report a rejected spec."""
+"""What every reconcile handler here does the same way: write only changed status, report a rejected spec."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,21 +35,6 @@ def reject(body: kopf.Body, patch: kopf.Patch, status: Any, problems: Iterable[s
     rejected = st.condition("Accepted", False, "InvalidSpec", message, generation)
     conditions = st.merge_conditions(status.get("conditions"), [rejected], now())
     write_status(patch, status, {"observedGeneration": generation, "conditions": conditions})
-
-
-def start_background(slot: MutableMapping[str, Any], worker: Any, name: str) -> None:
-    """Run `worker.run_forever()` on a daemon thread for the operator's life (hub loop, spoke heartbeat);
-    `worker.stop` is the threading.Event that ends it."""
-    thread = threading.Thread(target=worker.run_forever, name=name, daemon=True)
-    slot.update(worker=worker, thread=thread)
-    thread.start()
-
-
-def stop_background(slot: MutableMapping[str, Any], timeout: float) -> None:
-    worker = slot.get("worker")
-    if worker is not None:
-        worker.stop.set()
-        slot["thread"].join(timeout=timeout)
 
 
 def cache_nodes(kube: Kube, namespace: str, digest: str, selector: Mapping[str, str], pools: Iterable[NodePool],

@@ -225,9 +225,24 @@ def spoke_row(
         "inflight": status.get("inFlight"),
         "cache": cache,
         "lastSeen": last_seen,
-        "reasons": [*reasons, *(share.reasons if share else ())],
+        # The scheduler's score is left out: it moves with the hub's own last decision (stickiness), so
+        # it would cost a second status write for every new share, and it orders, never sizes, a share.
+        "reasons": [*reasons, *(r for r in (share.reasons if share else ()) if not r.startswith("score "))],
     }
     return row
+
+
+def refusal_of(spoke_obj: Mapping[str, Any] | None) -> str | None:
+    """Why the spoke's operator refuses a copy (its ``Accepted=False``), as a row's problem; None when it
+    accepts it or has not judged it yet. A missing API-key Secret shows here, with the way out."""
+    for cond in ((spoke_obj or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Accepted" and cond.get("status") == "False":
+            message = str(cond.get("message") or cond.get("reason") or "")
+            if "Secret" in message:
+                message += (" (create it on the spoke, or let the PlacementPolicy copy it: "
+                            "propagateSecrets: true)")
+            return f"refused by the spoke: {message}"[:600]
+    return None
 
 
 def row_problem(row: Mapping[str, Any] | None) -> str | None:
@@ -261,7 +276,7 @@ def conditions(
     policy = f" (PlacementPolicy {placement.policy})" if placement.policy else ""
     accepted = st.condition("Accepted", True, "Valid", f"mode {placement.mode}{policy}", generation)
     failed = [f"{name}: {text}" for name, text in sorted(failures.items())]
-    refused = any(text.startswith("propagation") for text in failures.values())
+    refused = any(text.startswith(("propagation", "refused")) for text in failures.values())
     gone = [f"{name} unavailable ({reason}), its replicas moved" for name, reason in sorted(unavailable.items())]
     placed = placement.placed
     shares = ", ".join(f"{n}={c.range.desired}" for n, c in sorted(placement.clusters.items()))

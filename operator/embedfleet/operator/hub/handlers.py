@@ -2,23 +2,36 @@
 
 The hub deliberately registers no EmbeddingDeployment reconcile handlers: on the hub an
 EmbeddingDeployment is an intent that spokes run, never pods of its own.
+
+A standby replica is warm: while it waits for the leader Lease (main.py), ``warm_standby`` already runs the
+loop's informers (hub collections and every spoke's copies and heartbeat), so when it takes over its first
+round reads a current view instead of listing the whole fleet first. It writes nothing until it leads.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import kopf
 
-from embedfleet.operator.handlers.common import start_background, stop_background
+from embedfleet.operator.background import start_background, stop_background
 from embedfleet.operator.hub.loop import HubLoop
 
 LOOP: dict[str, Any] = {}
 
 
+def warm_standby() -> HubLoop:
+    """Start watching before leading (called by main.py while it waits for the Lease)."""
+    loop = HubLoop()
+    LOOP["warm"] = loop
+    threading.Thread(target=loop.warm, name="embedfleet-hub-warm", daemon=True).start()
+    return loop
+
+
 @kopf.on.startup()
 def start_hub_loop(logger: kopf.Logger, **_: Any) -> None:
-    loop = HubLoop()
+    loop = LOOP.pop("warm", None) or HubLoop()
     start_background(LOOP, loop, "embedfleet-hub")
     logger.info("hub scheduling loop started (interval %.1fs, return ramp %.0fs)", loop.interval, loop.ramp)
 

@@ -1,42 +1,47 @@
-"""One scheduling round of the hub, and the thread that repeats it every interval.
+"""The hub's scheduling round, and the thread that repeats it every interval (sooner when an intent changes).
 
-A round: read every FleetCluster's heartbeat lease on its spoke (through the kubeconfig Secret) and update
-its health, cached models and platform policy (the spoke's allow-lists: a deployment they forbid is not
-placed there, and when it is short of replicas for that reason ``Placed=False`` names the spokes and
-why); list, once per spoke, the copies the hub manages there; read each hub EmbeddingDeployment,
-compute fleet-wide targets, call the pure ``place()``, then bring each spoke's copy to its share and write
-the hub object's status. Everything is re-derived each round from what the API servers show plus an
-in-memory health table, so a restarted hub resumes where the last one stopped (previous shares come from
-``status.clusters``).
+What a round reads comes from informers (informer.py), never from a request per object: on the hub, the
+FleetClusters, PlacementPolicies, EmbeddingDeployments and Namespaces; on each spoke, the copies this hub
+manages there and the spoke's heartbeat Lease. A fleet's reads therefore cost one watch per collection and
+one event per change, whatever its size.
+
+A round: judge each spoke's health from its Lease as the watch last showed it (and its credentials: a
+kubeconfig that is broken, expired or refused is ``CredentialsValid=False`` on the FleetCluster and freezes
+that spoke's last known health, so it does not fail over everything it runs); compute fleet-wide targets and
+call the pure ``place()``; plan, per spoke, the writes that bring its copies (and the namespaces and
+API-key Secrets they need) to what the hub wants; run each spoke's writes on that spoke's own thread with
+a time-out, all spokes at once; then write the hub objects' status. A spoke whose writes are still running,
+whose circuit breaker is open (breaker.py) or whose watch has not yet shown the hub's last writes is
+skipped: its status rows stay as they were, and only it waits.
 
 Idle rounds write nothing: a copy is written only when the live one does not already cover what the hub
-wants (``Kube.apply``), a status only when a value changed (``convert.status_changes``), and no field
-holds a per-round timestamp (``lastHeartbeat`` is recorded when a cluster's health changes, not at every
-heartbeat: the spoke's Lease is the heartbeat). What could not be written shows in status (the row's
-problem, ``Placed=False``/``Degraded=True`` naming the cluster and the error) and as an Event, once.
+wants (``kube.up_to_date``), a status only when a value changed (``convert.status_changes``), and no field
+holds a per-round timestamp. What could not be written shows in status (the row's problem,
+``Placed=False``/``Degraded=True`` naming the cluster and the error) and as an Event, once.
 
-On a spoke the hub calls only (see docs/hub.md, "Identity on a spoke"): ``get`` its heartbeat Lease;
-``list`` EmbeddingDeployments (all namespaces, by the hub-managed label); ``create``, ``patch`` and
-``delete`` EmbeddingDeployments.
+On a spoke the hub calls only (see the chart's hub-access.yaml): ``list``/``watch`` EmbeddingDeployments
+(all namespaces, by the hub-managed label) and ``create``/``patch``/``delete`` them; ``get``/``list``/
+``watch`` its heartbeat Lease; ``get``/``create`` Namespaces; and, where the spoke's chart allows it and
+the deployment's PlacementPolicy says ``propagateSecrets``, ``get``/``create``/``patch`` the referenced
+Secret.
 """
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import kubernetes
-import urllib3
 import yaml
 from pydantic import ValidationError
 
@@ -50,10 +55,15 @@ from embedfleet.operator.crd.fleet import (
 )
 from embedfleet.operator.hub import convert
 from embedfleet.operator.hub.autoscale import fleet_target
+from embedfleet.operator.hub.breaker import Breaker
+from embedfleet.operator.hub.errors import SPOKE_ERRORS, credential_problem, describe
 from embedfleet.operator.hub.health import Health, observe
-from embedfleet.operator.kube import KINDS, Kube, KubeError
+from embedfleet.operator.hub.informer import Informer, version_at_least
+from embedfleet.operator.hub.policy_status import policy_statuses
+from embedfleet.operator.hub.propagate import Needs, needs_of, secret_copy
+from embedfleet.operator.kube import Kube, KubeError, up_to_date, user_agent
 from embedfleet.operator.platform import PlatformPolicy
-from embedfleet.operator.scheduling import Cluster, Deployment, Placement, place
+from embedfleet.operator.scheduling import Cluster, ClusterPlacement, Deployment, Placement, place
 from embedfleet.operator.scheduling.spill import spill_targets
 from embedfleet.operator.spoke.heartbeat import (
     CACHED_ANNOTATION,
@@ -69,11 +79,22 @@ ED = naming.EMBEDDING_DEPLOYMENT_KIND
 ED_PATH = f"/apis/{naming.API_VERSION}/{naming.EMBEDDING_DEPLOYMENT_PLURAL}"  # all namespaces
 ENV_INTERVAL = "EMBEDFLEET_HUB_INTERVAL"
 ENV_RAMP = "EMBEDFLEET_HUB_RAMP_SECONDS"
-#: Spoke requests retry a dropped connection once (an API server restart), no more: a round must not
-#: stall on a spoke that is down.
+ENV_WRITE_TIMEOUT = "EMBEDFLEET_HUB_WRITE_TIMEOUT"
+ENV_CREDENTIALS_RECHECK = "EMBEDFLEET_HUB_CREDENTIALS_RECHECK"
+#: Spoke requests retry a dropped connection once (an API server restart), no more: the breaker decides.
 SPOKE_RETRIES = 1
-SPOKE_ERRORS = (KubeError, OSError, urllib3.exceptions.HTTPError, kubernetes.config.ConfigException,
-                ValueError, yaml.YAMLError)
+#: How often the hub re-reads a spoke's kubeconfig Secret (a rotated credential is picked up; the
+#: default, overridden by EMBEDFLEET_HUB_CREDENTIALS_RECHECK), and, while the spoke refuses the credential,
+#: how soon it looks again.
+CREDENTIALS_RECHECK_S = 60.0
+CREDENTIALS_RETRY_S = 5.0
+#: A round waits this long at most for the spokes' write batches before it writes status; a batch still
+#: running then is reported in a later round (it delays only its own spoke).
+ROUND_WAIT_S = 2.0
+#: How long a round waits, in all, for the first lists of spokes it has just connected to.
+LINK_WAIT_S = 2.0
+#: An intent change wakes the loop early, but rounds start at most this often.
+MIN_GAP_S = 0.2
 
 
 def _stamp(moment: datetime) -> str:
@@ -94,30 +115,6 @@ def _age(stamp: str | None) -> float | None:
     return (datetime.now(UTC) - parsed).total_seconds()
 
 
-def describe(exc: BaseException) -> str:
-    """A short, stable sentence for an error from a spoke (the same failure reads the same every round, so
-    status does not change, and no Event repeats, because of an object address in a message)."""
-    if isinstance(exc, KubeError):
-        try:
-            message = json.loads(exc.body).get("message") or exc.body
-        except (ValueError, AttributeError):
-            message = exc.body
-        text = f"HTTP {exc.status} {exc.reason}: {message}"
-        if exc.status == 409 and "already exists" in str(message):
-            text += " (not created by the hub: remove or rename it on the spoke)"
-    elif isinstance(exc, urllib3.exceptions.MaxRetryError):
-        text = f"API server unreachable: {exc.reason}"
-    else:
-        text = f"{type(exc).__name__}: {exc}"
-    return re.sub(r"<[^<>]* object at 0x[0-9a-f]+>:?\s*", "", text)[:400]
-
-
-def _list_all(kube: Kube, path: str, selector: str | None = None) -> list[dict[str, Any]]:
-    query = [("labelSelector", selector)] if selector else None
-    data = kube._request("GET", path, query=query)
-    return list((data or {}).get("items") or [])
-
-
 def _key(obj: Mapping[str, Any]) -> str:
     return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
 
@@ -129,10 +126,39 @@ def _condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any
     return {}
 
 
+def _version(obj: Mapping[str, Any] | None) -> str:
+    return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
+
+
 @dataclass
 class SpokeLink:
+    """The hub's connection to one spoke: its client, its two informers and its own writer thread."""
+
+    name: str
     kube: Kube
     fingerprint: str
+    copies: Informer
+    lease: Informer
+    checked: float  # monotonic time the kubeconfig Secret was last read
+    writer: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spoke-writer"))
+    batch: concurrent.futures.Future[dict[str, Outcome]] | None = None
+    written: str = ""  # the newest resourceVersion the spoke returned for the hub's writes
+    breaker: Breaker = field(default_factory=Breaker)
+    namespaces: set[str] = field(default_factory=set)  # known to exist there
+    secrets: dict[str, str] = field(default_factory=dict)  # namespace/name -> fingerprint last written
+    #: Copies whose last write has an unknown outcome (timed out, connection lost, 5xx): the spoke may have
+    #: done it. The next attempt reads the object first, so a hung spoke that comes back is not sent the
+    #: same create twice.
+    unsure: set[str] = field(default_factory=set)
+
+    def busy(self) -> bool:
+        return self.batch is not None and not self.batch.done()
+
+    def close(self) -> None:
+        self.copies.stop(timeout=0.1)
+        self.lease.stop(timeout=0.1)
+        self.writer.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -144,12 +170,33 @@ class SpokeView:
     cluster: Cluster
     health: Health
     link: SpokeLink | None
-    error: str | None  # why the spoke could not be read this round
+    error: str | None  # why the spoke could not be read
     last_seen: str | None
-    copies: dict[str, dict[str, Any]] | None = None  # hub-managed copies by namespace/name; None: not listed
+    copies: dict[str, dict[str, Any]] | None = None  # hub-managed copies by namespace/name; None: unknown
     #: The spoke's platform allow-lists (the key is ``cluster.platform_policy``); a sentence when unreadable.
     policy: PlatformPolicy | str = field(default_factory=PlatformPolicy)
     gateway_url: str | None = None  # FleetCluster spec.gatewayUrl: where other clusters' gateways spill to
+    #: Skipped this round (writes running, breaker open, or its watch not yet showing the hub's writes):
+    #: its status rows are carried over. The sentence says why when it is a problem (breaker open).
+    held: str | None = None
+    skipped: bool = False
+
+
+@dataclass(frozen=True)
+class Write:
+    """One planned change on a spoke, run on that spoke's writer thread."""
+
+    key: str  # namespace/name of the hub object
+    share: ClusterPlacement | None
+    manifest: dict[str, Any] | None  # the copy to apply; None: delete the copy
+    live: dict[str, Any] | None
+    needs: Needs
+
+
+@dataclass(frozen=True)
+class Outcome:
+    live: dict[str, Any] | None
+    problem: str | None = None
 
 
 @dataclass
@@ -157,38 +204,124 @@ class HubState:
     health: dict[str, Health] = field(default_factory=dict)
     links: dict[str, SpokeLink] = field(default_factory=dict)
     seen: dict[str, tuple[float, str]] = field(default_factory=dict)  # (monotonic, wall) of the last renewal seen
-    #: The platform policy annotation each spoke last published: kept over a round that cannot read the
-    #: lease, so a spoke in its grace period is not judged by other rules (and its shares do not flap).
+    #: The platform policy annotation each spoke last published: kept while its lease cannot be read, so a
+    #: spoke in its grace period is not judged by other rules (and its shares do not flap).
     policies: dict[str, str | None] = field(default_factory=dict)
+    #: Spokes whose credentials failed: cluster -> (reason, sentence).
+    credentials: dict[str, tuple[str, str]] = field(default_factory=dict)
+    rounds: int = 0
 
 
 class HubLoop:
-    def __init__(self, hub: Kube | None = None, interval: float | None = None, ramp: float | None = None) -> None:
+    def __init__(self, hub: Kube | None = None, interval: float | None = None, ramp: float | None = None,
+                 write_timeout: float | None = None) -> None:
         self.hub = hub or Kube()
         self.interval = interval if interval is not None else float(os.environ.get(ENV_INTERVAL, "10"))
         self.ramp = ramp if ramp is not None else float(os.environ.get(ENV_RAMP, "60"))
+        self.write_timeout = (write_timeout if write_timeout is not None
+                              else float(os.environ.get(ENV_WRITE_TIMEOUT, "10")))
+        self.credentials_recheck = float(os.environ.get(ENV_CREDENTIALS_RECHECK, CREDENTIALS_RECHECK_S))
         self.state = HubState()
         self.stop = threading.Event()
+        self.wake = threading.Event()
+        self.informers: dict[str, Informer] = {}
+        self._busy = threading.Lock()  # a round and a standby's warm-up never run at once
+
+    # ------------------------------------------------------------ informers
+
+    def _hub_informers(self) -> dict[str, Informer]:
+        """The hub's own collections, watched; started on the first round."""
+        if not self.informers:
+            def wake(_: str) -> None:
+                self.wake.set()
+
+            kinds = self.hub.kinds
+            paths = {"clusters": kinds[FLEET_CLUSTER_KIND].path(), "policies": kinds[PLACEMENT_POLICY_KIND].path(),
+                     "deployments": ED_PATH, "namespaces": kinds["Namespace"].path()}
+            self.informers = {name: Informer(self.hub, path, name=f"hub-{name}",
+                                             on_change=None if name == "namespaces" else wake).start()
+                              for name, path in paths.items()}
+        return self.informers
+
+    def warm(self) -> None:
+        """Open every watch a round needs without running one (a standby's caches; writes nothing)."""
+        with self._busy:
+            informers = self._hub_informers()
+            if all(inf.wait_synced(30) for inf in informers.values()):
+                self._links(informers["clusters"].items(), time.monotonic())
+
+    def close(self) -> None:
+        for informer in self.informers.values():
+            informer.stop(timeout=0.1)
+        for link in self.state.links.values():
+            link.close()
 
     # ------------------------------------------------------------ spokes
 
-    def _link(self, name: str, spec: FleetClusterSpec) -> SpokeLink:
+    def _spoke_client(self, raw: bytes) -> Kube:
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config_from_dict(yaml.safe_load(raw), client_configuration=config)
+        config.retries = SPOKE_RETRIES
+        client = kubernetes.client.ApiClient(configuration=config)
+        client.user_agent = user_agent()
+        return Kube(client, timeout=(5.0, self.write_timeout))
+
+    def _link(self, name: str, spec: FleetClusterSpec, now: float) -> SpokeLink:
+        """The spoke's link; its kubeconfig Secret is read again every CREDENTIALS_RECHECK_S (sooner while
+        the spoke refuses it), and a changed one replaces the link and its informers."""
+        link = self.state.links.get(name)
+        due = min(CREDENTIALS_RETRY_S, self.credentials_recheck) if name in self.state.credentials \
+            else self.credentials_recheck
+        if link is not None and now - link.checked < due:
+            return link
         ref = spec.connection.kubeconfig_secret
         secret = self.hub.get("Secret", ref.name, ref.namespace)
         if secret is None or ref.key not in (secret.get("data") or {}):
-            raise ValueError(f"Secret {ref.namespace}/{ref.name} has no key {ref.key}")
+            raise ValueError(f"kubeconfig Secret {ref.namespace}/{ref.name} has no key {ref.key}")
         raw = base64.b64decode(secret["data"][ref.key])
         fingerprint = hashlib.sha256(raw).hexdigest()
-        link = self.state.links.get(name)
-        if link is None or link.fingerprint != fingerprint:
-            config = kubernetes.client.Configuration()
-            kubernetes.config.load_kube_config_from_dict(yaml.safe_load(raw), client_configuration=config)
-            config.retries = SPOKE_RETRIES
-            link = SpokeLink(Kube(kubernetes.client.ApiClient(configuration=config)), fingerprint)
-            self.state.links[name] = link
-        return link
+        if link is not None and link.fingerprint == fingerprint:
+            link.checked = now
+            return link
+        kube = self._spoke_client(raw)
+        lease_ns = spec.connection.namespace
+        copies = Informer(kube, ED_PATH, name=f"{name}-copies",
+                          label_selector=f"{convert.HUB_MANAGED_LABEL}={name}")
+        lease = Informer(kube, kube.kinds["Lease"].path(lease_ns), name=f"{name}-lease",
+                         field_selector=f"metadata.name={LEASE_NAME}")
+        new = SpokeLink(name, kube, fingerprint, copies.start(), lease.start(), now)
+        if link is not None:
+            new.breaker, new.namespaces, new.secrets = link.breaker, link.namespaces, link.secrets
+            link.close()
+        self.state.links[name] = new
+        return new
 
-    def _observe_cluster(self, fc: dict[str, Any], now: float) -> SpokeView | None:
+    def _links(self, clusters: Mapping[str, dict[str, Any]], now: float) -> dict[str, SpokeLink | BaseException]:
+        """Every FleetCluster's link (or why there is none). New links list concurrently and get one short
+        shared wait, so a hub starting on a hundred spokes does not wait for them one by one."""
+        out: dict[str, SpokeLink | BaseException] = {}
+        fresh: list[SpokeLink] = []
+        for name, fc in clusters.items():
+            try:
+                spec = FleetClusterSpec.model_validate(fc.get("spec") or {})
+            except ValidationError:
+                continue  # _observe_cluster reports it
+            known = self.state.links.get(name)
+            try:
+                out[name] = link = self._link(name, spec, now)
+            except SPOKE_ERRORS as exc:
+                out[name] = exc
+                continue
+            if link is not known:
+                fresh.append(link)
+        deadline = time.monotonic() + LINK_WAIT_S
+        for link in fresh:
+            for informer in (link.lease, link.copies):
+                informer.wait_synced(max(0.0, deadline - time.monotonic()))
+        return out
+
+    def _observe_cluster(self, fc: dict[str, Any], now: float,
+                         connected: SpokeLink | BaseException | None) -> SpokeView | None:
         name = fc["metadata"]["name"]
         live_status = fc.get("status") or {}
         try:
@@ -203,28 +336,52 @@ class HubLoop:
         cached: list[str] = []
         problem: str | None = None
         error: str | None = None
+        credentials: tuple[str, str] | None = None
         published = self.state.policies.get(name)
         lease_read = False
-        try:
-            link = self._link(name, spec)
-            lease = link.kube.get("Lease", LEASE_NAME, spec.connection.namespace)
-            lease_read = True
-            annotations = ((lease or {}).get("metadata") or {}).get("annotations") or {}
-            if lease is not None:
-                renew = (lease.get("spec") or {}).get("renewTime")
-                cached = [c for c in (annotations.get(CACHED_ANNOTATION) or "").split(",") if c]
-                problem = annotations.get(PROBLEM_ANNOTATION) or None
-            published = self.state.policies[name] = annotations.get(POLICY_ANNOTATION)
-        except SPOKE_ERRORS as exc:
-            error = describe(exc)
+        if isinstance(connected, SpokeLink):
+            link = connected
+        elif connected is not None:
+            error = describe(connected)
+            credentials = (credential_problem(connected) or "InvalidKubeconfig", error)
+        if link is not None:
+            failure = link.lease.exception or link.copies.exception
+            if failure is not None:
+                error = describe(failure)
+                reason = credential_problem(failure)
+                if reason:
+                    credentials = (reason, error)
+            elif link.lease.synced:
+                lease_read = True
+                lease = next(iter(link.lease.items().values()), None)
+                annotations = ((lease or {}).get("metadata") or {}).get("annotations") or {}
+                if lease is not None:
+                    renew = (lease.get("spec") or {}).get("renewTime")
+                    cached = [c for c in (annotations.get(CACHED_ANNOTATION) or "").split(",") if c]
+                    problem = annotations.get(PROBLEM_ANNOTATION) or None
+                published = self.state.policies[name] = annotations.get(POLICY_ANNOTATION)
+            else:
+                error = "not listed yet"
+        if credentials is not None:
+            if name not in self.state.credentials:
+                log.warning("spoke %s: credentials refused (%s): %s; keeping its last known health",
+                            name, credentials[0], credentials[1])
+            self.state.credentials[name] = credentials
+        else:
+            self.state.credentials.pop(name, None)
         policy_key, policy = convert.read_policy(published)
         if isinstance(policy, str):  # nothing is placed there until it can be read: say why, on the FleetCluster
             problem = f"{problem}; {policy}" if problem else policy
         if not lease_read:  # unknown this round: keep what the spoke last reported
             cached = list(live_status.get("cachedModels") or [])
         previous = self.state.health.get(name, Health())
-        health = observe(previous, renew, now, spec.lease.duration_seconds, spec.lease.grace_seconds,
-                         first_sight_age=_age(renew))
+        if credentials is not None:
+            # The hub cannot see the spoke, which says nothing about whether it runs: keep what was known
+            # (a spoke never seen stays unplaced), rather than fail over everything it serves.
+            health = previous
+        else:
+            health = observe(previous, renew, now, spec.lease.duration_seconds, spec.lease.grace_seconds,
+                             first_sight_age=_age(renew))
         self.state.health[name] = health
 
         # Times are recorded when the health changes, never per heartbeat (that would be a write per beat).
@@ -243,11 +400,20 @@ class HubLoop:
             since = _wall()
 
         where = f"lease {spec.connection.namespace}/{LEASE_NAME}"
-        message = f"{where}: {error}" if error else (
-            f"{where}: {health.reason}" if renew else f"{where}: not found (is the spoke operator running?)")
+        if credentials is not None:
+            message = f"{where}: cannot be read with the kubeconfig: {error}; health as last known ({health.reason})"
+        elif error:
+            message = f"{where}: {error}"
+        else:
+            message = f"{where}: {health.reason}" if renew else f"{where}: not found (is the spoke operator running?)"
         conds = [
             st.condition("Joined", health.joined, "HeartbeatSeen" if health.joined else "NeverSeen", message),
             st.condition("Available", health.available, health.reason, message),
+            st.condition("CredentialsValid", credentials is None,
+                         credentials[0] if credentials else "Accepted",
+                         f"the spoke refuses the hub's kubeconfig ({spec.connection.kubeconfig_secret.namespace}/"
+                         f"{spec.connection.kubeconfig_secret.name}): {credentials[1]}" if credentials
+                         else "the spoke accepts the hub's kubeconfig"),
         ]
         if lease_read and renew:  # what the heartbeat says about itself; unknown while it cannot be read
             conds.append(st.condition("Degraded", bool(problem), "HeartbeatIncomplete" if problem else "Healthy",
@@ -261,8 +427,28 @@ class HubLoop:
             "allocatable": spec.capacity.model_dump(by_alias=True),
         })
         cluster = convert.cluster_from(name, spec, health, cached, policy_key)
-        return SpokeView(name, spec.region, cluster, health, link, error, last_seen, policy=policy,
+        view = SpokeView(name, spec.region, cluster, health, link, error, last_seen, policy=policy,
                          gateway_url=spec.gateway_url)
+        self._copies_of(view, now)
+        return view
+
+    def _copies_of(self, view: SpokeView, now: float) -> None:
+        """The copies on an available spoke as its watch shows them, or why this round leaves it alone."""
+        link = view.link
+        if link is None or view.error is not None or not view.health.available:
+            return
+        if link.busy():
+            view.skipped = True  # its last writes still run: only this spoke waits
+            return
+        if not link.breaker.allows(now):
+            view.skipped = True
+            view.held = (f"writes paused after {link.breaker.failures} failed attempts "
+                         f"({link.breaker.last_error}); next try in {link.breaker.open_until - now:.0f}s")
+            return
+        if not link.copies.synced or not link.copies.caught_up(link.written):
+            view.skipped = True  # the watch has not shown the hub's last writes yet: judge it next round
+            return
+        view.copies = link.copies.items()
 
     def _seen_at(self, name: str, health: Health, now: float) -> str | None:
         """The hub's wall time of the renewal ``health`` last saw (kept, so it reads the same each time)."""
@@ -279,45 +465,52 @@ class HubLoop:
         if changes:
             self.hub.patch_status(FLEET_CLUSTER_KIND, fc["metadata"]["name"], None, changes)
 
-    def _list_copies(self, view: SpokeView) -> None:
-        """The copies this hub manages on an available spoke: one list per spoke per round."""
-        if view.link is None or view.error is not None or not view.health.available:
-            return
-        try:
-            items = _list_all(view.link.kube, ED_PATH, f"{convert.HUB_MANAGED_LABEL}={view.name}")
-        except SPOKE_ERRORS as exc:
-            view.error = describe(exc)
-            return
-        view.copies = {_key(item): item for item in items
-                       if ((item.get("metadata") or {}).get("labels") or {}).get(convert.HUB_MANAGED_LABEL)
-                       == view.name}
+    def _forget(self, names: Iterable[str]) -> None:
+        """FleetClusters that were deleted: their links and informers stop."""
+        for name in list(names):
+            link = self.state.links.pop(name, None)
+            if link is not None:
+                link.close()
+            for table in (self.state.health, self.state.seen, self.state.policies, self.state.credentials):
+                table.pop(name, None)
 
     # ------------------------------------------------------------ one round
 
     def run_round(self) -> None:
+        with self._busy:
+            self._round()
+
+    def _round(self) -> None:
+        informers = self._hub_informers()
+        if not all(inf.wait_synced(30) for inf in informers.values()):
+            log.warning("hub informers not synced yet; round skipped")
+            return
+        self.state.rounds += 1
         now = time.monotonic()
         views: dict[str, SpokeView] = {}
-        for fc in _list_all(self.hub, KINDS[FLEET_CLUSTER_KIND].path()):
-            view = self._observe_cluster(fc, now)
+        clusters = informers["clusters"].items()
+        self._forget(set(self.state.links) - set(clusters))
+        links = self._links(clusters, now)
+        for name, fc in clusters.items():
+            view = self._observe_cluster(fc, now, links.get(name))
             if view is not None:
                 views[view.name] = view
-        for view in views.values():
-            self._list_copies(view)
-        policies = []
-        for pp in _list_all(self.hub, KINDS[PLACEMENT_POLICY_KIND].path()):
+        policies, policy_specs = [], {}
+        for pp in informers["policies"].items().values():
             try:
                 spec = PlacementPolicySpec.model_validate(pp.get("spec") or {})
             except ValidationError as exc:
                 log.warning("PlacementPolicy %s ignored: %s", pp["metadata"]["name"], exc)
                 continue
             policies.append(convert.policy_from(pp["metadata"]["name"], spec))
+            policy_specs[pp["metadata"]["name"]] = spec
 
         # Each distinct spoke policy once; every deployment is checked against each of them once per round.
         spoke_policies = {v.cluster.platform_policy: v.policy for v in views.values()}
-        hub_objects = _list_all(self.hub, ED_PATH)
+        namespaces = informers["namespaces"].items()
+        hub_objects = list(informers["deployments"].items().values())
         deployments: list[Deployment] = []
         info: dict[str, tuple[dict[str, Any], int]] = {}
-        ns_labels: dict[str, dict[str, str]] = {}
         for obj in hub_objects:
             meta = obj["metadata"]
             key = _key(obj)
@@ -335,45 +528,200 @@ class HubLoop:
             # What runs now, as the spokes report it: a spoke back from a partition keeps its serving pods.
             running = {c: int(((o.get("status") or {}).get("replicas") or {}).get("ready") or 0)
                        for c, o in copies.items()}
-            if meta["namespace"] not in ns_labels:
-                ns_labels[meta["namespace"]] = self._namespace_labels(meta["namespace"])
+            labels = dict(((namespaces.get(meta["namespace"]) or {}).get("metadata") or {}).get("labels") or {})
             refused = convert.refusals(obj.get("spec") or {}, spoke_policies)
-            deployments.append(convert.deployment_from(key, parsed, ns_labels[meta["namespace"]], target, previous,
-                                                       running, refused))
+            deployments.append(convert.deployment_from(key, parsed, labels, target, previous, running, refused))
             info[key] = (obj, target)
 
         placements = place(deployments, [v.cluster for v in views.values()], policies, now, ramp_seconds=self.ramp)
+        self._write_policy_statuses(informers["policies"].items(), placements)
+        plans: dict[str, list[Write]] = {name: [] for name in views}
+        for key, placement in placements.items():
+            obj, _ = info[key]
+            spec = policy_specs.get(placement.policy or "")
+            self._plan(obj, placement, views, plans, spec.propagate_secrets if spec else False)
+        for view in views.values():
+            if view.copies is not None:
+                plans[view.name] += self._orphans(view, set(info) | {_key(o) for o in hub_objects})
+        outcomes = self._run_writes(views, plans)
         for key, placement in placements.items():
             obj, target = info[key]
-            self._reconcile(obj, placement, target, views)
-        self._collect_garbage(views, {_key(o) for o in hub_objects})
+            self._reconcile(obj, placement, target, views, outcomes)
+
+    # ------------------------------------------------------------ planning and writing
+
+    def _plan(self, obj: dict[str, Any], placement: Placement, views: Mapping[str, SpokeView],
+              plans: dict[str, list[Write]], propagate_secrets: bool) -> None:
+        """The writes that bring each judged spoke's copy of ``obj`` to its share (none when it already is)."""
+        key = _key(obj)
+        gateways = {n: v.gateway_url for n, v in views.items() if v.gateway_url}
+        for name, view in views.items():
+            if view.copies is None:
+                continue
+            live = view.copies.get(key)
+            if live is not None and (live.get("metadata") or {}).get("deletionTimestamp"):
+                continue  # still being deleted on the spoke (its operator's finalizer); created again after
+            share = placement.clusters.get(name) if placement.accepted else None
+            if share is None:
+                if live is not None:
+                    plans[name].append(Write(key, None, None, live, Needs(key.split("/", 1)[0])))
+                continue
+            manifest = convert.spoke_manifest(obj, name, share, spill_targets(placement, name, gateways))
+            needs = needs_of(obj, propagate_secrets)
+            assert view.link is not None
+            stale_secret = any(view.link.secrets.get(ref) is None for ref in needs.secrets)
+            if live is None or not up_to_date(live, manifest) or stale_secret or key in view.link.unsure:
+                plans[name].append(Write(key, share, manifest, live, needs))
+
+    def _orphans(self, view: SpokeView, keys: set[str]) -> list[Write]:
+        """Deletions of spoke copies whose hub object no longer exists."""
+        assert view.copies is not None
+        return [Write(key, None, None, item, Needs(key.split("/", 1)[0])) for key, item in view.copies.items()
+                if key not in keys and not (item.get("metadata") or {}).get("deletionTimestamp")]
+
+    def _run_writes(self, views: Mapping[str, SpokeView],
+                    plans: Mapping[str, list[Write]]) -> dict[str, dict[str, Outcome]]:
+        """Each spoke's writes on its own thread, all spokes at once; waits ROUND_WAIT_S at most. A spoke
+        whose batch is still running afterwards is reported by a later round (``skipped`` until then)."""
+        started: dict[str, concurrent.futures.Future[dict[str, Outcome]]] = {}
+        for name, writes in plans.items():
+            link = views[name].link
+            if writes and link is not None:
+                link.batch = link.writer.submit(self._write_batch, link, writes)
+                started[name] = link.batch
+        if started:
+            concurrent.futures.wait(started.values(), timeout=ROUND_WAIT_S)
+        outcomes: dict[str, dict[str, Outcome]] = {}
+        for name, future in started.items():
+            if future.done():
+                outcomes[name] = future.result()
+            else:
+                views[name].skipped = True
+        return outcomes
+
+    def _write_batch(self, link: SpokeLink, writes: list[Write]) -> dict[str, Outcome]:
+        """Runs on the spoke's writer thread. A failure of the spoke itself (unreachable, time-out, 5xx)
+        stops the batch and counts against the spoke's breaker; a refusal of one object (4xx) is that
+        object's problem."""
+        outcomes: dict[str, Outcome] = {}
+        for write in writes:
+            try:
+                outcomes[write.key] = Outcome(self._write(link, write))
+            except SPOKE_ERRORS as exc:
+                problem = f"propagation failed: {describe(exc)}"
+                outcomes[write.key] = Outcome(write.live, problem)
+                if not (isinstance(exc, KubeError) and 400 <= exc.status < 500):
+                    link.unsure.add(write.key)
+                    link.breaker = link.breaker.failed(time.monotonic(), describe(exc))
+                    for rest in writes[writes.index(write) + 1:]:
+                        outcomes[rest.key] = Outcome(rest.live, problem)
+                    return outcomes
+        link.breaker = link.breaker.succeeded()
+        return outcomes
+
+    def _write(self, link: SpokeLink, write: Write) -> dict[str, Any] | None:
+        kube, namespace = link.kube, write.needs.namespace
+        unsure = write.key in link.unsure
+        if write.manifest is None:
+            assert write.live is not None
+            meta = write.live["metadata"]
+            answer = kube.delete_object(ED, meta["name"], meta["namespace"])
+            if answer is not None and answer.get("kind") == ED:  # held by the spoke operator's finalizer
+                self._note_version(link, answer)
+            log.info("removed %s from %s", write.key, link.name)
+            link.unsure.discard(write.key)
+            return None
+        if namespace not in link.namespaces:
+            if kube.get("Namespace", namespace) is None:
+                kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {
+                    "name": namespace, "labels": {convert.HUB_MANAGED_LABEL: link.name}}})
+                log.info("created namespace %s on %s", namespace, link.name)
+            link.namespaces.add(namespace)
+        for ref in write.needs.secrets:
+            self._propagate_secret(link, ref)
+        try:
+            if unsure:  # the last attempt may have landed: look before writing again
+                result, live = kube.apply_object(write.manifest)
+            else:
+                result, live = kube.apply_object(write.manifest, live=write.live)
+        except KubeError as exc:
+            if exc.status == 404 and write.live is None:
+                link.namespaces.discard(namespace)  # deleted on the spoke since: create it next round
+            raise
+        log.info("%s %s on %s: %s", result, write.key, link.name, write.share.range if write.share else "-")
+        link.unsure.discard(write.key)
+        self._note_version(link, live)
+        return live
+
+    def _propagate_secret(self, link: SpokeLink, ref: str) -> None:
+        """Copy the hub's Secret ``namespace/name`` to the spoke (only its data and type; labelled as the
+        hub's), when its content differs from what the hub last wrote there."""
+        namespace, name = ref.split("/", 1)
+        source = self.hub.get("Secret", name, namespace)
+        if source is None:
+            raise KubeError(404, "Not Found", json.dumps({"message": f"Secret {ref} does not exist on the hub"}),
+                            f"copy Secret {ref}")
+        manifest, fingerprint = secret_copy(source, link.name)
+        if link.secrets.get(ref) == fingerprint:
+            return
+        live = link.kube.get("Secret", name, namespace)
+        if live is not None and ((live.get("metadata") or {}).get("labels") or {}).get(
+                convert.HUB_MANAGED_LABEL) != link.name:
+            raise KubeError(409, "Conflict", json.dumps({"message": f"Secret {ref} exists on the spoke and was "
+                                                         "not written by the hub: it is left alone"}),
+                            f"copy Secret {ref}")
+        # Never through apply(): its last-applied annotation would hold the Secret's data in clear.
+        if live is None:
+            link.kube.create(manifest)
+        else:
+            link.kube.patch_merge("Secret", name, namespace, {"metadata": {"labels": manifest["metadata"]["labels"]},
+                                                              "data": manifest["data"]})
+        link.secrets[ref] = fingerprint
+        log.info("copied Secret %s to %s", ref, link.name)
+
+    @staticmethod
+    def _note_version(link: SpokeLink, live: Mapping[str, Any] | None) -> None:
+        """Remember the newest version the hub's writes produced: the spoke is judged again only once its
+        watch shows it (so the next round does not write the same change twice)."""
+        version = _version(live)
+        if version and (not link.written or not version_at_least(link.written, version)):
+            link.written = version
+
+    # ------------------------------------------------------------ status
 
     def _reconcile(self, obj: dict[str, Any], placement: Placement, target: int,
-                   views: Mapping[str, SpokeView]) -> None:
-        """Bring every reachable spoke's copy to its share; write status and Events about what happened."""
+                   views: Mapping[str, SpokeView], outcomes: Mapping[str, Mapping[str, Outcome]]) -> None:
+        """Status and Events of one hub object from what each spoke's copy is after this round's writes."""
         key = _key(obj)
         status = obj.get("status") or {}
         old_rows = {r["name"]: r for r in status.get("clusters") or []}
         rows: list[dict[str, Any]] = []
         failures: dict[str, str] = {}
         unavailable: dict[str, str] = {}
-        gateways = {n: v.gateway_url for n, v in views.items() if v.gateway_url}
         for name, view in sorted(views.items()):
             share = placement.clusters.get(name) if placement.accepted else None
-            if view.copies is not None:
-                live = view.copies.get(key)
-                problem = None
-                try:
-                    live = self._propagate(view, obj, share, live, spill_targets(placement, name, gateways))
-                except SPOKE_ERRORS as exc:
-                    problem = f"propagation failed: {describe(exc)}"
+            if view.copies is not None and not view.skipped:
+                outcome = outcomes.get(name, {}).get(key)
+                live = outcome.live if outcome is not None else view.copies.get(key)
+                problem = outcome.problem if outcome is not None else convert.refusal_of(live)
                 if share is not None or live is not None or problem:
                     rows.append(convert.spoke_row(name, share, view.region, live, view.last_seen, problem))
                 if problem:
                     failures[name] = problem
-            elif view.health.available:  # in its grace period, but this round could not read it
+            elif view.skipped and view.health.available:
+                row = old_rows.get(name)
+                if view.held:  # breaker open: say so
+                    rows.append(convert.spoke_row(name, share, view.region, None, view.last_seen, view.held))
+                    failures[name] = view.held
+                elif row is not None:  # its writes are still running: the row as the hub last wrote it
+                    rows.append(dict(row))
+                    if convert.row_problem(row):
+                        failures[name] = str(convert.row_problem(row))
+                elif share is not None:  # a new share whose first write is still running there
+                    rows.append(convert.spoke_row(name, share, view.region, None, view.last_seen))
+            elif view.health.available:  # in its grace period, but its watch is down
                 if share is not None or name in old_rows:
-                    problem = f"unreachable: {view.error or 'not read this round'}"
+                    problem = f"unreachable: {view.error or 'not read yet'}"
                     rows.append(convert.spoke_row(name, share, view.region, None, view.last_seen, problem))
                     failures[name] = problem
             elif name in old_rows:  # it held a copy; its replicas moved, the copy there waits for its return
@@ -400,25 +748,15 @@ class HubLoop:
         })
         self._write_status(obj, wanted)
 
-    def _propagate(self, view: SpokeView, obj: dict[str, Any], share: Any,
-                   live: dict[str, Any] | None, spill: list[dict[str, str]] | None = None) -> dict[str, Any] | None:
-        """Create, update or delete one spoke copy; no request at all when it already is what the hub wants."""
-        assert view.link is not None
-        meta = obj["metadata"]
-        if live is not None and (live.get("metadata") or {}).get("deletionTimestamp"):
-            return live  # still being deleted on the spoke (its operator's finalizer); created again after
-        if share is None:
-            if live is not None:
-                view.link.kube.delete(ED, meta["name"], meta["namespace"])
-                log.info("removed %s from %s (no longer placed there)", _key(obj), view.name)
-            return None
-        wanted = convert.spoke_manifest(obj, view.name, share, spill or [])
-        result = view.link.kube.apply(wanted, live=live)
-        if result == "unchanged":
-            return live
-        log.info("%s %s on %s: %s", result, _key(obj), view.name, share.range)
-        return wanted if live is None else {**live, "spec": wanted["spec"],
-                                            "metadata": {**live["metadata"], **wanted["metadata"]}}
+    def _write_policy_statuses(self, live: Mapping[str, dict[str, Any]], placements: Mapping[str, Placement]) -> None:
+        for name, wanted in policy_statuses(live, placements).items():
+            pp = live[name]
+            status = pp.get("status") or {}
+            wanted = {**wanted, "conditions": st.merge_conditions(status.get("conditions"), wanted["conditions"],
+                                                                  _wall())}
+            changes = convert.status_changes(status, wanted)
+            if changes:
+                self.hub.patch_status(PLACEMENT_POLICY_KIND, name, None, changes)
 
     def _events(self, obj: dict[str, Any], old_rows: Mapping[str, Mapping[str, Any]], rows: list[dict[str, Any]],
                 placement: Placement) -> None:
@@ -428,7 +766,8 @@ class HubLoop:
         for name in sorted(set(old_rows) | set(new_rows)):
             before, after = convert.row_problem(old_rows.get(name)), convert.row_problem(new_rows.get(name))
             if after and after != before:
-                reason = {"propagation": "PropagationFailed", "unreachable": "ClusterUnreachable"}.get(
+                reason = {"propagation": "PropagationFailed", "unreachable": "ClusterUnreachable",
+                          "writes": "ClusterUnreachable", "refused": "PropagationFailed"}.get(
                     after.split(" ", 1)[0].rstrip(":"), "ClusterUnavailable")
                 self._event(obj, reason, f"{name}: {after}", "Warning")
             elif before and not after and name in new_rows:
@@ -455,37 +794,21 @@ class HubLoop:
             self.hub.patch_status(ED, meta["name"], meta["namespace"], changes)
             log.info("status of %s: %s", _key(obj), json.dumps(changes, sort_keys=True)[:2000])
 
-    def _namespace_labels(self, namespace: str) -> dict[str, str]:
-        """For PlacementPolicy namespace selectors; an unreadable namespace matches only selector-less policies."""
-        try:
-            ns = self.hub.get("Namespace", namespace)
-        except KubeError as exc:
-            log.warning("reading namespace %s failed, treating it as unlabelled: %s", namespace, exc)
-            return {}
-        return dict(((ns or {}).get("metadata") or {}).get("labels") or {})
-
-    def _collect_garbage(self, views: Mapping[str, SpokeView], keys: set[str]) -> None:
-        """Spoke copies of hub objects that no longer exist on the hub."""
-        for view in views.values():
-            if view.copies is None or view.link is None:
-                continue
-            for key, item in view.copies.items():
-                meta = item["metadata"]
-                if key in keys or meta.get("deletionTimestamp"):
-                    continue
-                try:
-                    view.link.kube.delete(ED, meta["name"], meta["namespace"])
-                    log.info("removed orphan %s from %s", key, view.name)
-                except SPOKE_ERRORS as exc:
-                    log.warning("removing orphan %s from %s failed: %s", key, view.name, describe(exc))
-
     # ------------------------------------------------------------ thread
 
-    def run_forever(self) -> None:
-        while not self.stop.is_set():
-            started = time.monotonic()
-            try:
-                self.run_round()
-            except Exception:  # one bad round (API hiccup) must not stop scheduling for good
-                log.exception("hub scheduling round failed; retrying next interval")
-            self.stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+    def run_forever(self, on_round: Callable[[float], None] | None = None) -> None:
+        try:
+            while not self.stop.is_set():
+                started = time.monotonic()
+                self.wake.clear()
+                try:
+                    self.run_round()
+                except Exception:  # one bad round (API hiccup) must not stop scheduling for good
+                    log.exception("hub scheduling round failed; retrying next interval")
+                if on_round is not None:
+                    on_round(time.monotonic() - started)
+                if self.stop.wait(MIN_GAP_S):
+                    break
+                self.wake.wait(max(0.0, self.interval - (time.monotonic() - started)))
+        finally:
+            self.close()

@@ -3,17 +3,21 @@
 Floors are granted first, the rest is split by weight with water-filling (a cluster whose share would
 exceed its cap is fixed at the cap and the others share what is left), then rounded with the largest
 remainder method. Ties on the remainder go to the cluster that had more replicas before, then to the
-better score's order, so rounding never flips between equal clusters from one run to the next.
+earlier cluster in division order, so rounding never flips between equal clusters from one run to the next.
 
 Stability: shares are proportional to static weights, so a small change of the total moves only the
 clusters whose rounded share changes (about the change itself, spread over the largest remainders),
 never a reshuffle.
+
+``place`` works on arrays (one entry per cluster, in division order: `divide_arrays`, `duplicate`);
+`divide` is the same division keyed by cluster name.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 
 def divide(
@@ -26,109 +30,108 @@ def divide(
 ) -> dict[str, int]:
     """Split ``total`` over ``names``; the result never exceeds a cap and may sum to less than ``total`` only
     when the caps leave no room. Remainder ties go to the larger ``previous``, then to the earlier name."""
-    floors = floors or {}
-    previous = previous or {}
-    if not floors and names:
-        fast = _even_uncapped(total, names, weights, caps, previous)
-        if fast is not None:
-            return fast
-    alloc = {n: min(floors.get(n, 0), caps.get(n, 0)) for n in names}
-    remaining = total - sum(alloc.values())
+    shares = divide_arrays(
+        total,
+        np.array([weights.get(n, 0) for n in names], dtype=np.float64),
+        np.array([caps.get(n, 0) for n in names], dtype=np.int64),
+        np.array([floors.get(n, 0) for n in names], dtype=np.int64) if floors else None,
+        np.array([previous.get(n, 0) for n in names], dtype=np.int64) if previous else None,
+    )
+    return dict(zip(names, shares.tolist(), strict=True))
+
+
+def divide_arrays(
+    total: int, weights: np.ndarray, caps: np.ndarray, floors: np.ndarray | None = None,
+    previous: np.ndarray | None = None,
+) -> np.ndarray:
+    """`divide` over arrays in division order (floors and previous: None when there are none)."""
+    n = len(caps)
+    if floors is None and n and weights[0] > 0 and bool((weights == weights[0]).all()):
+        even = divide_even(total, caps, previous)
+        if even is not None:
+            return even
+    floor = np.zeros(n, dtype=np.int64) if floors is None else floors
+    alloc = np.minimum(floor, caps)
+    remaining = total - int(alloc.sum())
     if remaining <= 0:
         return alloc
-    room = {n: caps.get(n, 0) - alloc[n] for n in names}
-    free = [n for n in names if weights.get(n, 0) > 0 and room[n] > 0]
-    share: dict[str, float] = {}
+    room = caps - alloc
+    # Water-filling: whoever the weighted share would push past its room is fixed at its room, the others
+    # share what is left. `left` holds whole numbers, so the order of the subtractions does not matter.
+    share = np.zeros(n)
+    shared = np.zeros(n, dtype=bool)
+    free = (weights > 0) & (room > 0)
     left = float(remaining)
-    while free:
-        weight_sum = sum(weights[n] for n in free)
-        over = [n for n in free if left * weights[n] / weight_sum >= room[n]]
-        if not over:
-            for n in free:
-                share[n] = left * weights[n] / weight_sum
+    while free.any():
+        weight_sum = sum(weights[free].tolist())  # in division order, as a plain sum of the cluster weights
+        quota = left * weights / weight_sum
+        over = free & (quota >= room)
+        if not over.any():
+            share[free] = quota[free]
+            shared |= free
             break
-        for n in over:
-            share[n] = float(room[n])
-            left -= room[n]
-        free = [n for n in free if n not in over]
+        share[over] = room[over]
+        shared |= over
+        left -= int(room[over].sum())
+        free &= ~over
         if left <= 0:
             break
-    whole = {n: min(room[n], math.floor(s + 1e-9)) for n, s in share.items()}
-    quota = {n: alloc[n] + share.get(n, 0.0) for n in names}
-    for n, w in whole.items():
-        alloc[n] += w
-    rest = remaining - sum(whole.values())
-    if rest > 0:
-        rank = {n: i for i, n in enumerate(names)}
-        order = sorted(
-            (n for n in share if whole[n] < room[n]),
-            key=lambda n: (-(share[n] - whole[n]), -previous.get(n, 0), rank[n]),
-        )
-        for n in order[:rest]:
-            alloc[n] += 1
-    if previous:
-        kept = _incremental(sum(alloc.values()), names, quota, caps, floors, previous)
+    whole = np.minimum(room, np.floor(share + 1e-9).astype(np.int64))
+    exact = alloc + share
+    alloc = alloc + whole
+    rest = remaining - int(whole.sum())
+    if rest > 0:  # largest remainder, then the larger previous, then division order
+        open_ = np.flatnonzero(shared & (whole < room))
+        before = previous[open_] if previous is not None else np.zeros(len(open_), dtype=np.int64)
+        ranked = open_[np.lexsort((open_, -before, -(share[open_] - whole[open_])))]
+        alloc[ranked[:rest]] += 1
+    if previous is not None:
+        kept = _incremental(int(alloc.sum()), exact, caps, floor, previous)
         if kept is not None:
             return kept
     return alloc
 
 
 def _incremental(
-    total: int, names: Sequence[str], quota: Mapping[str, float], caps: Mapping[str, int],
-    floors: Mapping[str, int], previous: Mapping[str, int],
-) -> dict[str, int] | None:
+    total: int, quota: np.ndarray, caps: np.ndarray, floors: np.ndarray, previous: np.ndarray
+) -> np.ndarray | None:
     """Start from the previous division and add (or remove) one replica at a time where the exact quota is
     furthest ahead (behind). Used only while every cluster stays within one replica of its quota, so the
     result is as fair as a fresh division but a small change touches only the clusters it must."""
-    alloc = {n: min(previous.get(n, 0), caps.get(n, 0)) for n in names}
-    step = total - sum(alloc.values())
-    if abs(step) > len(names):
+    alloc = np.minimum(previous, caps)
+    step = total - int(alloc.sum())
+    if abs(step) > len(alloc):
         return None
-    rank = {n: i for i, n in enumerate(names)}
-    while step > 0:
-        room = [n for n in names if alloc[n] < caps.get(n, 0) and quota[n] > 0]
-        if not room:
+    while step > 0:  # argmax/argmin take the first of equals: the earlier cluster in division order
+        room = (alloc < caps) & (quota > 0)
+        if not room.any():
             return None
-        best = max(room, key=lambda n: (quota[n] - alloc[n], -rank[n]))
-        alloc[best] += 1
+        alloc[int(np.argmax(np.where(room, quota - alloc, -np.inf)))] += 1
         step -= 1
     while step < 0:
-        over = [n for n in names if alloc[n] > floors.get(n, 0)]
-        if not over:
+        over = alloc > floors
+        if not over.any():
             return None
-        worst = min(over, key=lambda n: (quota[n] - alloc[n], rank[n]))
-        alloc[worst] -= 1
+        alloc[int(np.argmin(np.where(over, quota - alloc, np.inf)))] -= 1
         step += 1
-    if any(abs(alloc[n] - quota[n]) >= 1.0 for n in names):
+    if bool((np.abs(alloc - quota) >= 1.0).any()):
         return None
     return alloc
 
 
-def _even_uncapped(
-    total: int, names: Sequence[str], weights: Mapping[str, float], caps: Mapping[str, int],
-    previous: Mapping[str, int],
-) -> dict[str, int] | None:
-    """The common case in O(n): equal weights and no cap below the even share (same result as the general
-    path, which would split evenly and break every remainder tie the same way)."""
-    first = weights.get(names[0], 0)
-    if first <= 0 or any(weights.get(n, 0) != first for n in names):
+def divide_even(total: int, caps: np.ndarray, previous: np.ndarray | None = None) -> np.ndarray | None:
+    """The common case in O(n): equal weights, no floors and no cap below the even share (same result as the
+    water-filling path, which would split evenly and break every remainder tie the same way: the larger
+    previous, then the earlier). None when a cap binds."""
+    base, rest = divmod(total, len(caps))
+    if int(caps.min()) < base + (1 if rest else 0):
         return None
-    base, rest = divmod(total, len(names))
-    need = base + (1 if rest else 0)
-    if any(caps.get(n, 0) < need for n in names):
-        return None
-    alloc = dict.fromkeys(names, base)
+    alloc = np.full(len(caps), base, dtype=np.int64)
     if rest:
-        if previous:
-            rank = {n: i for i, n in enumerate(names)}
-            order = sorted(names, key=lambda n: (-previous.get(n, 0), rank[n]))
-        else:
-            order = list(names)
-        for n in order[:rest]:
-            alloc[n] += 1
+        alloc[np.argsort(-previous, kind="stable")[:rest] if previous is not None else slice(0, rest)] += 1
     return alloc
 
 
-def duplicate(total: int, names: Sequence[str], caps: Mapping[str, int]) -> dict[str, int]:
+def duplicate(total: int, caps: np.ndarray) -> np.ndarray:
     """Every cluster runs the whole ``total`` (as far as its cap allows)."""
-    return {n: min(total, caps.get(n, 0)) for n in names}
+    return np.minimum(total, caps)

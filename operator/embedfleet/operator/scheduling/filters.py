@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from embedfleet.operator.scheduling.model import CPU, Cluster
+from embedfleet.operator.scheduling.model import Cluster
 from embedfleet.operator.scheduling.policy import Rules
 
 Filter = Callable[[Rules, bool, Cluster], str | None]
@@ -109,16 +109,3 @@ def no_schedule(rules: Rules, cluster: Cluster) -> bool:
     return any(
         t.effect == "NoSchedule" and not any(tol.tolerates(t) for tol in rules.tolerations) for t in cluster.taints
     )
-
-
-def resource_for(rules: Rules, gpus_per_replica: int, cluster: Cluster, free: dict[str, int]) -> str:
-    """Which capacity pool a replica draws from here: the first allowed GPU type with room, else the first
-    allowed type present, or CPU."""
-    if gpus_per_replica <= 0:
-        return CPU
-    types = rules.gpu_types or tuple(sorted({g.type for g in cluster.gpus}))
-    present = [t for t in types if cluster.capacity(t) > 0]
-    for t in present:
-        if free.get(t, 0) >= gpus_per_replica:
-            return t
-    return present[0] if present else CPU

@@ -175,7 +175,8 @@ class ClusterPlacement:
 @dataclass(slots=True)
 class Placement:
     """The decision for one deployment. ``clusters`` holds every cluster given a share (max > 0);
-    ``filtered`` says why each other cluster was left out."""
+    ``filtered`` says why each other cluster was left out: a read-only mapping (deployments left out of the
+    same clusters for the same reasons share one), in no particular order."""
 
     clusters: dict[str, ClusterPlacement]
     filtered: Mapping[str, str]

@@ -6,7 +6,7 @@ from typing import Any
 
 import kopf
 
-from embedfleet.operator.handlers.common import start_background, stop_background
+from embedfleet.operator.background import start_background, stop_background
 from embedfleet.operator.spoke.heartbeat import LEASE_NAME, Heartbeat
 
 BEAT: dict[str, Any] = {}

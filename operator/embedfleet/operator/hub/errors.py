@@ -1,0 +1,56 @@
+"""How the hub reads a failure of a spoke: a short stable sentence, and whether it is a credential problem.
+
+A credential problem (the kubeconfig cannot be parsed, its token is rejected, its certificate expired, its
+identity lacks a right) says nothing about whether the spoke runs: the hub reports it on the FleetCluster
+(``CredentialsValid=False``) and keeps the spoke's last known health, instead of failing over every
+deployment there as it would for a spoke that stopped answering.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import ssl
+
+import kubernetes
+import urllib3
+import yaml
+
+from embedfleet.operator.kube import KubeError
+
+#: What a call to a spoke may raise that the hub handles (reported, retried next round).
+SPOKE_ERRORS = (KubeError, OSError, urllib3.exceptions.HTTPError, kubernetes.config.ConfigException,
+                ValueError, yaml.YAMLError)
+
+
+def describe(exc: BaseException) -> str:
+    """A short, stable sentence for an error from a spoke (the same failure reads the same every round, so
+    status does not change, and no Event repeats, because of an object address in a message)."""
+    if isinstance(exc, KubeError):
+        try:
+            message = json.loads(exc.body).get("message") or exc.body
+        except (ValueError, AttributeError):
+            message = exc.body
+        text = f"HTTP {exc.status} {exc.reason}: {message}"
+        if exc.status == 409 and "already exists" in str(message):
+            text += " (not created by the hub: remove or rename it on the spoke)"
+    elif isinstance(exc, urllib3.exceptions.MaxRetryError):
+        text = f"API server unreachable: {exc.reason}"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return re.sub(r"<[^<>]* object at 0x[0-9a-f]+>:?\s*", "", text)[:400]
+
+
+def credential_problem(exc: BaseException) -> str | None:
+    """The reason (a condition reason word) when ``exc`` is a credential problem, else None."""
+    if isinstance(exc, KubeError):
+        return {401: "Unauthorized", 403: "Forbidden"}.get(exc.status)
+    if isinstance(exc, (kubernetes.config.ConfigException, yaml.YAMLError)):
+        return "InvalidKubeconfig"
+    if isinstance(exc, ValueError) and "kubeconfig" in str(exc).lower():
+        return "InvalidKubeconfig"
+    reason = getattr(exc, "reason", None)
+    for err in (exc, reason, getattr(reason, "__context__", None)):
+        if isinstance(err, ssl.SSLCertVerificationError) or "certificate has expired" in str(err or ""):
+            return "CertificateInvalid"
+    return None
