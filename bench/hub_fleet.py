@@ -39,15 +39,16 @@ Figures:
 Run: cd bench && python hub_fleet.py --spokes 10 --deployments 2000 (needs the control plane built:
 scripts/kube-tools.sh). Results in bench/results/hub-fleet-cpu.json.
 
-This machine (2 cores, 24 GB), --spokes 16 --deployments 2000 (17 API servers on one etcd; 232 s in all):
-  placing: 3 rounds, 81.9 s (first round 60.2 s: 16 links set up, 2000 status patches in sequence), 9619
-    writes = 5283 copies + 320 namespaces on the spokes, 16 FleetCluster and 4000 deployment status
-    patches (2 per deployment: the second only because each row's reasons say "score 70" on the first
-    placement and "score 80" once the share is sticky); 5283 copies for 5283 shares
-  idle: 0 calls and 0 writes in each of 5 rounds, median 1.45 s / max 2.31 s (all in-process planning)
-  5% change (100 deployments): 3 rounds, 8.3 s, 421 writes = 4.21 per changed deployment (66 creates +
-    89 deletes of copies, 166 status patches, 100 Rescheduled Events), all 100 in place on the spokes
-  old loop (a4181f8) on the same fleet: 71 reads per idle round (3*spokes + 3 + namespaces), 6.0 s each
+This machine (2 cores, 24 GB), --spokes 16 --deployments 2000 (17 API servers on one etcd; 257 s in all):
+  placing: 2 rounds, 80.3 s (first round 76.4 s: 16 links set up, 2000 status patches in sequence), 7619
+    writes = 5283 copies + 320 namespaces on the spokes, 16 FleetCluster and 2000 deployment status
+    patches (one per deployment); 5283 copies for 5283 shares; the second round wrote nothing
+  idle: 0 calls and 0 writes in each of 5 rounds, median 1.6 s / max 4.0 s (all in-process planning)
+  5% change (100 deployments): 2 rounds, 5.8 s, 355 writes = 3.55 per changed deployment (66 creates +
+    89 deletes of copies, 100 status patches, 100 Rescheduled Events), all 100 in place on the spokes
+  old loop (a4181f8) on the same fleet: 71 reads per idle round (3*spokes + 3 + namespaces), 3.6 s each
+  (an earlier run, before status rows dropped the scheduler's score, counted 2 status patches per
+  deployment: the score moved from "score 70" to "score 80" once the share was sticky)
 """
 
 from __future__ import annotations
