@@ -88,14 +88,16 @@ class Fleet:
     # ------------------------------------------------------------------ setting up
 
     @classmethod
-    def create(cls, plane: ControlPlane, workdir: Path, regions: dict[str, str]) -> Fleet:
-        """A hub (no nodes) and one spoke per region entry (two kwok CPU nodes each), charts installed and
-        every spoke joined; no operator started yet (callers add namespaces and policies first)."""
+    def create(cls, plane: ControlPlane, workdir: Path, regions: dict[str, str],
+               values: dict[str, dict[str, str]] | None = None) -> Fleet:
+        """A hub (no nodes) and one spoke per region entry (two kwok CPU nodes each), charts installed (with
+        ``values`` per cluster name) and every spoke joined; no operator started yet (callers add
+        namespaces and policies first)."""
         hub = plane.add_cluster("hub", nodes=[], controllers=False)
         spokes = {name: plane.add_cluster(name, nodes=[{"name": f"{name}-cpu-{i}", "region": region}
                                                        for i in (1, 2)])
                   for name, region in regions.items()}
-        fleet = cls(plane, workdir, hub, spokes, dict(regions))
+        fleet = cls(plane, workdir, hub, spokes, dict(regions), values=dict(values or {}))
         fleet.install(hub, "hub")
         for name, spoke in spokes.items():
             fleet.install(spoke, "spoke", regions[name])

@@ -6,7 +6,8 @@ etcd, the chart's operators as the chart's identities; tests/hub/fleet.py):
   itself: the other spoke gets its copy at once; when it wakes, it gets each write exactly once;
 - a spoke refusing the hub's kubeconfig is ``CredentialsValid=False``, not a dead spoke: nothing fails over;
 - a deployment's namespace is created on the spokes; a referenced Secret the policy does not copy, and the
-  spoke lacks, is a ``Placed=False`` that says so;
+  spoke lacks, is a ``Placed=False`` that says so; one the policy copies arrives with its labels and data
+  (never in an annotation), where the spoke's chart allows it, and a spoke that does not is named;
 - a PlacementPolicy's status lists the deployments it governs and those that contradict it.
 
 Tests in this module share the fleet and run in file order.
@@ -38,7 +39,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     plane = ControlPlane.start(workdir / "plane")
     fleet = None
     try:
-        fleet = Fleet.create(plane, workdir, REGIONS)
+        # The hub may read tenants' API-key Secrets, and spoke eu lets it write them there; us does not.
+        fleet = Fleet.create(plane, workdir, REGIONS, values={"hub": {"hub.propagateSecrets": "true"},
+                                                              "eu": {"hubAccess.propagateSecrets": "true"}})
         fleet.namespace(NS, {"team": "apps"})
         fleet.start()
         yield fleet
@@ -166,3 +169,43 @@ def test_a_policy_status_lists_what_it_governs_and_what_contradicts_it(fleet: Fl
     assert "RegionLocked" in conflict["message"]
     cond = {c["type"]: c for c in st["conditions"]}["Conflicts"]
     assert cond["status"] == "True" and f"{NS}/contrary" in cond["message"]
+
+
+def test_a_policy_that_propagates_secrets_copies_them_where_the_spoke_allows(fleet: Fleet) -> None:
+    fleet.marks()
+    fleet.namespace("keys", {"keys": "copied"})
+    fleet.hub.apply(
+        {"apiVersion": "embedfleet.dev/v1alpha1", "kind": "PlacementPolicy", "metadata": {"name": "copy-keys"},
+         "spec": {"namespaceSelector": {"matchLabels": {"keys": "copied"}}, "priority": 50,
+                  "propagateSecrets": True}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {
+            "name": "tenant-keys", "namespace": "keys", "labels": {"embedfleet.dev/tenant-secret": "true"}},
+         "stringData": {"key": "s3cr3t"}})
+    keyed = embedding("keyed", "keys", replicas=2, placement=BOTH)
+    keyed["spec"]["runtime"]["apiKeySecret"] = {"name": "tenant-keys", "key": "key"}
+    fleet.hub.apply(keyed)
+
+    copied = wait_until(lambda: fleet.spokes["eu"].get_json("secret", "tenant-keys", "-n", "keys"), 60,
+                        "the Secret copied to eu")
+    assert base64.b64decode(copied["data"]["key"]) == b"s3cr3t"
+    assert copied["metadata"]["labels"] == {"embedfleet.dev/tenant-secret": "true",
+                                            "embedfleet.dev/hub-managed": "eu"}
+    assert "s3cr3t" not in str(copied["metadata"].get("annotations") or {})
+    assert fleet.spokes["us"].get_json("secret", "tenant-keys", "-n", "keys") is None
+
+    def us_refused() -> dict | None:
+        row = fleet.rows("keyed", "keys").get("us") or {}
+        return row if any("403" in r and "secrets" in r for r in row.get("reasons") or []) else None
+
+    row = wait_until(us_refused, 60, "us, whose chart grants no Secret right, named in status")
+    assert row["reasons"][0].startswith("problem: propagation failed")
+    # A refusal is retried every 30 s, not every 1 s round, and its problem stays in status meanwhile.
+    fleet.spokes["us"].audit_mark()
+    time.sleep(5)
+    assert len(errors(fleet.spokes["us"].audit(), hub_user("us"))) <= 1
+    assert us_refused() is not None
+    wait_until(lambda: fleet.copy("eu", "keyed", "keys") is not None, 30, "eu's copy beside its Secret")
+    # The refused Secret read is the only 403, on us; nothing else was refused anywhere.
+    forbidden = errors(fleet.spokes["us"].audit(since_mark=False), hub_user("us"))
+    assert forbidden and all("secrets" in f for f in forbidden), forbidden
+    assert errors(fleet.spokes["eu"].audit(), hub_user("eu")) == []

@@ -91,6 +91,8 @@ CREDENTIALS_RETRY_S = 5.0
 #: A round waits this long at most for the spokes' write batches before it writes status; a batch still
 #: running then is reported in a later round (it delays only its own spoke).
 ROUND_WAIT_S = 2.0
+#: How often a write a spoke refused (4xx) is tried again while what the hub wants is unchanged.
+REFUSAL_RETRY_S = 30.0
 #: How long a round waits, in all, for the first lists of spokes it has just connected to.
 LINK_WAIT_S = 2.0
 #: An intent change wakes the loop early, but rounds start at most this often.
@@ -126,6 +128,10 @@ def _condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any
     return {}
 
 
+def _fingerprint(manifest: Mapping[str, Any] | None) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest() if manifest else ""
+
+
 def _version(obj: Mapping[str, Any] | None) -> str:
     return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
 
@@ -151,6 +157,10 @@ class SpokeLink:
     #: done it. The next attempt reads the object first, so a hung spoke that comes back is not sent the
     #: same create twice.
     unsure: set[str] = field(default_factory=set)
+    #: Writes the spoke refused (4xx: its RBAC, a same-named object it owns): key -> (when, the problem,
+    #: the manifest refused). Tried again after REFUSAL_RETRY_S or as soon as the wanted copy changes, so a
+    #: refusal costs one request per retry period, not one per round, and its problem stays in status.
+    refused: dict[str, tuple[float, str, str]] = field(default_factory=dict)
 
     def busy(self) -> bool:
         return self.batch is not None and not self.batch.done()
@@ -563,6 +573,8 @@ class HubLoop:
                 continue  # still being deleted on the spoke (its operator's finalizer); created again after
             share = placement.clusters.get(name) if placement.accepted else None
             if share is None:
+                if view.link is not None:
+                    view.link.refused.pop(key, None)
                 if live is not None:
                     plans[name].append(Write(key, None, None, live, Needs(key.split("/", 1)[0])))
                 continue
@@ -570,6 +582,10 @@ class HubLoop:
             needs = needs_of(obj, propagate_secrets)
             assert view.link is not None
             stale_secret = any(view.link.secrets.get(ref) is None for ref in needs.secrets)
+            refused = view.link.refused.get(key)
+            if refused is not None and refused[2] == _fingerprint(manifest) and \
+                    time.monotonic() - refused[0] < REFUSAL_RETRY_S:
+                continue  # refused a moment ago, and nothing changed: its problem stays in status
             if live is None or not up_to_date(live, manifest) or stale_secret or key in view.link.unsure:
                 plans[name].append(Write(key, share, manifest, live, needs))
 
@@ -610,12 +626,17 @@ class HubLoop:
             except SPOKE_ERRORS as exc:
                 problem = f"propagation failed: {describe(exc)}"
                 outcomes[write.key] = Outcome(write.live, problem)
-                if not (isinstance(exc, KubeError) and 400 <= exc.status < 500):
+                if isinstance(exc, KubeError) and 400 <= exc.status < 500:
+                    link.refused[write.key] = (time.monotonic(), problem, _fingerprint(write.manifest))
+                else:
                     link.unsure.add(write.key)
                     link.breaker = link.breaker.failed(time.monotonic(), describe(exc))
                     for rest in writes[writes.index(write) + 1:]:
                         outcomes[rest.key] = Outcome(rest.live, problem)
                     return outcomes
+        for key, outcome in outcomes.items():
+            if outcome.problem is None:
+                link.refused.pop(key, None)
         link.breaker = link.breaker.succeeded()
         return outcomes
 
@@ -702,6 +723,9 @@ class HubLoop:
             share = placement.clusters.get(name) if placement.accepted else None
             if view.copies is not None and not view.skipped:
                 outcome = outcomes.get(name, {}).get(key)
+                refused = view.link.refused.get(key) if view.link is not None else None
+                if outcome is None and refused is not None and share is not None:  # refused, not retried yet
+                    outcome = Outcome(view.copies.get(key), refused[1])
                 live = outcome.live if outcome is not None else view.copies.get(key)
                 problem = outcome.problem if outcome is not None else convert.refusal_of(live)
                 if share is not None or live is not None or problem:
