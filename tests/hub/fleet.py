@@ -28,7 +28,7 @@ ELECTION = {"leaderElection.leaseDuration": "8", "leaderElection.renewDeadline":
             "leaderElection.retryPeriod": "1"}
 #: Short intervals: hub round 1 s, heartbeat 1 s; the FleetCluster lease is 5 s + 5 s grace.
 HUB_ENV = {"EMBEDFLEET_HUB_INTERVAL": "1", "EMBEDFLEET_HUB_RAMP_SECONDS": "6", "EMBEDFLEET_HUB_WRITE_TIMEOUT": "3",
-           "EMBEDFLEET_HUB_CREDENTIALS_RECHECK": "2"}
+           "EMBEDFLEET_HUB_CREDENTIALS_RECHECK": "2", "EMBEDFLEET_HUB_SECRET_RECHECK": "2"}
 SPOKE_ENV = {"EMBEDFLEET_HEARTBEAT_INTERVAL": "1", "EMBEDFLEET_LEASE_DURATION": "5"}
 LEASE = {"durationSeconds": 5, "graceSeconds": 5}
 HEARTBEATS = {"leases"}

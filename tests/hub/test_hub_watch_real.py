@@ -192,6 +192,12 @@ def test_a_policy_that_propagates_secrets_copies_them_where_the_spoke_allows(fle
                                             "embedfleet.dev/hub-managed": "eu"}
     assert "s3cr3t" not in str(copied["metadata"].get("annotations") or {})
     assert fleet.spokes["us"].get_json("secret", "tenant-keys", "-n", "keys") is None
+    # A rotated key reaches the spoke (the hub compares every EMBEDFLEET_HUB_SECRET_RECHECK, 2 s here).
+    fleet.hub.kubectl("patch", "secret", "tenant-keys", "-n", "keys", "--type=merge", "-p",
+                      '{"stringData":{"key":"r0tated"}}')
+    wait_until(lambda: base64.b64decode((fleet.spokes["eu"].get_json("secret", "tenant-keys", "-n", "keys")
+                                         or {}).get("data", {}).get("key", "")) == b"r0tated", 30,
+               "the rotated key on eu")
 
     def us_refused() -> dict | None:
         row = fleet.rows("keyed", "keys").get("us") or {}

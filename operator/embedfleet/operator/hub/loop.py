@@ -81,6 +81,7 @@ ENV_INTERVAL = "EMBEDFLEET_HUB_INTERVAL"
 ENV_RAMP = "EMBEDFLEET_HUB_RAMP_SECONDS"
 ENV_WRITE_TIMEOUT = "EMBEDFLEET_HUB_WRITE_TIMEOUT"
 ENV_CREDENTIALS_RECHECK = "EMBEDFLEET_HUB_CREDENTIALS_RECHECK"
+ENV_SECRET_RECHECK = "EMBEDFLEET_HUB_SECRET_RECHECK"
 #: Spoke requests retry a dropped connection once (an API server restart), no more: the breaker decides.
 SPOKE_RETRIES = 1
 #: How often the hub re-reads a spoke's kubeconfig Secret (a rotated credential is picked up; the
@@ -91,6 +92,9 @@ CREDENTIALS_RETRY_S = 5.0
 #: A round waits this long at most for the spokes' write batches before it writes status; a batch still
 #: running then is reported in a later round (it delays only its own spoke).
 ROUND_WAIT_S = 2.0
+#: How often the hub compares a propagated Secret with its own (one get on the hub): a rotated API key
+#: reaches the spokes within this time (the default; EMBEDFLEET_HUB_SECRET_RECHECK overrides it).
+SECRET_RECHECK_S = 300.0
 #: How often a write a spoke refused (4xx) is tried again while what the hub wants is unchanged.
 REFUSAL_RETRY_S = 30.0
 #: How long a round waits, in all, for the first lists of spokes it has just connected to.
@@ -152,7 +156,8 @@ class SpokeLink:
     written: str = ""  # the newest resourceVersion the spoke returned for the hub's writes
     breaker: Breaker = field(default_factory=Breaker)
     namespaces: set[str] = field(default_factory=set)  # known to exist there
-    secrets: dict[str, str] = field(default_factory=dict)  # namespace/name -> fingerprint last written
+    #: namespace/name -> (fingerprint last written, monotonic time the hub's Secret was last compared)
+    secrets: dict[str, tuple[str, float]] = field(default_factory=dict)
     #: Copies whose last write has an unknown outcome (timed out, connection lost, 5xx): the spoke may have
     #: done it. The next attempt reads the object first, so a hung spoke that comes back is not sent the
     #: same create twice.
@@ -231,6 +236,7 @@ class HubLoop:
         self.write_timeout = (write_timeout if write_timeout is not None
                               else float(os.environ.get(ENV_WRITE_TIMEOUT, "10")))
         self.credentials_recheck = float(os.environ.get(ENV_CREDENTIALS_RECHECK, CREDENTIALS_RECHECK_S))
+        self.secret_recheck = float(os.environ.get(ENV_SECRET_RECHECK, SECRET_RECHECK_S))
         self.state = HubState()
         self.stop = threading.Event()
         self.wake = threading.Event()
@@ -581,7 +587,9 @@ class HubLoop:
             manifest = convert.spoke_manifest(obj, name, share, spill_targets(placement, name, gateways))
             needs = needs_of(obj, propagate_secrets)
             assert view.link is not None
-            stale_secret = any(view.link.secrets.get(ref) is None for ref in needs.secrets)
+            now = time.monotonic()
+            stale_secret = any(ref not in view.link.secrets
+                               or now - view.link.secrets[ref][1] >= self.secret_recheck for ref in needs.secrets)
             refused = view.link.refused.get(key)
             if refused is not None and refused[2] == _fingerprint(manifest) and \
                     time.monotonic() - refused[0] < REFUSAL_RETRY_S:
@@ -683,7 +691,8 @@ class HubLoop:
             raise KubeError(404, "Not Found", json.dumps({"message": f"Secret {ref} does not exist on the hub"}),
                             f"copy Secret {ref}")
         manifest, fingerprint = secret_copy(source, link.name)
-        if link.secrets.get(ref) == fingerprint:
+        if link.secrets.get(ref, ("", 0.0))[0] == fingerprint:
+            link.secrets[ref] = (fingerprint, time.monotonic())
             return
         live = link.kube.get("Secret", name, namespace)
         if live is not None and ((live.get("metadata") or {}).get("labels") or {}).get(
@@ -697,7 +706,7 @@ class HubLoop:
         else:
             link.kube.patch_merge("Secret", name, namespace, {"metadata": {"labels": manifest["metadata"]["labels"]},
                                                               "data": manifest["data"]})
-        link.secrets[ref] = fingerprint
+        link.secrets[ref] = (fingerprint, time.monotonic())
         log.info("copied Secret %s to %s", ref, link.name)
 
     @staticmethod
