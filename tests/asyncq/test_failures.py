@@ -110,7 +110,9 @@ def test_out_of_memory_three_times_then_succeeds_and_never_shows_failed(redis_se
         svc.batcher.engine_fn = engine
         store = JobStore(connect(redis_server.url), KEYS)
         await store.ensure_groups()
-        worker = Worker(store, models, "w1", retry_backoff=0.05)
+        # Each retry waits long enough (0.3 s, doubling) for the 5 ms poll to see the job queued again even
+        # on a loaded 2-core machine (with 0.05 s a CI run saw only queued -> running -> succeeded).
+        worker = Worker(store, models, "w1", retry_backoff=0.3)
         stop = asyncio.Event()
         running = asyncio.create_task(worker.run(stop))
         try:
