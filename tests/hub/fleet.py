@@ -10,13 +10,15 @@ that the chart does not allow is a 403 in that spoke's audit log, and fails the 
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.kube.controlplane import AuditEvent, Cluster, ControlPlane, wait_until
+from tests.kube.fixtures import require_control_plane
 from tests.kube.operator_proc import BENIGN, CHART, OperatorProcess, is_kopf_patch_precondition, start_operator
 
 SYSTEM = "embedfleet-system"
@@ -226,3 +228,23 @@ class Fleet:
                 tail = "\n".join(proc.log().splitlines()[-lines:])
                 out.append(f"--- operator {name} (alive={proc.alive()})\n{tail}")
         return "\n".join(out)
+
+
+@contextlib.contextmanager
+def running_fleet(workdir: Path, regions: dict[str, str], values: dict[str, dict[str, str]] | None = None,
+                  prepare: Callable[[Fleet], None] | None = None) -> Iterator[Fleet]:
+    """A fleet on a control plane of its own (``Fleet.create``), ``prepare`` run before the operators start
+    (namespaces, policies), every process stopped afterwards: a module fixture's whole body."""
+    require_control_plane()
+    plane = ControlPlane.start(workdir / "plane")
+    fleet = None
+    try:
+        fleet = Fleet.create(plane, workdir, regions, values)
+        if prepare is not None:
+            prepare(fleet)
+        fleet.start()
+        yield fleet
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        plane.stop()

@@ -19,35 +19,27 @@ from datetime import datetime
 
 import pytest
 
-from tests.hub.fleet import LEASE, Fleet, embedding, errors, hub_identity, hub_user, writes
-from tests.kube.controlplane import ControlPlane, wait_until
-from tests.kube.fixtures import require_control_plane
+from tests.hub.fleet import LEASE, Fleet, embedding, errors, hub_identity, hub_user, running_fleet, writes
+from tests.kube.controlplane import wait_until
 
 REGIONS = {"eu": "eu-west-1", "us": "us-east-1"}
 LOCKED = ("locked", "ml-eu")  # selected by the eu-data PlacementPolicy: RegionLocked to eu-west-1
 SPREAD = ("spread", "ml")  # inline: ActiveActive over two regions
 
 
+def _prepare(fleet: Fleet) -> None:
+    fleet.namespace("ml", {"team": "search"})
+    fleet.namespace("ml-eu", {"residency": "eu"})
+    fleet.hub.apply({"apiVersion": "embedfleet.dev/v1alpha1", "kind": "PlacementPolicy",
+                     "metadata": {"name": "eu-data"},
+                     "spec": {"namespaceSelector": {"matchLabels": {"residency": "eu"}}, "priority": 10,
+                              "mode": "RegionLocked", "regions": ["eu-west-1"]}})
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    require_control_plane()
-    workdir = tmp_path_factory.mktemp("fleet")
-    plane = ControlPlane.start(workdir / "plane")
-    fleet = None
-    try:
-        fleet = Fleet.create(plane, workdir, REGIONS)
-        fleet.namespace("ml", {"team": "search"})
-        fleet.namespace("ml-eu", {"residency": "eu"})
-        fleet.hub.apply({"apiVersion": "embedfleet.dev/v1alpha1", "kind": "PlacementPolicy",
-                         "metadata": {"name": "eu-data"},
-                         "spec": {"namespaceSelector": {"matchLabels": {"residency": "eu"}}, "priority": 10,
-                                  "mode": "RegionLocked", "regions": ["eu-west-1"]}})
-        fleet.start()
+    with running_fleet(tmp_path_factory.mktemp("fleet"), REGIONS, prepare=_prepare) as fleet:
         yield fleet
-    finally:
-        if fleet is not None:
-            fleet.stop()
-        plane.stop()
 
 
 def test_placement_by_policy_and_status_from_the_spokes(fleet: Fleet) -> None:

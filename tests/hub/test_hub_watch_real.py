@@ -23,9 +23,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.hub.fleet import SYSTEM, Fleet, embedding, errors, hub_identity, hub_user
-from tests.kube.controlplane import ControlPlane, wait_until
-from tests.kube.fixtures import require_control_plane
+from tests.hub.fleet import SYSTEM, Fleet, embedding, errors, hub_identity, hub_user, running_fleet
+from tests.kube.controlplane import wait_until
 
 REGIONS = {"eu": "eu-west-1", "us": "us-east-1"}
 NS = "apps"
@@ -34,21 +33,11 @@ BOTH = {"mode": "ActiveActive", "minRegions": 2}
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    require_control_plane()
-    workdir = tmp_path_factory.mktemp("watch-fleet")
-    plane = ControlPlane.start(workdir / "plane")
-    fleet = None
-    try:
-        # The hub may read tenants' API-key Secrets, and spoke eu lets it write them there; us does not.
-        fleet = Fleet.create(plane, workdir, REGIONS, values={"hub": {"hub.propagateSecrets": "true"},
-                                                              "eu": {"hubAccess.propagateSecrets": "true"}})
-        fleet.namespace(NS, {"team": "apps"})
-        fleet.start()
+    # The hub may read tenants' API-key Secrets, and spoke eu lets it write them there; us does not.
+    values = {"hub": {"hub.propagateSecrets": "true"}, "eu": {"hubAccess.propagateSecrets": "true"}}
+    with running_fleet(tmp_path_factory.mktemp("watch-fleet"), REGIONS, values,
+                       prepare=lambda f: f.namespace(NS, {"team": "apps"})) as fleet:
         yield fleet
-    finally:
-        if fleet is not None:
-            fleet.stop()
-        plane.stop()
 
 
 def _no_unexpected_errors(fleet: Fleet, *allow: tuple[int, str]) -> None:

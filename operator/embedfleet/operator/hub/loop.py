@@ -224,7 +224,6 @@ class HubState:
     policies: dict[str, str | None] = field(default_factory=dict)
     #: Spokes whose credentials failed: cluster -> (reason, sentence).
     credentials: dict[str, tuple[str, str]] = field(default_factory=dict)
-    rounds: int = 0
 
 
 class HubLoop:
@@ -264,7 +263,7 @@ class HubLoop:
         with self._busy:
             informers = self._hub_informers()
             if all(inf.wait_synced(30) for inf in informers.values()):
-                self._links(informers["clusters"].items(), time.monotonic())
+                self._links(self._specs(informers["clusters"].items(), report=False), time.monotonic())
 
     def close(self) -> None:
         for informer in self.informers.values():
@@ -307,21 +306,18 @@ class HubLoop:
                          field_selector=f"metadata.name={LEASE_NAME}")
         new = SpokeLink(name, kube, fingerprint, copies.start(), lease.start(), now)
         if link is not None:
-            new.breaker, new.namespaces, new.secrets = link.breaker, link.namespaces, link.secrets
+            new.breaker, new.namespaces, new.secrets, new.unsure = (link.breaker, link.namespaces, link.secrets,
+                                                                    link.unsure)
             link.close()
         self.state.links[name] = new
         return new
 
-    def _links(self, clusters: Mapping[str, dict[str, Any]], now: float) -> dict[str, SpokeLink | BaseException]:
+    def _links(self, specs: Mapping[str, FleetClusterSpec], now: float) -> dict[str, SpokeLink | BaseException]:
         """Every FleetCluster's link (or why there is none). New links list concurrently and get one short
         shared wait, so a hub starting on a hundred spokes does not wait for them one by one."""
         out: dict[str, SpokeLink | BaseException] = {}
         fresh: list[SpokeLink] = []
-        for name, fc in clusters.items():
-            try:
-                spec = FleetClusterSpec.model_validate(fc.get("spec") or {})
-            except ValidationError:
-                continue  # _observe_cluster reports it
+        for name, spec in specs.items():
             known = self.state.links.get(name)
             try:
                 out[name] = link = self._link(name, spec, now)
@@ -336,17 +332,26 @@ class HubLoop:
                 informer.wait_synced(max(0.0, deadline - time.monotonic()))
         return out
 
-    def _observe_cluster(self, fc: dict[str, Any], now: float,
-                         connected: SpokeLink | BaseException | None) -> SpokeView | None:
+    def _specs(self, clusters: Mapping[str, dict[str, Any]], report: bool = True) -> dict[str, FleetClusterSpec]:
+        """The FleetClusters' specs, parsed once per round; an invalid one is left out, and reported on it
+        unless ``report`` is off (a standby writes nothing)."""
+        specs = {}
+        for name, fc in clusters.items():
+            try:
+                specs[name] = FleetClusterSpec.model_validate(fc.get("spec") or {})
+            except ValidationError as exc:
+                if not report:
+                    continue
+                live_status = fc.get("status") or {}
+                cond = st.condition("Joined", False, "InvalidSpec", str(exc)[:1000])
+                self._write_cluster_status(fc, {"conditions": st.merge_conditions(
+                    live_status.get("conditions"), [cond], _wall())})
+        return specs
+
+    def _observe_cluster(self, fc: dict[str, Any], spec: FleetClusterSpec, now: float,
+                         connected: SpokeLink | BaseException | None) -> SpokeView:
         name = fc["metadata"]["name"]
         live_status = fc.get("status") or {}
-        try:
-            spec = FleetClusterSpec.model_validate(fc.get("spec") or {})
-        except ValidationError as exc:
-            cond = st.condition("Joined", False, "InvalidSpec", str(exc)[:1000])
-            self._write_cluster_status(fc, {"conditions": st.merge_conditions(
-                live_status.get("conditions"), [cond], _wall())})
-            return None
         link: SpokeLink | None = None
         renew: str | None = None
         cached: list[str] = []
@@ -501,16 +506,14 @@ class HubLoop:
         if not all(inf.wait_synced(30) for inf in informers.values()):
             log.warning("hub informers not synced yet; round skipped")
             return
-        self.state.rounds += 1
         now = time.monotonic()
         views: dict[str, SpokeView] = {}
         clusters = informers["clusters"].items()
         self._forget(set(self.state.links) - set(clusters))
-        links = self._links(clusters, now)
-        for name, fc in clusters.items():
-            view = self._observe_cluster(fc, now, links.get(name))
-            if view is not None:
-                views[view.name] = view
+        specs = self._specs(clusters)
+        links = self._links(specs, now)
+        for name, spec in specs.items():
+            views[name] = self._observe_cluster(clusters[name], spec, now, links.get(name))
         policies, policy_specs = [], {}
         for pp in informers["policies"].items().values():
             try:
