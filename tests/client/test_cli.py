@@ -101,6 +101,8 @@ def test_text_and_parquet_inputs_to_npy(stub, tmp_path):
         (b'{"text": "ok"}\n{"body": "x"}\n', "line 2 has no field 'text'"),
         (b'{"text": "ok"}\n{"text": ""}\n', "line 2 field 'text' is empty"),
         (b'{"text": 5}\n', "line 1 field 'text' is int"),
+        (b'{"text": "ok"}\n{"text": "\xff"}\n', "line 2 is not valid UTF-8"),
+        (b'{"text": "ok"}\n[1, 2]\n', "line 2 is not a JSON object"),
         (b"", "no texts to embed"),
     ],
 )

@@ -56,7 +56,11 @@ def check_texts(texts: Sequence[str], what: str = "input") -> list[int]:
     """Character lengths of `texts`, refusing non-strings and empty strings by position."""
     if isinstance(texts, str):
         raise InputError(f"{what} must be a list of strings, not a single string")
-    lengths: list[int] = []
+    if all(type(t) is str for t in texts):  # fast path (C-level loops); the loop below names a bad input
+        lengths = list(map(len, texts))
+        if 0 not in lengths:
+            return lengths
+    lengths = []
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise InputError(f"{what} {i} is {type(t).__name__}, not str")
@@ -92,11 +96,14 @@ class AsyncClient:
         health_interval: float = 10.0,
         encoding_format: str = "base64",
         offload_bytes: int = 1 << 20,
+        max_requests_total: int | None = None,
     ) -> None:
         if batch_size < 1 or max_concurrent_requests < 1:
             raise ValueError("batch_size and max_concurrent_requests must be >= 1")
         if encoding_format not in ("base64", "float"):
             raise ValueError("encoding_format must be 'base64' or 'float'")
+        if max_requests_total is not None and max_requests_total < 1:
+            raise ValueError("max_requests_total must be >= 1")
         self.pool = EndpointPool(urls, spread=spread)
         self.model = model
         self.batch_size = batch_size
@@ -111,6 +118,10 @@ class AsyncClient:
         self.health_interval = health_interval
         self.encoding_format = encoding_format
         self.offload_bytes = offload_bytes
+        # Requests in flight over all concurrent calls together (None: only each call's own cap). The
+        # backfill runs a few chunks' calls at once and still promises --max-concurrent-requests.
+        self.max_requests_total = max_requests_total
+        self._total_slots: asyncio.Semaphore | None = None
         self.stats = CallStats()
         self.request_errors = 0  # failed requests so far (retried or not), live, for progress displays
         self._headers = dict(_JSON)
@@ -127,6 +138,7 @@ class AsyncClient:
         if self._session is not None and self._session_loop is not loop:
             # Used from a new event loop (e.g. a second asyncio.run): the old pool belongs to a dead loop.
             self._session = None
+            self._total_slots = None
         if self._session is None or self._session.closed:
             self._session_loop = loop
             connector = aiohttp.TCPConnector(
@@ -359,10 +371,19 @@ class AsyncClient:
         failures: list[FailedBatch] = []
         queue = iter(enumerate(ranges))
 
+        self._get_session()  # binds the session and the client-wide slots to this loop
+        if self.max_requests_total is not None and self._total_slots is None:
+            self._total_slots = asyncio.Semaphore(self.max_requests_total)
+        total_slots = self._total_slots
+
         async def worker() -> None:
             for i, (start, stop) in queue:
                 try:
-                    results[i] = await self._batch(op, start, stop, stats, budget, end)
+                    if total_slots is None:
+                        results[i] = await self._batch(op, start, stop, stats, budget, end)
+                    else:
+                        async with total_slots:
+                            results[i] = await self._batch(op, start, stop, stats, budget, end)
                     done_flags[i] = True
                     if on_batch is not None:
                         on_batch(stop - start)

@@ -1,23 +1,27 @@
 """The backfill: a file of texts -> shards of vectors, resumable, through one shared client.
 
 Shards are the unit of progress: each is embedded (many requests in flight), written atomically,
-then recorded in the manifest. A few shards are in flight at once so the pipeline never drains
-between them. A crash, a SIGKILL or Ctrl-C loses at most the shards still in flight.
+then recorded in the manifest. `pipeline.run_pipeline` overlaps the stages: the next chunk is read
+and the last shard written while a few chunks' requests are in flight (one client-wide cap of
+`--max-concurrent-requests`), so the requests never drain between shards. A crash, a SIGKILL or
+Ctrl-C loses at most the shards still in flight; shards complete out of order, the manifest says
+which are whole, and `--resume` redoes exactly the others.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from .aio import AsyncClient
 from .errors import BatchFailedError, ClientError, FailedBatch, InputError, ResponseMismatchError
+from .pipeline import Chunk, Embedded, PipelineStats, chunks_held_bound, pending_chunks, run_pipeline
 from .retry import RetryPolicy
 from .shards import (
     Manifest,
@@ -29,6 +33,9 @@ from .shards import (
     write_shard,
 )
 from .sources import detect_format, iter_texts
+
+# (directory, shard number, first row, vectors, format) -> manifest entry; see `shards.write_shard`.
+ShardWriter = Callable[[str, int, int, np.ndarray, str], dict[str, Any]]
 
 
 @dataclass
@@ -68,6 +75,8 @@ class BackfillSummary:
     requests: int = 0
     interrupted: bool = False
     dim: int | None = None
+    peak_chunks_held: int = 0  # most chunks in memory at once; never above `chunk_bound`
+    chunk_bound: int = 0
     errors: list[str] = field(default_factory=list)
 
     def line(self) -> str:
@@ -90,11 +99,6 @@ def validate_input(path: str, fmt: str, text_field: str) -> int:
     if count == 0:
         raise InputError(f"{path}: no texts to embed")
     return count
-
-
-def _chunks(texts: Iterator[str], size: int) -> Iterator[list[str]]:
-    while chunk := list(itertools.islice(texts, size)):
-        yield chunk
 
 
 def prepare_output(cfg: BackfillConfig, fresh: Manifest) -> Manifest:
@@ -127,6 +131,8 @@ def open_backfill(cfg: BackfillConfig) -> tuple[str, str, int, Manifest]:
     """Validate the input and open the output: (input path, input format, row count, manifest)."""
     if cfg.shard_size < 1:
         raise InputError("--shard-size must be >= 1")
+    if cfg.shards_in_flight < 1:
+        raise InputError("--shards-in-flight must be >= 1")
     fmt = detect_format(cfg.input, cfg.input_format)
     path = os.path.abspath(cfg.input)
     total = validate_input(path, fmt, cfg.text_field)
@@ -149,10 +155,12 @@ async def run_backfill(
     stop: asyncio.Event | None = None,
     progress: Callable[[int, int], None] | None = None,
     on_total: Callable[[int, int], None] | None = None,
+    writer: ShardWriter = write_shard,
 ) -> BackfillSummary:
     """Embed `cfg.input` into `cfg.out`. `stop` set -> finish writing what is done and return early.
 
-    `progress(rows, failed_requests_so_far)` is called as each batch lands.
+    `progress(rows, failed_requests_so_far)` is called as each batch lands. `writer` writes one
+    shard (the default is `shards.write_shard`; tests slow it down to check back-pressure).
 
     Raises `InputError` for bad input/output settings and `BatchFailedError` (rows named in global
     input numbering) when the servers fail a batch; shards already written stay valid for --resume.
@@ -162,6 +170,7 @@ async def run_backfill(
     summary = BackfillSummary(out=cfg.out, total_rows=total, dim=manifest.dim)
     summary.shards_skipped = len(manifest.shards)
     summary.rows_skipped = manifest.done_rows()
+    summary.chunk_bound = chunks_held_bound(cfg.shards_in_flight)
     if on_total is not None:
         on_total(total, summary.rows_skipped)
     client = AsyncClient(
@@ -170,97 +179,54 @@ async def run_backfill(
         api_key=cfg.api_key,
         batch_size=cfg.batch_size,
         max_concurrent_requests=cfg.max_concurrent_requests,
+        max_requests_total=cfg.max_concurrent_requests,  # one cap over all chunks in flight
         request_timeout=cfg.request_timeout,
         retry=RetryPolicy(max_retries=cfg.max_retries),
         hedge_delay=cfg.hedge_delay,
         spread=cfg.spread,
         encoding_format=cfg.encoding_format,
     )
-    manifest_lock = asyncio.Lock()
-    slots = asyncio.Semaphore(max(1, cfg.shards_in_flight))
-    tasks: set[asyncio.Task[None]] = set()
-    writes: set[asyncio.Future[None]] = set()
-    failure: list[BaseException] = []
+    stats = PipelineStats()
     t0 = time.perf_counter()
 
     def on_batch(rows: int) -> None:
         if progress is not None:
             progress(rows, client.request_errors)
 
-    async def do_shard(number: int, start: int, texts: list[str]) -> None:
+    async def embed(chunk: Chunk) -> np.ndarray:
         try:
-            try:
-                result = await client.embed_detailed(texts, dimensions=cfg.dimensions, on_batch=on_batch)
-            except BatchFailedError as exc:
-                shifted = [FailedBatch(f.start + start, f.stop + start, f.error) for f in exc.failures]
-                raise type(exc)(shifted, total) from None
-            vectors = result.embeddings
-            if manifest.dim is not None and vectors.shape[1] != manifest.dim:
-                err = ResponseMismatchError(
-                    f"dimension {vectors.shape[1]}, earlier shards have {manifest.dim}"
-                )
-                raise BatchFailedError([FailedBatch(start, start + len(texts), err)], total)
-            # Writing is shielded: once vectors are here, Ctrl-C still lets the shard land and be recorded.
-            write = asyncio.ensure_future(record(number, start, vectors))
-            writes.add(write)
-            await asyncio.shield(write)
-        except (ClientError, OSError) as exc:  # reported by run_backfill once in-flight work has settled
-            failure.append(exc)
-            stop.set()
-        finally:
-            slots.release()
+            result = await client.embed_detailed(chunk.texts, dimensions=cfg.dimensions, on_batch=on_batch)
+        except BatchFailedError as exc:
+            shifted = [FailedBatch(f.start + chunk.start, f.stop + chunk.start, f.error) for f in exc.failures]
+            raise type(exc)(shifted, total) from None
+        return result.embeddings
 
-    async def record(number: int, start: int, vectors: np.ndarray) -> None:
-        entry = await asyncio.to_thread(write_shard, cfg.out, number, start, vectors, cfg.out_format)
-        async with manifest_lock:
-            if manifest.dim is None:
-                manifest.dim = int(vectors.shape[1])
-            manifest.shards[str(number)] = entry
-            await asyncio.to_thread(write_manifest, cfg.out, manifest)
+    def record(item: Embedded) -> None:
+        """In the writer thread, the only one touching the manifest while the pipeline runs: the
+        shard, then its manifest entry (a crash in between leaves the shard unlisted, to be redone)."""
+        dim = int(item.vectors.shape[1])
+        if manifest.dim is not None and dim != manifest.dim:
+            err = ResponseMismatchError(f"dimension {dim}, earlier shards have {manifest.dim}")
+            raise BatchFailedError([FailedBatch(item.start, item.start + len(item.vectors), err)], total)
+        entry = writer(cfg.out, item.number, item.start, item.vectors, cfg.out_format)
+        manifest.dim = dim
+        manifest.shards[str(item.number)] = entry
+        write_manifest(cfg.out, manifest)
         summary.shards_written += 1
-        summary.rows_written += len(vectors)
+        summary.rows_written += len(item.vectors)
 
-    texts = iter_texts(path, fmt, cfg.text_field)
-    chunks = _chunks(texts, cfg.shard_size)
+    done = {int(k) for k in manifest.shards}
+    chunks = pending_chunks(iter_texts(path, fmt, cfg.text_field), cfg.shard_size, done)
     try:
-        for number in itertools.count():
-            if stop.is_set():
-                break
-            chunk = await asyncio.to_thread(next, chunks, None)
-            if chunk is None:
-                break
-            if str(number) in manifest.shards:
-                continue
-            await slots.acquire()
-            if stop.is_set():
-                slots.release()
-                break
-            task = asyncio.ensure_future(do_shard(number, number * cfg.shard_size, chunk))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            stopper = asyncio.ensure_future(stop.wait())
-            pending = set(tasks)
-            while pending and not stop.is_set():
-                _, pending = await asyncio.wait(pending | {stopper}, return_when=asyncio.FIRST_COMPLETED)
-                pending.discard(stopper)
-            stopper.cancel()
+        await run_pipeline(chunks, embed, record, stop, cfg.shards_in_flight, stats)
     finally:
-        for task in list(tasks):
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        # Shards whose vectors arrived are always written and recorded, even when stopping.
-        for outcome in await asyncio.gather(*writes, return_exceptions=True):
-            if isinstance(outcome, Exception) and outcome not in failure:
-                failure.append(outcome)
         await client.close()
         summary.seconds = time.perf_counter() - t0
         summary.requests = client.stats.requests
         summary.retries = client.stats.retries
         summary.hedges = client.stats.hedges
         summary.dim = manifest.dim
-    if failure:
-        raise failure[0]
+        summary.peak_chunks_held = stats.peak_held
     summary.interrupted = stop.is_set()
     if not summary.interrupted and len(manifest.shards) == manifest.shard_count():
         manifest.complete = True

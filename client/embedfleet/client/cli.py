@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoding-format", choices=("base64", "float"), default="base64")
     parser.add_argument("--batch-size", type=int, default=128, help="inputs per request")
     parser.add_argument("--max-concurrent-requests", type=int, default=64)
+    parser.add_argument(
+        "--shards-in-flight",
+        type=int,
+        default=2,
+        help="shards embedding at once (or waiting for the writer); memory holds at most this + 2",
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     parser.add_argument("--max-retries", type=int, default=5)
     parser.add_argument("--hedge-delay", type=float, default=None, help="re-send requests slower than this")
@@ -113,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         encoding_format=args.encoding_format,
         batch_size=args.batch_size,
         max_concurrent_requests=args.max_concurrent_requests,
+        shards_in_flight=args.shards_in_flight,
         resume=args.resume,
         api_key=args.api_key,
         request_timeout=args.timeout,

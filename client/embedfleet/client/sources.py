@@ -62,23 +62,36 @@ def _iter_lines(path: str) -> Iterator[str]:
 
 
 def _iter_jsonl(path: str, field: str) -> Iterator[str]:
-    for number, line in _lines(path):
-        if not line.strip():
-            continue  # blank separator lines carry no record in JSONL
-        try:
-            record = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            raise InputError(f"{path}: line {number} is not valid JSON ({exc})") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{path}: line {number} is not a JSON object")
-        if field not in record:
-            raise InputError(f"{path}: line {number} has no field {field!r} (fields: {', '.join(record)})")
-        text = record[field]
-        if not isinstance(text, str):
-            raise InputError(f"{path}: line {number} field {field!r} is {type(text).__name__}, not a string")
-        if not text:
-            raise InputError(f"{path}: line {number} field {field!r} is empty")
-        yield text
+    # orjson parses the raw bytes (checking UTF-8 itself): no str per line before the parse. This loop
+    # runs twice per backfill (validation, then reading), so its per-line cost is the reader's cost.
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue  # blank separator lines carry no record in JSONL
+            try:
+                record = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    raise InputError(f"{path}: line {number} is not valid UTF-8 ({bad.reason})") from None
+                raise InputError(f"{path}: line {number} is not valid JSON ({exc})") from None
+            text = record.get(field) if type(record) is dict else None
+            yield text if type(text) is str and text else _field(path, number, record, field)
+
+
+def _field(path: str, number: int, record: object, field: str) -> str:
+    """The text of one JSONL record, or `InputError` saying what is wrong with it."""
+    if not isinstance(record, dict):
+        raise InputError(f"{path}: line {number} is not a JSON object")
+    if field not in record:
+        raise InputError(f"{path}: line {number} has no field {field!r} (fields: {', '.join(record)})")
+    text = record[field]
+    if not isinstance(text, str):
+        raise InputError(f"{path}: line {number} field {field!r} is {type(text).__name__}, not a string")
+    if not text:
+        raise InputError(f"{path}: line {number} field {field!r} is empty")
+    return text
 
 
 def _iter_parquet(path: str, field: str) -> Iterator[str]:
