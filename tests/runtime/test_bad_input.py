@@ -15,7 +15,7 @@ BAD = [
     ("empty string", {"json": {"input": ["ok", ""]}}, 422, "input 1"),
     ("whitespace string", {"json": {"input": "   "}}, 422, "input 0"),
     ("unknown model", {"json": {"input": "x", "model": "gpt-9"}}, 404, "gpt-9"),
-    ("bad encoding", {"json": {"input": "x", "encoding_format": "int8"}}, 422, "encoding_format"),
+    ("bad encoding", {"json": {"input": "x", "encoding_format": "int4"}}, 422, "encoding_format"),
     ("too many dimensions", {"json": {"input": "x", "dimensions": 4096}}, 422, "384"),
     ("negative token", {"json": {"input": [[101, -5, 102]]}}, 422, "input"),
     ("token out of vocab", {"json": {"input": [[101, 99999999, 102]]}}, 422, "vocabulary"),

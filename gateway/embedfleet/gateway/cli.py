@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import signal
 import sys
@@ -27,6 +28,7 @@ from embedfleet.gateway.config import BALANCES, ConfigError, GatewayConfig, pars
 from embedfleet.gateway.fleet import Fleet
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
+from embedfleet.gateway.tracing import GatewayTracing, TracingConfigError, exporters, provider_from_env
 
 log = logging.getLogger("embedfleet.gateway")
 KEEPALIVE_S = 4.0  # under uvicorn's 5 s keep-alive, so the gateway closes an idle connection before a replica does
@@ -96,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds of a first ejection, doubled while it fails again (default: {D.eject_base})")
     parser.add_argument("--eject-max", type=float, default=D.eject_max,
                         help=f"longest ejection in seconds (default: {D.eject_max})")
+    parser.add_argument("--otel", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get("EMBEDFLEET_OTEL", "").strip().lower() in ("1", "true", "yes", "on"),
+                        help="export OpenTelemetry traces (OTLP/HTTP, set up by the standard OTEL_* variables; also "
+                             "on when OTEL_TRACES_EXPORTER names an exporter; env EMBEDFLEET_OTEL): docs/tracing.md")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -113,6 +119,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ConfigError(f"--spill names deployments with no --upstream: {', '.join(unknown)}")
     if not upstreams and not args.kubernetes:
         raise ConfigError("no upstreams: give --upstream NAME=URL (once per replica), or --kubernetes")
+    try:
+        tracing = exporters(args.otel, os.environ)
+    except TracingConfigError as exc:
+        raise ConfigError(str(exc)) from None
     return GatewayConfig(
         upstreams=upstreams, host=args.host, port=args.port, poll_interval=args.poll_interval,
         held_poll_interval=args.held_poll_interval, poll_timeout=args.poll_timeout, max_held=args.max_held,
@@ -122,19 +132,24 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         kubernetes=args.kubernetes, namespaces=tuple(args.namespace), region=args.region, spill=spill,
         spill_after=args.spill_after, balance=args.balance, max_queue_seconds=args.max_queue_seconds,
         max_queue_seconds_bulk=args.max_queue_seconds_bulk, urgent_max_inputs=args.urgent_max_inputs,
-        eject_after=args.eject_after, eject_base=args.eject_base, eject_max=args.eject_max)
+        eject_after=args.eject_after, eject_base=args.eject_base, eject_max=args.eject_max, tracing=tracing)
 
 
 async def serve(config: GatewayConfig) -> int:
+    tracing = GatewayTracing(provider_from_env("embedfleet-gateway", config.tracing)) if config.tracing else None
     work = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, limit_per_host=config.max_connections_per_replica,
                                        keepalive_timeout=KEEPALIVE_S),
-        auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        trace_configs=None if tracing is None else [tracing.client_trace_config()])
     polls = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
     rng = random.Random()
     fleet = Fleet(config, polls, rng)
     gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng)
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    app = gateway.app()
+    if tracing is not None:  # off, no tracing code runs on the proxy path at all
+        app.middlewares.append(tracing.middleware())
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     poller = asyncio.create_task(fleet.upstreams.run(), name="poll")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -163,6 +178,8 @@ async def serve(config: GatewayConfig) -> int:
         await runner.cleanup()
         await work.close()
         await polls.close()
+        if tracing is not None:
+            tracing.shutdown()
     return 0
 
 

@@ -42,6 +42,7 @@ class GatewayConfig:
     eject_max: float = 60.0  # longest ejection
     kubernetes: bool = False  # replicas from the cluster (kube.py) instead of `upstreams`
     namespaces: tuple[str, ...] = ()  # Kubernetes mode: watch these; empty: every namespace
+    tracing: tuple[str, ...] = ()  # span exporters, from --otel and OTEL_TRACES_EXPORTER (tracing.py); (): off
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:

@@ -16,6 +16,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 SHED_REASONS = ("expected_wait", "queue_tokens", "deadline")
+WEBHOOK_OUTCOMES = ("delivered", "retried", "dead_lettered")
 
 
 class RuntimeMetrics:
@@ -30,6 +31,9 @@ class RuntimeMetrics:
             "embedfleet_max_batch_requests", "Configured most inputs per engine batch", ["model"], registry=r)
         self.max_batch_tokens = Gauge(
             "embedfleet_max_batch_tokens", "Configured token budget per engine batch", ["model"], registry=r)
+        self.max_queue_seconds = Gauge(
+            "embedfleet_max_queue_seconds", "Configured bound on a request's expected wait (--max-queue-seconds); "
+            "admission refuses work expected to wait longer", registry=r)
         self.expected_wait = Gauge(
             "embedfleet_expected_wait_seconds", "Queued tokens divided by measured tokens per second",
             ["model"], registry=r)
@@ -77,6 +81,12 @@ class RuntimeMetrics:
             registry=r)
         self.async_oldest_job = Gauge(
             "embedfleet_async_oldest_job_seconds", "Age of the oldest unfinished async job", registry=r)
+        self.async_dead_letters = Gauge(
+            "embedfleet_async_dead_letters", "Webhook deliveries in the dead-letter stream (whole Redis queue; "
+            "`embedfleet jobs dlq` lists and replays them)", registry=r)
+        self.async_webhooks = Counter(
+            "embedfleet_async_webhooks_total", "Webhook delivery attempts this process finished, by outcome: "
+            "delivered, retried (scheduled again), dead_lettered", ["outcome"], registry=r)
         self.cache_hits = Counter("embedfleet_cache_hits_total", "Inputs answered from the embedding cache",
                                   registry=r)
         self.cache_misses = Counter("embedfleet_cache_misses_total", "Inputs the embedding cache did not have",

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import signal
 import sys
 
@@ -21,6 +22,7 @@ from embedfleet.runtime.api.gate import GateState
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.service import Models
 from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments, settings_or_exit_code
+from embedfleet.runtime.tracing import RuntimeTracing, TracingConfigError, exporters, provider_from_env
 
 log = logging.getLogger("embedfleet.serve")
 
@@ -54,6 +56,11 @@ class DrainingServer(uvicorn.Server):
             log.info("drained; shutting down")
         self.should_exit = True
 
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if self.gate.tracing is not None:  # the spans still buffered go out now: uvicorn ends the process by
+            await asyncio.to_thread(self.gate.tracing.shutdown)  # re-raising the signal once this returns
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, RuntimeSettings)
@@ -84,8 +91,16 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"embedfleet serve: refusing to load the model: {problem}", file=sys.stderr)
         return 1
+    try:
+        names = exporters(settings.otel, os.environ)
+    except TracingConfigError as exc:
+        print(f"embedfleet serve: {exc}", file=sys.stderr)
+        return 2
+    tracing = RuntimeTracing(provider_from_env("embedfleet-runtime", names)) if names else None
+    if tracing is not None:
+        log.info("tracing on: %s spans (OTEL_* variables; docs/tracing.md)", ", ".join(names))
     metrics = RuntimeMetrics()
-    gate = GateState()
+    gate = GateState(tracing=tracing)
     models = Models(settings, metrics)
     config = uvicorn.Config(None, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=settings.log_level == "debug", timeout_graceful_shutdown=settings.drain_timeout,

@@ -19,12 +19,14 @@ from functools import partial
 import numpy as np
 
 from embedfleet.runtime.core.batcher import BatchManager, DeadlineUnmet, QueueFull
+from embedfleet.runtime.core.quantize import CALIBRATION_TEXTS, Calibration, calibration_file
 from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
 from embedfleet.runtime.engines.base import Engine
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.models.spec import ModelSpec, Task, load_spec
 from embedfleet.runtime.settings import ModelEntry, RuntimeSettings
 from embedfleet.runtime.tenants import DEFAULT_TENANT, RequestOverQuota, Tenant
+from embedfleet.runtime.tracing import current_trace
 
 log = logging.getLogger(__name__)
 WATCH_AFTER_S = 0.05  # work expected to finish sooner is not watched for a client leaving (see ModelService._rows)
@@ -32,7 +34,9 @@ WATCH_AFTER_S = 0.05  # work expected to finish sooner is not watched for a clie
 
 @dataclass
 class RunResult:
-    rows: np.ndarray  # pooled unnormalised vectors, or logits; input order
+    # pooled unnormalised vectors, logits or SPLADE weights; for multivector models a list of per-token
+    # arrays; input order
+    rows: np.ndarray | list[np.ndarray]
     tokens: int
 
 
@@ -40,7 +44,21 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+def engine_fn(engine: Engine, task: Task) -> Callable[[list], np.ndarray | list[np.ndarray]]:
+    """The engine method that serves `task`: what the batch manager runs. Only the one asked for is
+    looked up: an engine without sparse or per-token outputs (trtllm) is refused those tasks earlier."""
+    if task == "embed":
+        return engine.embed
+    if task == "sparse":
+        return engine.embed_sparse
+    if task == "multivector":
+        return engine.embed_tokens
+    return engine.classify
+
+
 def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
+    if settings.engine == "trtllm" and spec.task in ("sparse", "multivector"):
+        raise ValueError(f"the trtllm engine does not serve {spec.task} models; use --engine torch")
     if settings.engine == "trtllm":
         from embedfleet.runtime.engines.trtllm_engine import TrtLlmEngine
 
@@ -67,6 +85,8 @@ class ModelService:
         self.batcher: BatchManager | None = None
         self.engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{entry.name}")
         self.vector_cache = None  # an asyncq.cache.VectorCache when --cache-enabled (embedding models only)
+        self.calibration: Calibration | None = None  # int8/uint8 ranges (core/quantize.py): see calibrated()
+        self._calibrating = asyncio.Lock()
         self.created = int(time.time())
 
     @property
@@ -110,7 +130,9 @@ class ModelService:
             self._runtime_metrics.fp8_accepted.labels(self.name).set(1 if gate.passed else 0)
         self.tokenizer = TokenizerPool(spec.path / "tokenizer.json",
                                        self.settings.tokenizer_workers or self.settings.cores())
-        run = engine.embed if spec.task == "embed" else engine.classify
+        run = engine_fn(engine, spec.task)
+        if spec.task == "embed":
+            self.calibration = calibration_file(spec.path, spec.hidden_size)  # a bad file fails the load here
         batcher = BatchManager(run, self.settings.max_batch_tokens, self.settings.max_batch_requests,
                                self.settings.max_queue_tokens, self.metrics, self.engine_thread,
                                self.settings.batch_overhead_tokens, self.settings.bulk_batch_seconds,
@@ -122,6 +144,33 @@ class ModelService:
         log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,
                  spec.model_type, ",".join(spec.architectures), spec.pooling, self.input_limit,
                  self.settings.device, self.effective_dtype)
+
+    async def calibrated(self) -> Calibration:
+        """The int8/uint8 calibration: the model directory's file (read at load), else the shipped texts
+        embedded on first use, once. Lazily, because every start-up would otherwise pay for it (2.5 s for
+        all-MiniLM on two busy CPU cores) though most deployments never ask for int8; the first request
+        that does waits for it. The engine thread runs one batch at a time, so it queues with traffic."""
+        if self.calibration is None:
+            async with self._calibrating:
+                if self.calibration is None:
+                    assert self.batcher is not None and self.task == "embed"
+                    self.calibration = await self._calibrate(self.batcher.engine_fn)
+        return self.calibration
+
+    async def _calibrate(self, run) -> Calibration:
+        """Embed the shipped calibration texts in batches within the token budget: the rows int8/uint8
+        ranges are taken from (core/quantize.py)."""
+        assert self.tokenizer is not None
+        tokenized = await self.tokenizer.encode(list(CALIBRATION_TEXTS), self.input_limit, True, "right")
+        longest = max(len(t) for t in tokenized)
+        size = max(1, min(self.settings.max_batch_requests, self.settings.max_batch_tokens // longest))
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        rows = [await loop.run_in_executor(self.engine_thread, run, tokenized[i:i + size])
+                for i in range(0, len(tokenized), size)]
+        log.info("calibrated int8/uint8 ranges of %s on %d texts in %.2f s", self.name, len(tokenized),
+                 time.perf_counter() - started)
+        return Calibration(np.vstack(rows).astype(np.float32), f"builtin:{len(tokenized)} texts")
 
     def _timed_batch(self, run) -> tuple[int, float]:
         """Tokens and seconds of one engine batch of mid-length inputs, to seed the drain rate that
@@ -147,14 +196,27 @@ class ModelService:
     async def tokenize(self, inputs: Sequence[str] | Sequence[list[int]], truncate: bool,
                        direction: Direction) -> list[Tokenized]:
         assert self.tokenizer is not None
+        trace = current_trace()
+        if trace is not None:
+            trace.tokenizing(self.name, pairs=False)
         if inputs and isinstance(inputs[0], str):
-            return await self.tokenizer.encode(list(inputs), self.input_limit, truncate, direction)
-        return TokenizerPool.from_ids(list(inputs), self.input_limit, truncate, direction)
+            out = await self.tokenizer.encode(list(inputs), self.input_limit, truncate, direction)
+        else:
+            out = TokenizerPool.from_ids(list(inputs), self.input_limit, truncate, direction)
+        if trace is not None:
+            trace.tokenized(out)
+        return out
 
     async def tokenize_pairs(self, pairs: list[tuple[str, str]], truncate: bool,
                              direction: Direction) -> list[Tokenized]:
         assert self.tokenizer is not None
-        return await self.tokenizer.encode_pairs(pairs, self.input_limit, truncate, direction)
+        trace = current_trace()
+        if trace is not None:
+            trace.tokenizing(self.name, pairs=True)
+        out = await self.tokenizer.encode_pairs(pairs, self.input_limit, truncate, direction)
+        if trace is not None:
+            trace.tokenized(out)
+        return out
 
     def is_urgent(self, count: int, bulk: bool = False) -> bool:
         """Small requests are urgent (they jump ahead of bulk work, bounded by --max-queue-seconds);
@@ -219,8 +281,11 @@ class ModelService:
         """Submit and wait. A client leaving is watched (a task reading the connection) only for work
         expected to take WATCH_AFTER_S or more: dropping a query's few milliseconds of work saves
         nothing, and the watcher costs every query a task and a wait on two futures."""
+        trace = current_trace()
+        if trace is not None:
+            trace.queued(len(tokenized), sum(len(t) for t in tokenized), urgent)
         job = self.batcher.submit(tokenized, urgent=urgent, max_wait=max_wait, deadline=deadline, tenant=tenant,
-                                  arrived=arrived)
+                                  arrived=arrived, trace=trace)
         if deadline is None and (disconnected is None or self.batcher.expected_wait(urgent) < WATCH_AFTER_S):
             return await job.future
         watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
@@ -247,6 +312,7 @@ class Models:
     def __init__(self, settings: RuntimeSettings, metrics: RuntimeMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
+        metrics.max_queue_seconds.set(settings.max_queue_seconds)  # the bound the saturation alert compares with
         self.services = {e.name: ModelService(e, settings, metrics) for e in settings.models()}
         self.tenants = settings.tenants()
         unknown = {m for t in self.tenants.all.values() for m in t.models} - set(self.services) - {"*"}

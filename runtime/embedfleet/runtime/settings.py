@@ -152,6 +152,9 @@ class RuntimeSettings(BaseSettings):
     cache_enabled: bool = Field(
         False, description="with --redis-url: cache vectors keyed by model digest + token ids; a hit skips the engine")
     cache_ttl: int = Field(7 * 86_400, ge=1, description="seconds a cached vector is kept")
+    otel: bool = Field(
+        False, description="export OpenTelemetry traces (OTLP/HTTP, set up by the standard OTEL_* variables; also "
+        "on when OTEL_TRACES_EXPORTER names an exporter): docs/tracing.md")
 
     @model_validator(mode="after")
     def _check(self) -> RuntimeSettings:

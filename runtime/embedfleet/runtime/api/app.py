@@ -30,9 +30,14 @@ from embedfleet.runtime.api.http import (
     wait_disconnect,
     with_request_schemas,
 )
+from embedfleet.runtime.api.routes_cohere import cohere_router
 from embedfleet.runtime.api.routes_embed import embed_handlers, embed_router
+from embedfleet.runtime.api.routes_hf import default_router
 from embedfleet.runtime.api.routes_meta import meta_router
+from embedfleet.runtime.api.routes_multivector import multivector_router
+from embedfleet.runtime.api.routes_quantize import quantization_router
 from embedfleet.runtime.api.routes_rank import rank_router
+from embedfleet.runtime.api.routes_sparse import sparse_router
 from embedfleet.runtime.service import Models
 
 __all__ = ["JSON", "LIST_FIELDS", "REQUEST_MODELS", "TEXT_LIST_FIELDS", "WORK_ROUTES", "body_of", "create_app",
@@ -42,7 +47,9 @@ __all__ = ["JSON", "LIST_FIELDS", "REQUEST_MODELS", "TEXT_LIST_FIELDS", "WORK_RO
 # Paths the gate labels by name in embedfleet_request_duration_seconds (any other is "other", so a
 # scanner probing random paths cannot grow the label set).
 WORK_ROUTES = frozenset({"/v1/embeddings", "/embed", "/tokenize", "/rerank", "/v1/rerank", "/predict",
-                         "/classify", "/async/v1/embeddings", "/async/rerank", "/async/classify"})
+                         "/classify", "/embed_sparse", "/embed_all", "/async/v1/embeddings", "/async/rerank",
+                         "/async/classify",
+                         "/v2/embed", "/v2/rerank", "/"})
 
 
 def create_app(models: Models, gate_state: GateState,
@@ -88,6 +95,11 @@ def create_app(models: Models, gate_state: GateState,
     app.include_router(embed_router(hot))
     app.include_router(rank_router(models))
     app.include_router(meta_router(models, gate_state))
+    app.include_router(sparse_router(models))
+    app.include_router(multivector_router(models))
+    app.include_router(cohere_router(models))
+    app.include_router(quantization_router(models))
+    app.include_router(default_router(models))
     if settings.redis_url:  # async jobs, workers and embedding cache on Redis (asyncq/); same checks as above
         from embedfleet.runtime.asyncq.routes import async_router
 

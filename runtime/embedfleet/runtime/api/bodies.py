@@ -7,18 +7,32 @@ import uuid
 
 import numpy as np
 
+from embedfleet.runtime.api.errors import ApiError
 from embedfleet.runtime.api.schemas import ClassifyRequest, CohereRerankRequest, RerankRequest
 from embedfleet.runtime.core.postprocess import finish, to_base64
+from embedfleet.runtime.core.quantize import Calibration, as_base64, as_json, quantize
 from embedfleet.runtime.core.scores import label_scores, relevance
 from embedfleet.runtime.service import ModelService
 
 
 def embeddings_body(model: str, rows: np.ndarray, tokens: int, dimensions: int | None,
-                    encoding_format: str) -> dict:
+                    encoding_format: str, calibration: Calibration | None = None) -> dict:
+    """`encoding_format` float/base64 as OpenAI; int8, uint8, binary, ubinary (and `<type>_base64`) are
+    sentence-transformers' quantisation with `calibration`'s ranges (core/quantize.py)."""
     vectors = finish(rows, normalize=True, dimensions=dimensions)
-    encode = to_base64 if encoding_format == "base64" else (lambda v: v)
+    if encoding_format in ("float", "base64"):
+        encode = to_base64 if encoding_format == "base64" else (lambda v: v)
+        embeddings = [encode(v) for v in vectors]
+    else:
+        precision, _, b64 = encoding_format.partition("_")
+        if precision in ("int8", "uint8") and calibration is None:
+            raise ApiError(422, f"encoding_format {encoding_format!r} needs calibration ranges, which {model!r} "
+                           "does not have (embedding models only)", "invalid_encoding_format")
+        ranges = calibration.ranges(dimensions) if precision in ("int8", "uint8") else None
+        quantized = quantize(vectors, precision, ranges)  # type: ignore[arg-type]
+        embeddings = as_base64(quantized) if b64 else as_json(quantized)
     return {"object": "list", "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+            "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from embedfleet.runtime.api.errors import error_body
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.tenants import Tenant, Tenants
+from embedfleet.runtime.tracing import RuntimeTracing
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/load"})
 ARRIVED = "embedfleet.arrived"  # scope key: time.monotonic() when the gate let the request in (deadlines count from it)
@@ -40,6 +41,7 @@ class GateState:
 
     draining: bool = False
     in_flight: int = 0
+    tracing: RuntimeTracing | None = None  # --otel (tracing.py); None: no span, no propagation work
 
 
 class Gate:
@@ -123,6 +125,8 @@ class Gate:
             nonlocal started_response
             if message["type"] == "http.response.start":
                 started_response = True
+                if trace is not None:
+                    trace.responded(message["status"])
                 took = (time.monotonic() - arrived) * 1000
                 message["headers"] = [*message.get("headers", ()),
                                       (b"x-embedfleet-expected-wait", b"%.4f" % self.expected_wait()),
@@ -130,6 +134,8 @@ class Gate:
             await send(message)
 
         scope[ARRIVED] = arrived = time.monotonic()
+        trace = None if self.state.tracing is None else self.state.tracing.begin(
+            scope, scope["path"] if scope["path"] in self.known_paths else "other", scope[TENANT].name)
         self.state.in_flight += 1
         self.metrics.requests_in_flight.set(self.state.in_flight)
         start = time.perf_counter()
@@ -140,6 +146,8 @@ class Gate:
                 await self._refuse(send, 413, f"request body is over the payload limit of {self.payload_limit} "
                                    "bytes", "payload_too_large")
         finally:
+            if trace is not None:
+                trace.end()
             self.state.in_flight -= 1
             self.metrics.requests_in_flight.set(self.state.in_flight)
             route = scope["path"] if scope["path"] in self.known_paths else "other"

@@ -28,6 +28,7 @@ from embedfleet.runtime.core.oom import is_out_of_memory
 from embedfleet.runtime.core.tokenize import Tokenized
 from embedfleet.runtime.service import ClientGone, ModelService, RunResult
 from embedfleet.runtime.tenants import RequestOverQuota
+from embedfleet.runtime.tracing import current_trace
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -165,8 +166,12 @@ async def run(svc: ModelService, tokenized: list[Tokenized], request: Request,
     deadline = deadline_of(request, body_timeout)
     urgent = svc.is_urgent(len(tokenized), is_bulk(request))
     try:
-        return await svc.run(tokenized, partial(wait_disconnect, request.receive), urgent=urgent, bounded=True,
-                             deadline=deadline, tenant=tenant_of(request.scope), arrived=request.scope.get(ARRIVED))
+        result = await svc.run(tokenized, partial(wait_disconnect, request.receive), urgent=urgent, bounded=True,
+                               deadline=deadline, tenant=tenant_of(request.scope), arrived=request.scope.get(ARRIVED))
+        trace = current_trace()
+        if trace is not None:
+            trace.encoding()
+        return result
     except ClientGone:
         log.debug("client went away; its queued inputs were dropped")
         raise errors.ApiError(499, "client closed the request", "client_closed") from None

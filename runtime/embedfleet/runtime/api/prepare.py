@@ -21,10 +21,17 @@ from embedfleet.runtime.service import Models, ModelService
 from embedfleet.runtime.tenants import Tenant
 
 ROUTE_TASKS: dict[str, tuple[Task, ...]] = {
-    "/v1/embeddings": ("embed",), "/embed": ("embed",), "/rerank": ("rerank",), "/v1/rerank": ("rerank",),
-    "/predict": ("rerank", "classify"), "/classify": ("classify",), "/tokenize": ("embed", "rerank", "classify"),
+    "/v1/embeddings": ("embed", "sparse"), "/embed": ("embed",), "/rerank": ("rerank", "multivector"),
+    "/v1/rerank": ("rerank", "multivector"), "/embed_sparse": ("sparse",), "/embed_all": ("multivector",),
+    # the async path (asyncq/) serves dense embeddings and cross-encoders only: sparse and multi-vector
+    # models are refused there with this table's 400, never run through a body builder made for vectors
+    "/async/v1/embeddings": ("embed",), "/async/rerank": ("rerank",), "/async/classify": ("classify",),
+    "/predict": ("rerank", "classify"), "/classify": ("classify",),
+    "/tokenize": ("embed", "rerank", "classify", "sparse", "multivector"),
+    "/v2/embed": ("embed",), "/v2/rerank": ("rerank",), "/": ("embed", "rerank", "classify"),
 }
-KIND = {"embed": "an embedding model", "rerank": "a reranker (cross-encoder)", "classify": "a classifier"}
+KIND = {"embed": "an embedding model", "rerank": "a reranker (cross-encoder)", "classify": "a classifier",
+        "sparse": "a sparse (SPLADE) model", "multivector": "a multi-vector (ColBERT) model"}
 
 
 def select(models: Models, name: str | None, route: str, tenant: Tenant | None = None) -> ModelService:

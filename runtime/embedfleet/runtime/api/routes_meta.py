@@ -43,7 +43,7 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
         if not models.loaded:
             raise errors.ApiError(503, "models are still loading; retry shortly", "loading", {"retry-after": "2"})
         cards = [ModelCard(id=s.name, created=s.created, task=s.task, max_input_tokens=s.input_limit,
-                           dimensions=s.spec.hidden_size if s.task == "embed" else 0, labels=list(s.spec.labels),
+                           dimensions=s.spec.output_dim, labels=list(s.spec.labels),
                            pooling=s.spec.pooling, dtype=s.effective_dtype, device=settings.device,
                            digest=s.spec.digest, architecture=",".join(s.spec.architectures),
                            requested_dtype=settings.dtype if settings.dtype != s.effective_dtype else None,

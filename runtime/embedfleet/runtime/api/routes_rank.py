@@ -16,6 +16,7 @@ from embedfleet.runtime.api.prepare import (
     tokenize,
     tokenize_pairs,
 )
+from embedfleet.runtime.api.routes_multivector import maxsim_cohere, maxsim_tei
 from embedfleet.runtime.api.schemas import (
     ClassifyRequest,
     ClassifyResponse,
@@ -32,6 +33,8 @@ from embedfleet.runtime.service import Models
 async def cohere_shape(models: Models, body: CohereRerankRequest, route: str, request: Request) -> JSON:
     """A Cohere/Jina-shaped rerank, whichever route it came in on (/v1/rerank, or /rerank with `documents`)."""
     svc = select(models, body.model, route, tenant_of(request.scope))
+    if svc.task == "multivector":  # late interaction (ColBERT), routes_multivector.py
+        return JSON(await maxsim_cohere(svc, body, request))
     result = await run(svc, await prepare_rerank(svc, body), request, body.timeout)
     return JSON(cohere_body(svc, body, documents(body), result.rows, result.tokens))
 
@@ -50,6 +53,8 @@ def rank_router(models: Models) -> APIRouter:
             return await cohere_shape(models, validate(data, CohereRerankRequest), "/rerank", request)
         body = validate(data, RerankRequest)
         svc = select(models, body.model, "/rerank", tenant_of(request.scope))
+        if svc.task == "multivector":
+            return JSON(await maxsim_tei(svc, body, request))
         result = await run(svc, await prepare_rerank(svc, body), request, body.timeout)
         return JSON(rerank_body(body, result.rows))
 

@@ -26,20 +26,25 @@ class OpenAIEmbeddingRequest(BaseModel):
         description="a text, a list of texts, a list of token ids, or a list of token-id lists")
     model: str | None = Field(None, description="served model name (see /v1/models)")
     timeout: float | None = timeout_field()
-    encoding_format: Literal["float", "base64"] = Field(
-        "float", description="`base64`: little-endian float32 bytes, as OpenAI's SDK decodes them")
+    encoding_format: Literal["float", "base64", "int8", "uint8", "binary", "ubinary", "int8_base64",
+                             "uint8_base64", "binary_base64", "ubinary_base64"] = Field(
+        "float", description="`base64`: little-endian float32 bytes, as OpenAI's SDK decodes them; `int8`, "
+        "`uint8`, `binary`, `ubinary`: sentence-transformers' quantize_embeddings with the model's published "
+        "ranges (GET /v1/models/{model}/quantization), as integer lists; `<type>_base64`: those bytes in base64")
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first N dims, renormalised")
     user: str | None = None
     prompt_name: str | None = Field(None, description="a prompt from the model's sentence-transformers config")
     instruction: str | None = Field(None, description="raw text prefixed to every input (e.g. an instruction)")
     truncate: bool | None = Field(None, description="truncate inputs longer than the limit (default: server's)")
     truncation_direction: Literal["right", "left", "Right", "Left"] = "right"
+    sparse_top_k: int | None = Field(None, ge=1, description="sparse (SPLADE) models only: keep the k heaviest "
+                                     "terms; their `embedding` is {indices, values} (docs/outputs.md)")
 
 
 class EmbeddingObject(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str
+    embedding: list[float] | list[int] | str | dict[str, list[int] | list[float]]  # dict: sparse {indices, values}
 
 
 class Usage(BaseModel):

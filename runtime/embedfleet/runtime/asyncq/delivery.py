@@ -27,6 +27,7 @@ from embedfleet.runtime.asyncq.keys import WEBHOOK_GROUP
 from embedfleet.runtime.asyncq.status import job_document
 from embedfleet.runtime.asyncq.store import Entry, JobStore, text
 from embedfleet.runtime.asyncq.webhooks import WebhookRefused, resolve_webhook, retry_delay, signed_headers
+from embedfleet.runtime.metrics import WEBHOOK_OUTCOMES, RuntimeMetrics
 from embedfleet.runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,11 @@ async def read_capped(response: httpx.Response, cap: int = RESPONSE_CAP) -> byte
 
 
 class WebhookSender:
-    def __init__(self, store: JobStore, settings: RuntimeSettings, name: str) -> None:
+    def __init__(self, store: JobStore, settings: RuntimeSettings, name: str,
+                 metrics: RuntimeMetrics | None = None) -> None:
         self.store = store
+        # every outcome exported from the start (at 0), so a rate or an alert on it has a series to read
+        self.outcomes = {o: metrics.async_webhooks.labels(o) for o in WEBHOOK_OUTCOMES} if metrics else {}
         self.name = name
         self.secret = settings.webhook_secret.get_secret_value().encode() if settings.webhook_secret else b""
         self.allow_private = settings.webhook_allow_private
@@ -126,24 +130,34 @@ class WebhookSender:
             if not job or not url:
                 await self.store.dead_letter(entry, url, "the job or its result expired before delivery",
                                              job_exists=bool(job))
+                self._count("dead_lettered")
                 return
             if entry.taken > MAX_TAKES:
                 log.warning("webhook for job %s: senders stopped %d times while delivering it: dead-lettered",
                             entry.job_id, entry.taken - 1)
                 await self.store.dead_letter(entry, url, f"handed to a sender {entry.taken} times without an "
                                              f"outcome (each sender stopped while delivering it; limit {MAX_TAKES})")
+                self._count("dead_lettered")
                 return
             error = await self.send(client, url, entry, job_document(entry.job_id, job))
             if error is None:
                 await self.store.delivered(entry)
+                self._count("delivered")
             elif entry.attempt >= self.max_attempts:
                 log.warning("webhook for job %s failed %d times (%s): dead-lettered", entry.job_id, entry.attempt,
                             error)
                 await self.store.dead_letter(entry, url, error)
+                self._count("dead_lettered")
             else:
                 await self.store.retry_later(entry, retry_delay(entry.attempt, self.backoff), error)
+                self._count("retried")
         except RedisError as exc:  # left pending: another sender (or we) claims it later
             log.warning("webhook for job %s: Redis failed (%s)", entry.job_id, exc)
+
+    def _count(self, outcome: str) -> None:
+        """Counted after Redis took the next state, so a failed write is not counted as an outcome."""
+        if outcome in self.outcomes:
+            self.outcomes[outcome].inc()
 
     async def send(self, client: httpx.AsyncClient, url: str, entry: Entry, body: bytes) -> str | None:
         """One signed POST to a checked address of `url`: None when delivered, else why not."""

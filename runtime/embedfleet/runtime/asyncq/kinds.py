@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from embedfleet.runtime.api.bodies import classify_body, embeddings_body, rerank_body
 from embedfleet.runtime.api.prepare import prepare_classify, prepare_embedding, prepare_rerank, select
 from embedfleet.runtime.api.schemas import ClassifyRequest, OpenAIEmbeddingRequest, RerankRequest
+from embedfleet.runtime.core.quantize import needs_ranges
 from embedfleet.runtime.service import Models, ModelService
 from embedfleet.runtime.tenants import Tenant
 
@@ -41,22 +42,24 @@ async def run_embeddings(models: Models, request: bytes, tenant: Tenant | None =
     """The sync route's own checks and body; async jobs yield to sync traffic (urgent=False) and run as
     their tenant (its quota and fair share)."""
     body = AsyncEmbeddingRequest.model_validate_json(request)
-    svc = select(models, body.model, "/v1/embeddings")
+    svc = select(models, body.model, "/async/v1/embeddings")
     result = await svc.run(await prepare_embedding(svc, body, body.input), urgent=False, tenant=tenant)
-    return orjson.dumps(embeddings_body(svc.name, result.rows, result.tokens, body.dimensions, body.encoding_format),
+    calibration = await svc.calibrated() if needs_ranges(body.encoding_format) else None
+    return orjson.dumps(embeddings_body(svc.name, result.rows, result.tokens, body.dimensions, body.encoding_format,
+                                        calibration),
                         option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 async def run_rerank(models: Models, request: bytes, tenant: Tenant | None = None) -> bytes:
     body = AsyncRerankRequest.model_validate_json(request)
-    svc = select(models, body.model, "/rerank")
+    svc = select(models, body.model, "/async/rerank")
     result = await svc.run(await prepare_rerank(svc, body), urgent=False, tenant=tenant)
     return orjson.dumps(rerank_body(body, result.rows))
 
 
 async def run_classify(models: Models, request: bytes, tenant: Tenant | None = None) -> bytes:
     body = AsyncClassifyRequest.model_validate_json(request)
-    svc = select(models, body.model, "/classify")
+    svc = select(models, body.model, "/async/classify")
     result = await svc.run(await prepare_classify(svc, body), urgent=False, tenant=tenant)
     return orjson.dumps(classify_body(svc, body, result.rows, result.tokens))
 
@@ -72,8 +75,8 @@ class Kind:
 
 
 KINDS: dict[str, Kind] = {
-    "embeddings": Kind(AsyncEmbeddingRequest, "/v1/embeddings",
+    "embeddings": Kind(AsyncEmbeddingRequest, "/async/v1/embeddings",
                        lambda svc, body: prepare_embedding(svc, body, body.input), run_embeddings),
-    "rerank": Kind(AsyncRerankRequest, "/rerank", prepare_rerank, run_rerank),
-    "classify": Kind(AsyncClassifyRequest, "/classify", prepare_classify, run_classify),
+    "rerank": Kind(AsyncRerankRequest, "/async/rerank", prepare_rerank, run_rerank),
+    "classify": Kind(AsyncClassifyRequest, "/async/classify", prepare_classify, run_classify),
 }

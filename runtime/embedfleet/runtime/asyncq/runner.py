@@ -32,7 +32,7 @@ class AsyncRuntime:
         self.store = JobStore(connect(settings.redis_url), keys)
         self.name = name or consumer_name()
         self.worker = Worker(self.store, models, self.name) if run_worker else None
-        self.sender = WebhookSender(self.store, settings, self.name) if run_worker else None
+        self.sender = WebhookSender(self.store, settings, self.name, models.metrics) if run_worker else None
         self.finish_rate = 0.0  # jobs finished per second across the fleet, for Retry-After
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -73,11 +73,13 @@ class AsyncRuntime:
             try:
                 depth, oldest = await self.store.depth()
                 stats = await self.store.stats()
+                dead = await self.store.dead_letter_count()
             except RedisError as exc:
                 log.debug("queue gauges not updated: %s", exc)
             else:
                 metrics.async_queue_depth.set(depth)
                 metrics.async_oldest_job.set(oldest)
+                metrics.async_dead_letters.set(dead)
                 done = stats.get("succeeded", 0) + stats.get("failed", 0)
                 now = loop.time()
                 if last is not None and now > last[0]:

@@ -303,6 +303,10 @@ class JobStore:
                                        args=[f"{time.time():.6f}", limit]))
 
     # -- dead letters (operator tooling) -----------------------------------------------------------
+    async def dead_letter_count(self) -> int:
+        """Entries in the dead-letter stream (a gauge and an alert read it)."""
+        return int(await self.redis.xlen(self.keys.dead_letters))
+
     async def dead_letters(self, count: int = 100) -> list[tuple[str, dict[str, str]]]:
         reply = await self.redis.xrange(self.keys.dead_letters, count=count)
         return [(text(i), {text(k): text(v) for k, v in f.items()}) for i, f in reply]

@@ -27,6 +27,7 @@ import numpy as np
 from embedfleet.runtime.core.admission import decide
 from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch
 from embedfleet.runtime.metrics import ModelMetrics
+from embedfleet.runtime.tracing import RequestTrace, trace_batch
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,9 @@ QUERIES_RECENT_S = 1.0  # urgent work seen this recently: bulk batches are cut t
 SERVED_WINDOW_S = 10.0  # tenants' fair shares are judged over about this much recent engine time
 ARRIVALS_WINDOW_S = 5.0  # the urgent arrival rate is measured over about this much recent time
 MIN_BULK_SHARE = 0.1  # bulk work is never judged to get less than this share of the engine (promotion)
-EngineFn = Callable[[list], np.ndarray]  # a batch of inputs (anything with len()) -> rows
+# a batch of inputs (anything with len()) -> rows: one array (fixed width, stacked per request) or a list
+# of arrays (ragged, e.g. per-token vectors: each request gets its list, in input order)
+EngineFn = Callable[[list], np.ndarray | list[np.ndarray]]
 
 
 class QueueFull(RuntimeError):
@@ -69,6 +72,7 @@ class Job:
     dropped: bool = False  # its remaining queue items are skipped by the planner
     tenant: str = ""  # fairness across tenants of one class (core/batching.py) and per-tenant metrics
     admitted_at: float = 0.0  # time.monotonic() at admission (queue wait is measured from here)
+    trace: RequestTrace | None = None  # its spans, when tracing is on and it is sampled (tracing.py)
 
 
 @dataclass(eq=False, slots=True)
@@ -181,7 +185,8 @@ class BatchManager:
         self._observe(tokens, seconds)
 
     def submit(self, inputs: Sequence, urgent: bool, max_wait: float | None = None,
-               deadline: float | None = None, tenant: str = "", arrived: float | None = None) -> Job:
+               deadline: float | None = None, tenant: str = "", arrived: float | None = None,
+               trace: RequestTrace | None = None) -> Job:
         """Queue a request's inputs; await `job.future` for the rows in input order.
 
         Raises QueueFull past the token cap or when the expected wait passes `max_wait` seconds, and
@@ -220,7 +225,8 @@ class BatchManager:
         job = Job(inputs, urgent, asyncio.get_running_loop().create_future(), remaining=len(inputs),
                   results=[None] * len(inputs), deadline=deadline, queued_tokens=tokens,
                   queued_items=len(inputs), promote_at=None if urgent or max_wait is None else
-                  now + self._promote_after(max_wait, tokens, self.drain_rate()), tenant=tenant, admitted_at=now)
+                  now + self._promote_after(max_wait, tokens, self.drain_rate()), tenant=tenant, admitted_at=now,
+                  trace=trace)
         for i in range(len(inputs)):
             self._queue.append(Item(job, i, self._seq))
             self._seq += 1
@@ -340,6 +346,8 @@ class BatchManager:
             self._served[job.tenant] = self._served.get(job.tenant, 0.0) + length
             if job.urgent:
                 self._urgent_tokens -= length
+            if job.trace is not None:
+                job.trace.dequeued()
             if job.queued_items == 0:
                 self._queued_jobs -= 1
                 self.metrics.queue_wait(job.tenant or "default").observe(now - job.admitted_at)
@@ -382,9 +390,11 @@ class BatchManager:
                 job.results[item.index] = row
                 job.remaining -= 1
                 if job.remaining == 0:
-                    job.future.set_result(np.stack(job.results))
+                    job.future.set_result(np.stack(job.results) if isinstance(rows, np.ndarray) else job.results)
             await asyncio.sleep(0)  # the answers go out first; metrics and the rate are bookkeeping
             self._record(batch, inputs, started, ended)
+            if any(item.job.trace is not None for item in batch):  # tracing on (tracing.py); answers are out
+                trace_batch([(item.job.trace, item.length) for item in batch], started, ended)
 
     def _decay_served(self, now: float) -> None:
         """Forget old service so that a tenant's turn depends on recent engine time only; tenants that

@@ -42,6 +42,14 @@ class Engine(Protocol):
         """Raw logits (inputs x labels), float32; for pairs this is the reranker's score."""
         ...
 
+    def embed_sparse(self, batch: list) -> np.ndarray:
+        """SPLADE weights (inputs x vocabulary), float32, zero where a term is absent."""
+        ...
+
+    def embed_tokens(self, batch: list) -> list[np.ndarray]:
+        """Unit-length per-token vectors: one (tokens x dim) float32 array per input (ragged)."""
+        ...
+
 
 @dataclass
 class Padded:

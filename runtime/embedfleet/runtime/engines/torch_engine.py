@@ -20,7 +20,8 @@ import torch
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
 from embedfleet.runtime.engines.cpu_isa import ensure_cpu_bf16
 from embedfleet.runtime.engines.quality_gate import DEFAULT_MIN_COSINE, GateResult
-from embedfleet.runtime.models.spec import ModelSpec
+from embedfleet.runtime.models.colbert import Projection
+from embedfleet.runtime.models.spec import ENCODER_TASKS, ModelSpec
 
 log = logging.getLogger(__name__)
 MAX_GRAPHS = 128  # CUDA graph shapes captured at most (each costs start-up time and a little memory)
@@ -47,13 +48,46 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     return (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
 
 
+def splade_pool(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SPLADE: max over tokens of log(1 + relu(logits)), padding excluded; one vocabulary-sized row per input.
+
+    log1p(relu(x)) never decreases with x, so the max is taken over the raw logits first and the
+    activation applied to (batch x vocab) only, not to (batch x tokens x vocab): a masked token is set to
+    0 in place, which is log1p(relu(0)) = 0, exactly what masking after the activation gives.
+    """
+    logits.masked_fill_(mask.unsqueeze(-1) == 0, 0.0)
+    return torch.log1p(torch.relu(logits.amax(dim=1).float()))
+
+
+def load_projection(projection: Projection, device: torch.device) -> torch.nn.Linear:
+    """The ColBERT linear layer (models/colbert.py), run in float32 after the encoder."""
+    if projection.path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        weights = load_file(str(projection.path))
+    else:
+        weights = torch.load(projection.path, map_location="cpu", weights_only=True)
+    weight = next((v for k, v in weights.items() if k.endswith("linear.weight")), None)
+    if weight is None or tuple(weight.shape) != (projection.out_features, projection.in_features):
+        raise EngineError(f"{projection.path} has no linear.weight of shape "
+                          f"({projection.out_features}, {projection.in_features})")
+    layer = torch.nn.Linear(projection.in_features, projection.out_features, bias=projection.bias)
+    layer.weight.data.copy_(weight.float())
+    if projection.bias:
+        bias = next((v for k, v in weights.items() if k.endswith("linear.bias")), None)
+        if bias is None:
+            raise EngineError(f"{projection.path} has no linear.bias though its config says bias=true")
+        layer.bias.data.copy_(bias.float())
+    return layer.to(device).eval()
+
+
 class TorchEngine:
     def __init__(self, spec: ModelSpec, device: str = "cpu", dtype: str = "float32",
                  num_threads: int = 0, *, max_batch_tokens: int | None = None,
                  fp8_min_cosine: float = DEFAULT_MIN_COSINE, fp8_strict: bool = False,
                  fp8_activation_scaling: str = "token", cuda_graphs: bool = False,
                  max_batch_requests: int = 32) -> None:
-        from transformers import AutoModel, AutoModelForSequenceClassification
+        from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
         if dtype not in ENGINE_DTYPES:
             raise EngineError(f"dtype {dtype!r} is not supported by the torch engine on {device}")
@@ -61,6 +95,9 @@ class TorchEngine:
             raise EngineError("device 'cuda' requested but torch sees no CUDA device")
         if dtype == "float16" and device == "cpu":
             raise EngineError("float16 on CPU is slow and inaccurate; use bfloat16 or float32")
+        if dtype == "fp8" and spec.task in ("sparse", "multivector"):
+            raise EngineError(f"fp8 is not supported for {spec.task} models (its quality gate compares pooled "
+                              "embeddings); use bfloat16")
         if device == "cpu" and dtype in ("bfloat16", "fp8"):
             dtype = self._cpu_bf16_or_float32(dtype)
         if num_threads > 0:
@@ -71,16 +108,20 @@ class TorchEngine:
         self.dtype = DTYPES[base_dtype]
         self.effective_dtype = base_dtype  # what actually runs; "fp8" once the gate accepts it
         self.fp8_gate: GateResult | None = None
-        loader = AutoModel if spec.task == "embed" else AutoModelForSequenceClassification
+        loader = {"embed": AutoModel, "multivector": AutoModel, "sparse": AutoModelForMaskedLM}.get(
+            spec.task, AutoModelForSequenceClassification)
         self.model = loader.from_pretrained(
             str(spec.path), dtype=self.dtype, attn_implementation="sdpa", local_files_only=True,
         ).to(self.device).eval()
-        if spec.task != "embed" and self.model.config.pad_token_id is None:
+        if spec.task not in ENCODER_TASKS and self.model.config.pad_token_id is None:
             # decoder classifiers find each row's last token through the pad id
             self.model.config.pad_token_id = spec.pad_token_id
         self.capabilities = Capabilities(
             tasks=(spec.task,), pooling=spec.pooling, max_tokens=spec.max_length,
-            dtypes=ENGINE_DTYPES, device=device, dim=spec.hidden_size if spec.task == "embed" else len(spec.labels))
+            dtypes=ENGINE_DTYPES, device=device, dim=spec.output_dim or len(spec.labels))
+        colbert = spec.colbert
+        self.projection = load_projection(colbert.projection, self.device) \
+            if colbert is not None and colbert.projection is not None else None
         self._stage = None
         self._forward = self.model
         self.graph_shapes: list[tuple[int, int]] = []  # captured at warm-up when cuda_graphs is on
@@ -142,7 +183,7 @@ class TorchEngine:
     def warmup(self) -> None:
         """One small batch; with CUDA graphs, one batch of every served shape, so live traffic never
         compiles (the count and time are logged)."""
-        run = self.embed if self.spec.task == "embed" else self.classify
+        run = self.runner()
         token = self.spec.pad_token_id + 1
         if not self.graph_shapes:
             run([[token] * 8, [token] * 3])
@@ -151,6 +192,11 @@ class TorchEngine:
         for rows, width in self.graph_shapes:
             run([[token] * width] * rows)
         log.info("captured %d CUDA graph shapes in %.1fs", len(self.graph_shapes), time.perf_counter() - started)
+
+    def runner(self):
+        """The method that serves this model's task (what the batch manager calls)."""
+        return {"embed": self.embed, "sparse": self.embed_sparse, "multivector": self.embed_tokens}.get(
+            self.spec.task, self.classify)
 
     def _inputs(self, batch: list) -> dict[str, torch.Tensor]:
         if self._stage is not None:
@@ -171,3 +217,26 @@ class TorchEngine:
     @torch.inference_mode()
     def classify(self, batch: list) -> np.ndarray:
         return self._forward(**self._inputs(batch)).logits[: len(batch)].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def embed_sparse(self, batch: list) -> np.ndarray:
+        inputs = self._inputs(batch)
+        logits = self._forward(**inputs).logits[: len(batch)]
+        return splade_pool(logits, inputs["attention_mask"][: len(batch)]).cpu().numpy()
+
+    @torch.inference_mode()
+    def embed_tokens(self, batch: list) -> list[np.ndarray]:
+        """Unit-length per-token vectors (after the ColBERT projection, if any): one (tokens x dim) array
+        per input, ragged. An input's `attended` (ColBERT query expansion, core/multivector.py) is how many
+        of its tokens the others attend to; the [MASK] tokens after it are encoded but not attended."""
+        inputs = self._inputs(batch)
+        mask = inputs["attention_mask"]
+        for row, x in enumerate(batch):
+            attended = getattr(x, "attended", None)
+            if attended is not None and attended < len(x):
+                mask[row, attended:] = 0
+        hidden = self._forward(**inputs).last_hidden_state[: len(batch)].float()
+        if self.projection is not None:
+            hidden = self.projection(hidden)
+        states = torch.nn.functional.normalize(hidden, dim=-1).cpu().numpy()
+        return [states[row, : len(x)] for row, x in enumerate(batch)]

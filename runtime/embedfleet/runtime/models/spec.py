@@ -12,9 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-Pooling = Literal["mean", "cls", "last", "max"]
-Task = Literal["embed", "rerank", "classify"]
-TASKS: tuple[Task, ...] = ("embed", "rerank", "classify")
+from embedfleet.runtime.models.colbert import DENSE_MODULES, ColbertSpec, read_colbert
+
+Pooling = Literal["mean", "cls", "last", "max", "splade", "token"]  # splade/token: sparse/multivector tasks
+# sparse: SPLADE over an MLM head (one vocabulary-sized weight vector per input); multivector: one vector
+# per token (ColBERT, models/colbert.py), scored by late interaction (MaxSim).
+Task = Literal["embed", "rerank", "classify", "sparse", "multivector"]
+TASKS: tuple[Task, ...] = ("embed", "rerank", "classify", "sparse", "multivector")
+ENCODER_TASKS = frozenset({"embed", "sparse", "multivector"})  # served from the encoder's token states
 
 DECODER_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"}
 SUPPORTED_MODULES = {
@@ -22,6 +27,12 @@ SUPPORTED_MODULES = {
     "sentence_transformers.models.Pooling",
     "sentence_transformers.models.Normalize",
 }
+SPARSE_MODULES = {
+    "sentence_transformers.sparse_encoder.models.MLMTransformer",
+    "sentence_transformers.sparse_encoder.models.SpladePooling",
+}
+# Pooling and Normalize are ignored by the sparse and multi-vector tasks (they pool their own way).
+TOKEN_TASK_MODULES = SUPPORTED_MODULES | SPARSE_MODULES | DENSE_MODULES
 
 
 class ModelDirError(ValueError):
@@ -45,13 +56,61 @@ class ModelSpec:
     labels: tuple[str, ...] = ()
     multi_label: bool = False
     prompts: dict[str, str] = field(default_factory=dict)
+    vocab_size: int = 0
+    colbert: ColbertSpec | None = None  # multivector models only
+
+    @property
+    def output_dim(self) -> int:
+        """Width of what the model returns per input (per token for multivector); 0 for scorers."""
+        if self.task == "sparse":
+            return self.vocab_size
+        if self.task == "multivector" and self.colbert is not None and self.colbert.projection is not None:
+            return self.colbert.projection.out_features
+        return self.hidden_size if self.task in ENCODER_TASKS else 0
 
 
-def detect_task(architectures: tuple[str, ...], num_labels: int) -> Task:
-    """A sequence classifier with one output is a cross-encoder (reranker); more outputs classify."""
+def detect_task(architectures: tuple[str, ...], num_labels: int, module_types: tuple[str, ...] = ()) -> Task:
+    """A sequence classifier with one output is a cross-encoder (reranker); more outputs classify.
+
+    sentence-transformers' SparseEncoder modules mean SPLADE; a projection with no pooling module is
+    PyLate's ColBERT layout. Without modules.json an MLM head (`*ForMaskedLM`) means SPLADE (naver's
+    checkpoints ship that way); with one, the modules decide, because many dense sentence-transformers
+    models (all-mpnet-base-v2) also declare `*ForMaskedLM`.
+    """
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return "rerank" if num_labels == 1 else "classify"
+    kinds = set(module_types)
+    if kinds & SPARSE_MODULES:
+        return "sparse"
+    if kinds & DENSE_MODULES and not any(k.endswith(".Pooling") for k in kinds):
+        return "multivector"
+    if not kinds and any(a.endswith("ForMaskedLM") for a in architectures):
+        return "sparse"
     return "embed"
+
+
+def task_fits(task: Task, detected: Task, architectures: tuple[str, ...]) -> str | None:
+    """Why `--task` cannot serve a directory detected as `detected`, or None when it can."""
+    scorer = detected in ("rerank", "classify")
+    if task in ("rerank", "classify"):
+        return None if scorer else "rerank and classify need a *ForSequenceClassification model"
+    if scorer:
+        return f"{task} needs a base model, not a *ForSequenceClassification one"
+    if task == "sparse" and detected != "sparse" and not any(a.endswith("ForMaskedLM") for a in architectures):
+        return "sparse (SPLADE) needs an MLM head: a *ForMaskedLM model"
+    return None
+
+
+def _check_sparse_pooling(path: Path, modules: list[dict]) -> None:
+    """SPLADE as served here is max pooling of log(1 + relu(logits)); refuse a SparseEncoder configured
+    otherwise rather than return different weights than sentence-transformers would."""
+    for module in modules:
+        if module.get("type", "").endswith(".SpladePooling"):
+            cfg = _read_json(path / module["path"] / "config.json")
+            strategy, activation = cfg.get("pooling_strategy", "max"), cfg.get("activation_function", "relu")
+            if strategy != "max" or activation not in ("relu", None):
+                raise ModelDirError(f"SpladePooling with pooling_strategy={strategy!r} and activation_function="
+                                    f"{activation!r} is not supported (only max pooling of log(1 + relu))")
 
 
 def _read_json(path: Path) -> dict:
@@ -105,14 +164,29 @@ def load_spec(path: Path, served_name: str | None = None, task: Task | None = No
     if model_type in {"roberta", "xlm-roberta", "camembert"}:
         max_length -= 2  # positions are offset by padding_idx + 1
 
+    architectures = tuple(config.get("architectures") or ())
+    if "HF_ColBERT" in architectures:
+        raise ModelDirError("Stanford ColBERT checkpoints (HF_ColBERT, the projection inside the encoder's "
+                            "weights) are not supported; convert the model to PyLate's layout")
+    id2label = config.get("id2label") or {}
+    num_labels = int(config.get("num_labels") or len(id2label) or 2)
     modules_file = path / "modules.json"
-    if modules_file.exists():
-        modules = json.loads(modules_file.read_text())
+    modules: list[dict] = _read_json(modules_file) if modules_file.exists() else []
+    detected = detect_task(architectures, num_labels, tuple(m.get("type", "") for m in modules))
+    if task is not None and (why := task_fits(task, detected, architectures)):
+        raise ModelDirError(f"--task {task} does not fit {list(architectures)}: {why}")
+    task = task or detected
+    if modules:
         normalize = False
+        allowed = SUPPORTED_MODULES if task == "embed" else TOKEN_TASK_MODULES
         for module in modules:
             kind = module.get("type", "")
-            if kind not in SUPPORTED_MODULES:
-                raise ModelDirError(f"unsupported sentence-transformers module {kind!r} in modules.json")
+            if kind not in allowed:
+                hint = f" (this directory is a {detected} model: serve it with --task {detected})" \
+                    if detected != task else ""
+                raise ModelDirError(f"unsupported sentence-transformers module {kind!r} in modules.json{hint}")
+            if task != "embed":
+                continue
             if kind.endswith(".Pooling"):
                 pooling = _pooling_from_config(_read_json(path / module["path"] / "config.json"))
             elif kind.endswith(".Normalize"):
@@ -120,19 +194,17 @@ def load_spec(path: Path, served_name: str | None = None, task: Task | None = No
         st_cfg = path / "sentence_bert_config.json"
         if st_cfg.exists():
             max_length = min(max_length, int(_read_json(st_cfg).get("max_seq_length") or max_length))
-    prompts: dict[str, str] = {}
     st_prompts = path / "config_sentence_transformers.json"
-    if st_prompts.exists():
-        prompts = {k: v for k, v in (_read_json(st_prompts).get("prompts") or {}).items() if v}
-
-    architectures = tuple(config.get("architectures") or ())
-    id2label = config.get("id2label") or {}
-    num_labels = int(config.get("num_labels") or len(id2label) or 2)
-    detected = detect_task(architectures, num_labels)
-    if task is not None and (task == "embed") != (detected == "embed"):
-        raise ModelDirError(f"--task {task} does not fit {list(architectures)}: rerank and classify need a "
-                            "*ForSequenceClassification model; embed needs a base model")
-    task = task or detected
+    st_config = _read_json(st_prompts) if st_prompts.exists() else {}
+    prompts = {k: v for k, v in (st_config.get("prompts") or {}).items() if v}
+    hidden_size = int(config.get("hidden_size") or config.get("d_model") or 0)
+    colbert = None
+    if task == "sparse":
+        _check_sparse_pooling(path, modules)
+        pooling = "splade"
+    elif task == "multivector":
+        colbert = read_colbert(path, modules, st_config, hidden_size, ModelDirError)
+        pooling = "token"
     labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
     pad = config.get("pad_token_id")
     if pad is None:
@@ -147,13 +219,15 @@ def load_spec(path: Path, served_name: str | None = None, task: Task | None = No
         pooling=pooling,
         normalize=normalize,
         max_length=max_length,
-        hidden_size=int(config.get("hidden_size") or config.get("d_model") or 0),
+        hidden_size=hidden_size,
         pad_token_id=int(pad or 0),
         is_decoder=is_decoder,
         digest=directory_digest(path),
         task=task,
-        labels=labels if task != "embed" else (),
+        labels=labels if task in ("rerank", "classify") else (),
         multi_label=config.get("problem_type") == "multi_label_classification",
         prompts=prompts,
+        vocab_size=int(config.get("vocab_size") or 0),
+        colbert=colbert,
     )
 

@@ -1,0 +1,228 @@
+"""OpenTelemetry tracing of the runtime's request path, off unless asked for (docs/tracing.md).
+
+One request is one trace below the caller's (W3C `traceparent`, as the gateway sends it):
+
+    POST /v1/embeddings          SERVER, the gate: admission to the last byte; route, tenant, model, status
+      validation                 reading and checking the body, choosing the model
+      tokenization               the tokenizer pool; inputs, tokens, truncated
+      queue wait                 submitted to the batcher until its first input is taken into a batch
+      engine batch               per batch its inputs ran in: the batch's time, its size and tokens, the
+                                 request's share, and a link to the batch's own span
+      encode                     the engine's rows to the answer's first byte (body building, JSON)
+
+An engine batch serves several requests, so it cannot be a child of each: it is one span of its own
+(`batch`, the root of a trace of its own) with a link to every traced request in it, and each request
+gets the child span `engine batch` above, covering the same time, so a request's trace shows where its
+time went without leaving it. Spans are made only for sampled requests; input text and API keys are never
+recorded.
+
+Off (the default) costs one `if` per hook: the gate's `GateState.tracing` is None, no `RequestTrace`
+exists, and every hook below tests for one. On, the setup reads the standard OTEL_* variables (endpoint,
+headers, service name, resource attributes, sampler, batch processor) through the SDK itself.
+
+This module imports nothing from the runtime (the gateway's tracing.py shares `provider_from_env`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+
+from opentelemetry import propagate
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+
+EXPORTERS = ("otlp", "console", "none")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+# Wall-clock nanoseconds of a time.perf_counter() value: the batcher times batches with perf_counter,
+# and a span made after the fact needs epoch times.
+_WALL0, _PERF0 = time.time_ns(), time.perf_counter()
+# The request being served on this task (set by the gate, read by the hooks that have no request at hand:
+# tokenization and queueing in service.py, the encode mark in api/http.py).
+_CURRENT: ContextVar[RequestTrace | None] = ContextVar("embedfleet_request_trace", default=None)
+
+
+class TracingConfigError(ValueError):
+    """A tracing variable the SDK cannot act on; the message names it."""
+
+
+def exporters(flag: bool, env: Mapping[str, str]) -> tuple[str, ...]:
+    """The span exporters to run, () for tracing off. Pure: the whole on/off rule.
+
+    Off unless `flag` (--otel / EMBEDFLEET_OTEL) or OTEL_TRACES_EXPORTER names an exporter;
+    OTEL_SDK_DISABLED=true turns it off whatever else says. With the flag alone, OTLP (the SDK's default
+    exporter). OTEL_TRACES_EXPORTER=none keeps it off even with the flag."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
+        return ()
+    raw = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    names = tuple(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
+    unknown = [n for n in names if n not in EXPORTERS]
+    if unknown:
+        raise TracingConfigError(f"OTEL_TRACES_EXPORTER: {', '.join(unknown)} is not one of {', '.join(EXPORTERS)}")
+    if not names:
+        return ("otlp",) if flag else ()
+    return tuple(n for n in names if n != "none")
+
+
+def provider_from_env(service_name: str, names: Sequence[str]) -> TracerProvider:
+    """A TracerProvider for `names` (from `exporters`), configured by the OTEL_* variables: the resource
+    (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES; `service_name` when neither names the service), the
+    sampler (OTEL_TRACES_SAMPLER[_ARG]), the OTLP/HTTP exporter (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT,
+    _HEADERS, _TIMEOUT, ...) and the batch processor (OTEL_BSP_*), all read by the SDK itself."""
+    resource = Resource.create()
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):  # the SDK's stand-in
+        resource = resource.merge(Resource({SERVICE_NAME: service_name}))
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    for name in names:
+        exporter: SpanExporter
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter()
+        else:
+            exporter = ConsoleSpanExporter(service_name=service_name)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def wall_ns(perf: float) -> int:
+    """Epoch nanoseconds of a time.perf_counter() reading."""
+    return _WALL0 + int((perf - _PERF0) * 1e9)
+
+
+def current_trace() -> RequestTrace | None:
+    """The trace of the request this task serves; None when tracing is off or it is not sampled."""
+    return _CURRENT.get()
+
+
+class RuntimeTracing:
+    """The runtime's tracer, handed to the gate (GateState.tracing); None there means tracing is off."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self.provider = provider
+        self.tracer = provider.get_tracer("embedfleet.runtime")
+
+    def begin(self, scope, route: str, tenant: str) -> RequestTrace | None:
+        """The request's server span, the child of the caller's `traceparent`; None when not sampled
+        (nothing more is done for it)."""
+        carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                   if k in (b"traceparent", b"tracestate")}
+        parent = propagate.extract(carrier) if carrier else Context()
+        span = self.tracer.start_span(f"{scope['method']} {route}", context=parent, kind=SpanKind.SERVER,
+                                      attributes={"http.request.method": scope["method"], "http.route": route,
+                                                  "url.path": scope["path"], "embedfleet.tenant": tenant})
+        if not span.is_recording():
+            span.end()
+            return None
+        return RequestTrace(self.tracer, span)
+
+    def shutdown(self) -> None:
+        """Export what is still buffered, then stop (at server exit)."""
+        self.provider.shutdown()
+
+
+class RequestTrace:
+    """One sampled request's spans. Phases follow each other on the request's own task, so each hook
+    ends the phase before it; `end` closes whatever is open (a request refused mid-way)."""
+
+    __slots__ = ("_token", "context", "model", "phase", "queue", "span", "tracer")
+
+    def __init__(self, tracer: Tracer, span: Span) -> None:
+        self.tracer = tracer
+        self.span = span
+        self.context = set_span_in_context(span)
+        self.phase: Span | None = tracer.start_span("validation", context=self.context)
+        self.queue: Span | None = None
+        self.model = ""
+        self._token = _CURRENT.set(self)
+
+    def _next(self, name: str | None, attributes: dict | None = None) -> None:
+        if self.phase is not None:
+            self.phase.end()
+        self.phase = None if name is None else self.tracer.start_span(name, context=self.context,
+                                                                      attributes=attributes)
+
+    def tokenizing(self, model: str, pairs: bool) -> None:
+        self.model = model
+        self.span.set_attribute("embedfleet.model", model)
+        self._next("tokenization", {"embedfleet.model": model, "embedfleet.pairs": pairs})
+
+    def tokenized(self, tokenized: Sequence) -> None:
+        if self.phase is not None:
+            self.phase.set_attributes({"embedfleet.inputs": len(tokenized),
+                                       "embedfleet.tokens": sum(len(t) for t in tokenized),
+                                       "embedfleet.truncated": sum(bool(getattr(t, "truncated", False))
+                                                                   for t in tokenized)})
+        self._next(None)
+
+    def queued(self, inputs: int, tokens: int, urgent: bool) -> None:
+        """Submitted to the batcher: the queue wait begins (ended by `dequeued`, or by `end` if the work
+        was refused or dropped before it ran)."""
+        self._next(None)
+        self.span.set_attributes({"embedfleet.inputs": inputs, "embedfleet.tokens": tokens})
+        self.queue = self.tracer.start_span("queue wait", context=self.context, attributes={
+            "embedfleet.inputs": inputs, "embedfleet.tokens": tokens, "embedfleet.urgent": urgent})
+
+    def dequeued(self) -> None:
+        """The first of its inputs was taken into a batch (later calls, for later batches, do nothing)."""
+        if self.queue is not None:
+            self.queue.end()
+            self.queue = None
+
+    def encoding(self) -> None:
+        """The engine's rows are in: the answer is built and serialised until its first byte goes out."""
+        self._next("encode")
+
+    def responded(self, status: int) -> None:
+        self.span.set_attribute("http.response.status_code", status)
+        if status >= 400:
+            for span in (self.phase, self.queue):  # the phase that refused it
+                if span is not None:
+                    span.set_status(Status(StatusCode.ERROR, f"answered {status}"))
+        if status >= 500:
+            self.span.set_status(Status(StatusCode.ERROR))
+        self._next(None)
+
+    def end(self) -> None:
+        self._next(None)
+        if self.queue is not None:
+            self.queue.set_attribute("embedfleet.ran", False)
+            self.queue.end()
+            self.queue = None
+        self.span.end()
+        _CURRENT.reset(self._token)
+
+
+def trace_batch(items: Sequence[tuple[RequestTrace | None, int]], started: float, ended: float) -> None:
+    """After an engine batch (off the answer's path): the batch's span, linked to every traced request
+    in it, and each traced request's `engine batch` span over the same time. `items`: per input of the
+    batch, its request's trace (None if not traced) and its token count; `started`, `ended`:
+    time.perf_counter()."""
+    shares: dict[int, list] = {}
+    for trace, length in items:
+        if trace is not None:
+            share = shares.setdefault(id(trace), [trace, 0, 0])
+            share[1] += 1
+            share[2] += length
+    if not shares:
+        return
+    start, end = wall_ns(started), wall_ns(ended)
+    tokens = sum(length for _, length in items)
+    padded = max(length for _, length in items) * len(items)
+    first = next(iter(shares.values()))[0]
+    attributes = {"embedfleet.model": first.model, "embedfleet.batch.size": len(items),
+                  "embedfleet.batch.tokens": tokens, "embedfleet.batch.padded_tokens": padded,
+                  "embedfleet.batch.requests_traced": len(shares)}
+    batch = first.tracer.start_span("batch", context=Context(), start_time=start, attributes=attributes,
+                              links=[Link(trace.span.get_span_context()) for trace, _, _ in shares.values()])
+    batch.end(end_time=end)
+    batch_link = [Link(batch.get_span_context())]
+    for trace, inputs, request_tokens in shares.values():
+        span = trace.tracer.start_span("engine batch", context=trace.context, start_time=start, links=batch_link,
+                                       attributes={**attributes, "embedfleet.inputs": inputs,
+                                                   "embedfleet.tokens": request_tokens})
+        span.end(end_time=end)
