@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import urllib.parse
+from collections.abc import Mapping
 from typing import Any
 
 from embedfleet.operator.crd import naming
@@ -175,8 +176,10 @@ def effective_replicas(spec: EmbeddingDeploymentSpec, autoscaler_desired: int | 
 # ---------------------------------------------------------------- runtime pieces
 
 
-def runtime_env(name: str, spec: EmbeddingDeploymentSpec) -> dict[str, str]:
-    """The runtime's configuration contract (EMBEDFLEET_* variables), as ConfigMap data."""
+def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[str, str] | None = None
+                ) -> dict[str, str]:
+    """The runtime's configuration contract (EMBEDFLEET_* variables), as ConfigMap data; `platform_env`
+    is what the platform sets for every runtime (tracing: operator/runtime_tracing.py), never the spec."""
     rt = spec.runtime
     env = {
         "EMBEDFLEET_MODEL": model_dir(spec.model),
@@ -200,17 +203,26 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec) -> dict[str, str]:
     env.update({key: str(value) for key, value in optional.items() if value is not None})
     if downloaded(spec.model) and spec.model.digest is not None:
         env["EMBEDFLEET_MODEL_DIGEST"] = spec.model.digest  # the runtime verifies before loading
+    if platform_env:
+        env.update(platform_env)
+        if "OTEL_SERVICE_NAME" not in platform_env:
+            env["OTEL_SERVICE_NAME"] = "embedfleet-runtime"
+        # which deployment a span came from, after whatever the platform set
+        attributes = [a for a in (platform_env.get("OTEL_RESOURCE_ATTRIBUTES", ""),
+                                  f"embedfleet.deployment={name}") if a]
+        env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(attributes)
     return env
 
 
-def render_config_map(name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec) -> Manifest:
+def render_config_map(name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec,
+                      platform_env: Mapping[str, str] | None = None) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(
             config_map_name(name), namespace, owner_reference(name, uid), labels(name, "runtime")
         ),
-        "data": runtime_env(name, spec),
+        "data": runtime_env(name, spec, platform_env),
     }
 
 
@@ -518,13 +530,15 @@ def render(
     allow_control_plane: bool = False,
     autoscaler_desired: int | None = None,
     service_monitor_available: bool = False,
+    platform_env: Mapping[str, str] | None = None,
 ) -> list[Manifest]:
     """Every object one EmbeddingDeployment needs, in apply order (config before its consumers).
 
     ``cache_root`` is the platform's node cache root (chart value platform.cacheRoot), never the
-    tenant's; ``allow_control_plane`` lifts the rule that keeps runtime pods off control-plane nodes.
+    tenant's; ``allow_control_plane`` lifts the rule that keeps runtime pods off control-plane nodes;
+    ``platform_env`` is added to every runtime's configuration (the platform's tracing settings).
     """
-    config = render_config_map(name, namespace, uid, spec)
+    config = render_config_map(name, namespace, uid, spec, platform_env)
     replicas = effective_replicas(spec, autoscaler_desired)
     out = [
         config,

@@ -32,11 +32,14 @@ from embedfleet.operator.handlers.common import cache_nodes, reject
 from embedfleet.operator.handlers.common import now as _now
 from embedfleet.operator.kube import OWNED_KINDS, Kube, KubeError, NotOwned, up_to_date
 from embedfleet.operator.render import effective_replicas, render, runtime_name, selector_string
+from embedfleet.operator.runtime_tracing import runtime_tracing_env
 from embedfleet.operator.validate import check
 
 KUBE = Kube()
 #: The chart's platform allow-lists (EMBEDFLEET_PLATFORM_POLICY), read once at start-up.
 POLICY = platform.load()
+#: The chart's tracing values for runtime pods (EMBEDFLEET_RUNTIME_OTEL_*), read once at start-up.
+RUNTIME_TRACING = runtime_tracing_env()
 RESOURCE = (naming.GROUP, naming.VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL)
 KIND = naming.EMBEDDING_DEPLOYMENT_KIND
 #: Kinds whose changes re-converge their owner: (group, version, plural).
@@ -159,7 +162,8 @@ def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec) -> tuple[in
     autoscaler_desired = _autoscaler_desired(obj.get("status"))
     manifests = render(meta["name"], meta["namespace"], meta["uid"], parsed,
                        cache_root=POLICY.cache_root, allow_control_plane=POLICY.allow_control_plane,
-                       autoscaler_desired=autoscaler_desired, service_monitor_available=service_monitor)
+                       autoscaler_desired=autoscaler_desired, service_monitor_available=service_monitor,
+                       platform_env=RUNTIME_TRACING)
     return effective_replicas(parsed, autoscaler_desired), manifests
 
 
