@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from embedfleet.runtime.tracing import exporters
+from embedfleet.otel import exporters
 from tests.chart.helm import gateway_deployment, template
 from tests.procs import ROOT, child_env
 

@@ -9,8 +9,8 @@ from tests.chart.helm import operator_container, template
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.render import content_hash, render_config_map
 from embedfleet.operator.runtime_tracing import runtime_tracing_env
+from embedfleet.otel import exporters
 from embedfleet.runtime.settings import RuntimeSettings
-from embedfleet.runtime.tracing import exporters
 
 SPEC = EmbeddingDeploymentSpec.model_validate(
     {"model": {"source": "https://weights.example/minilm.tar", "digest": "sha256:" + "5e" * 32}})

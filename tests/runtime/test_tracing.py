@@ -39,12 +39,13 @@ from embedfleet.gateway.fleet import Fleet
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
 from embedfleet.gateway.tracing import GatewayTracing
+from embedfleet.otel import TracingConfigError, exporters
 from embedfleet.runtime.api.app import create_app
 from embedfleet.runtime.api.gate import GateState
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.service import Models
 from embedfleet.runtime.settings import RuntimeSettings
-from embedfleet.runtime.tracing import RuntimeTracing, TracingConfigError, exporters
+from embedfleet.runtime.tracing import RuntimeTracing
 from tests.procs import ROOT, RuntimeServer, child_env, free_port, spawn, wait_url_ready
 
 MODEL = "all-MiniLM-L6-v2"

@@ -8,7 +8,7 @@ replica are further `upstream` spans; time held for a cold start is the gap befo
 
 Both hooks are installed only when tracing is on: an aiohttp middleware (`middleware`) and a
 TraceConfig on the work session (`client_trace_config`), so off, the proxy path runs no tracing code at
-all. The setup (which exporters, the OTEL_* variables) is the runtime's own (`embedfleet.runtime.tracing`),
+all. The setup (which exporters, the OTEL_* variables) is shared with the runtime (`embedfleet.otel`),
 one home for both processes.
 """
 
@@ -22,7 +22,7 @@ from opentelemetry import context, propagate
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span, set_span_in_context
 
-from embedfleet.runtime.tracing import TracingConfigError, exporters, provider_from_env
+from embedfleet.otel import TracingConfigError, exporters, provider_from_env
 
 __all__ = ["OWN_PATHS", "GatewayTracing", "TracingConfigError", "exporters", "provider_from_env"]
 

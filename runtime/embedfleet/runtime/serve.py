@@ -17,12 +17,13 @@ import sys
 
 import uvicorn
 
+from embedfleet.otel import TracingConfigError, exporters, provider_from_env
 from embedfleet.runtime.api.app import create_app
 from embedfleet.runtime.api.gate import GateState
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.service import Models
 from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments, settings_or_exit_code
-from embedfleet.runtime.tracing import RuntimeTracing, TracingConfigError, exporters, provider_from_env
+from embedfleet.runtime.tracing import RuntimeTracing
 
 log = logging.getLogger("embedfleet.serve")
 

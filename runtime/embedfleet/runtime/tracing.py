@@ -20,73 +20,27 @@ Off (the default) costs one `if` per hook: the gate's `GateState.tracing` is Non
 exists, and every hook below tests for one. On, the setup reads the standard OTEL_* variables (endpoint,
 headers, service name, resource attributes, sampler, batch processor) through the SDK itself.
 
-This module imports nothing from the runtime (the gateway's tracing.py shares `provider_from_env`).
+The on/off rule and the provider's set-up are `embedfleet.otel`'s, shared with the gateway (which must
+not import the runtime package).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextvars import ContextVar
 
 from opentelemetry import propagate
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 
-EXPORTERS = ("otlp", "console", "none")
-_TRUE = frozenset({"1", "true", "yes", "on"})
 # Wall-clock nanoseconds of a time.perf_counter() value: the batcher times batches with perf_counter,
 # and a span made after the fact needs epoch times.
 _WALL0, _PERF0 = time.time_ns(), time.perf_counter()
 # The request being served on this task (set by the gate, read by the hooks that have no request at hand:
 # tokenization and queueing in service.py, the encode mark in api/http.py).
 _CURRENT: ContextVar[RequestTrace | None] = ContextVar("embedfleet_request_trace", default=None)
-
-
-class TracingConfigError(ValueError):
-    """A tracing variable the SDK cannot act on; the message names it."""
-
-
-def exporters(flag: bool, env: Mapping[str, str]) -> tuple[str, ...]:
-    """The span exporters to run, () for tracing off. Pure: the whole on/off rule.
-
-    Off unless `flag` (--otel / EMBEDFLEET_OTEL) or OTEL_TRACES_EXPORTER names an exporter;
-    OTEL_SDK_DISABLED=true turns it off whatever else says. With the flag alone, OTLP (the SDK's default
-    exporter). OTEL_TRACES_EXPORTER=none keeps it off even with the flag."""
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
-        return ()
-    raw = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    names = tuple(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
-    unknown = [n for n in names if n not in EXPORTERS]
-    if unknown:
-        raise TracingConfigError(f"OTEL_TRACES_EXPORTER: {', '.join(unknown)} is not one of {', '.join(EXPORTERS)}")
-    if not names:
-        return ("otlp",) if flag else ()
-    return tuple(n for n in names if n != "none")
-
-
-def provider_from_env(service_name: str, names: Sequence[str]) -> TracerProvider:
-    """A TracerProvider for `names` (from `exporters`), configured by the OTEL_* variables: the resource
-    (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES; `service_name` when neither names the service), the
-    sampler (OTEL_TRACES_SAMPLER[_ARG]), the OTLP/HTTP exporter (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT,
-    _HEADERS, _TIMEOUT, ...) and the batch processor (OTEL_BSP_*), all read by the SDK itself."""
-    resource = Resource.create()
-    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):  # the SDK's stand-in
-        resource = resource.merge(Resource({SERVICE_NAME: service_name}))
-    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-    for name in names:
-        exporter: SpanExporter
-        if name == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter()
-        else:
-            exporter = ConsoleSpanExporter(service_name=service_name)
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider
 
 
 def wall_ns(perf: float) -> int:
