@@ -23,8 +23,12 @@ RUNTIME_PORT = 8080
 class FakeKubelet:
     """Starts one real runtime per Running pod IP (and stops it when the pod goes)."""
 
-    def __init__(self, cluster: Cluster, net: PodNetwork, namespace: str, selector: str, logs: Path) -> None:
+    def __init__(self, cluster: Cluster, net: PodNetwork, namespace: str, selector: str, logs: Path,
+                 config_env: bool = False) -> None:
         self.cluster, self.net, self.namespace, self.selector, self.logs = cluster, net, namespace, selector, logs
+        #: Start each runtime with the EMBEDFLEET_* variables of its pod (the ConfigMaps its container's
+        #: envFrom names, then its env values) as a kubelet would, instead of the embedded default model.
+        self.config_env = config_env
         self.runtimes: dict[str, subprocess.Popen] = {}
         #: IPs whose runtime outlives its pod until the test stops it with `stop` (a slow shutdown).
         self.lingering: set[str] = set()
@@ -47,21 +51,47 @@ class FakeKubelet:
     def _loop(self) -> None:
         while not self.stop_flag.wait(0.5):
             pods = self.cluster.get_json("pods", "-n", self.namespace, "-l", self.selector) or {"items": []}
-            live = {p["status"].get("podIP") for p in pods["items"]
-                    if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
-            live.discard(None)
+            running = {p["status"].get("podIP"): p for p in pods["items"]
+                       if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
+            running.pop(None, None)
+            live = set(running)
+            envs = {ip: self.pod_env(pod) for ip, pod in running.items()
+                    if self.config_env and ip not in self.runtimes}
             with self._lock:
                 if self.stop_flag.is_set():
                     return
                 for ip in live - set(self.runtimes):
+                    env = envs.get(ip)
+                    if self.config_env and env is None:
+                        continue  # its ConfigMap could not be read yet: try again next round
                     with open(self.logs / f"runtime-{ip}.log", "ab") as log:
                         self.runtimes[ip] = spawn(
                             [*self.net.prefix(), sys.executable, "-m", "embedfleet.runtime.cli", "serve",
                              "--host", ip, "--port", str(RUNTIME_PORT), "--max-concurrent-requests", "256"],
-                            stdout=log, stderr=log, env=child_env(), cwd=ROOT,
+                            stdout=log, stderr=log, env=child_env(env), cwd=ROOT,
                         )
                 for ip in set(self.runtimes) - live - self.lingering:
                     stop_process(self.runtimes.pop(ip))
+
+    def pod_env(self, pod: dict) -> dict[str, str | None] | None:
+        """The EMBEDFLEET_* / OTEL_* environment the pod's first container would get (envFrom ConfigMaps,
+        then env values), less the listen address (the pod IP and port are given as flags); None while a
+        ConfigMap it names cannot be read."""
+        container = pod["spec"]["containers"][0]
+        env: dict[str, str | None] = {}
+        for source in container.get("envFrom") or []:
+            ref = (source.get("configMapRef") or {}).get("name")
+            if not ref:
+                continue
+            config = self.cluster.get_json("configmap", ref, "-n", self.namespace)
+            if not config:
+                return None
+            env.update(config.get("data") or {})
+        env.update({e["name"]: e["value"] for e in container.get("env") or [] if "value" in e})
+        wanted = {k: v for k, v in env.items() if k.startswith(("EMBEDFLEET_", "OTEL_"))}
+        for name in ("EMBEDFLEET_HOST", "EMBEDFLEET_PORT"):
+            wanted.pop(name, None)
+        return wanted
 
     def stop(self, ip: str) -> None:
         """Stop the runtime on `ip` now (one left lingering after its pod went, say)."""

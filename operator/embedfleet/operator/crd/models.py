@@ -331,6 +331,59 @@ class PlacementSpec(CamelModel):
     tolerations: list[ClusterToleration] = Field(default_factory=list, description="FleetCluster taints tolerated.")
 
 
+# ---------------------------------------------------------------- rollouts (docs/rollouts.md)
+
+
+Compatibility = Literal["compatible", "breaking"]
+REVISION_NAME_PATTERN = r"^r[1-9][0-9]{0,8}$"
+
+
+class RolloutWave(CamelModel):
+    """One step of a hub rollout: the clusters it moves and how long they must stay healthy."""
+
+    name: str | None = Field(default=None, max_length=63)
+    regions: list[str] = Field(default_factory=list, description="FleetCluster regions in this wave.")
+    clusters: list[str] = Field(default_factory=list, description="FleetCluster names in this wave.")
+    cluster_selector: dict[str, str] = Field(
+        default_factory=dict, description="FleetCluster labels; a cluster matching any of the three is in the wave."
+    )
+    max_failures: int = Field(default=0, ge=0, le=10000, description="Clusters of the wave that may fail it.")
+    soak_seconds: float = Field(
+        default=60, ge=0, le=86400, description="How long the wave must stay healthy before the next starts."
+    )
+
+
+class RolloutSpec(CamelModel):
+    """How a change of revision (model, digest, dtype, quantization or engine) reaches traffic."""
+
+    min_cosine: float = Field(
+        default=0.999,
+        gt=0,
+        le=1,
+        description="Drift gate of a compatible change: every probe text's cosine between the old and the new "
+        "revision must reach this (and the probe's similarity order must hold).",
+    )
+    query_revision: str | None = Field(
+        default=None,
+        pattern=REVISION_NAME_PATTERN,
+        description="Breaking changes: the revision (status.revisions[].name) that answers the bare model name. "
+        "Unset: the older revision keeps it while the new one serves <name>@rN; set it once the re-index is done.",
+    )
+    gate_timeout_seconds: float = Field(
+        default=600, ge=10, le=86400, description="A candidate not probed within this is RolloutBlocked."
+    )
+    max_error_rate: float = Field(
+        default=0.05, ge=0, le=1, description="Hub waves: a cluster answering more 5xx than this fails its wave."
+    )
+    probe_interval_seconds: float = Field(
+        default=300, ge=0, le=86400, description="How often each runtime re-checks its probe for drift (0: never)."
+    )
+    waves: list[RolloutWave] = Field(
+        default_factory=list,
+        description="Hub only: clusters in order; clusters in no wave form a last wave. Empty: all at once.",
+    )
+
+
 class MonitoringSpec(CamelModel):
     service_monitor: bool = Field(
         default=False, description="Also create a ServiceMonitor (only where its CRD is installed)."
@@ -351,12 +404,19 @@ class EmbeddingDeploymentSpec(CamelModel):
     cache: CacheSpec = Field(default_factory=CacheSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    compatibility: Compatibility = Field(
+        default="compatible",
+        description="compatible: a new revision must pass the drift gate (spec.rollout.minCosine) and then "
+        "replaces the old one under the same name. breaking: a re-index is planned; the new revision is served "
+        "side by side as <name>@rN until spec.rollout.queryRevision names it.",
+    )
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
 
 
 # ---------------------------------------------------------------- status
 
 
-ConditionType = Literal["Accepted", "CacheReady", "Available", "Scaling", "Degraded"]
+ConditionType = Literal["Accepted", "CacheReady", "Available", "Scaling", "Degraded", "RolloutBlocked"]
 
 
 class Condition(CamelModel):
@@ -396,6 +456,60 @@ class ClusterRow(CamelModel):
     cache: str | None = Field(default=None, description="The spoke's CacheReady reason, or cached/total nodes.")
     last_seen: str | None = None
     reasons: list[str] = Field(default_factory=list)
+    revision: str | None = Field(default=None, description="The revision the spoke reports current.")
+
+
+RevisionState = Literal["Serving", "Candidate", "SideBySide", "Draining", "Blocked", "Retired"]
+RolloutPhase = Literal["Idle", "Gating", "Blocked", "SideBySide", "Promoting", "Waves", "RolledBack", "Done"]
+
+
+class GateStatus(CamelModel):
+    """The drift gate's measurement of a revision against the one it would replace."""
+
+    passed: bool
+    min_cosine: float | None = None
+    mean_cosine: float | None = None
+    order_kept: bool | None = None
+    message: str = Field(default="", max_length=4096)
+
+
+class RevisionStatus(CamelModel):
+    """One revision: its identity, fingerprint, vector space and where it stands."""
+
+    name: str = Field(pattern=REVISION_NAME_PATTERN)
+    hash: str = Field(max_length=64, description="Hash of the identity fields (embedfleet.compat.identity).")
+    source: str = Field(max_length=1024)
+    model_revision: str | None = Field(default=None, max_length=255)
+    digest: str | None = None
+    dtype: str = "float32"
+    quantization: str = "none"
+    engine: str = "torch"
+    fingerprint: str | None = Field(default=None, max_length=80, description="sha256 of its probe outputs.")
+    vector_space: str = Field(max_length=63, description="Revisions in one vector space are interchangeable.")
+    state: RevisionState
+    served_names: list[str] = Field(default_factory=list)
+    created_at: str | None = None
+    gate: GateStatus | None = None
+
+
+class RolloutStatus(CamelModel):
+    phase: RolloutPhase = "Idle"
+    revision: str | None = Field(default=None, description="The revision being rolled out.")
+    wave: int | None = Field(default=None, description="Hub: index of the wave in progress (0-based).")
+    waves_total: int | None = None
+    wave_started_at: str | None = None
+    started_at: str | None = None
+    message: str = Field(default="", max_length=4096)
+
+
+class ProbeDriftStatus(CamelModel):
+    """What the runtimes' periodic probe checks show (embedfleet_probe_cosine), as the operator last scraped."""
+
+    drifted: bool
+    min_cosine: float | None = None
+    pods: list[str] = Field(default_factory=list, description="Pods whose probe is out of tolerance.")
+    message: str = Field(default="", max_length=4096)
+    checked_at: str | None = None
 
 
 class EmbeddingDeploymentStatus(CamelModel):
@@ -411,6 +525,15 @@ class EmbeddingDeploymentStatus(CamelModel):
         default=None, description="Hub only: per-spoke shares and what each spoke reports."
     )
     target_replicas: int | None = Field(default=None, description="Hub only: the fleet-wide replica target.")
+    revisions: list[RevisionStatus] | None = Field(
+        default=None, description="Every revision still live or last seen, oldest first (docs/rollouts.md)."
+    )
+    current_revision: str | None = Field(default=None, description="The revision answering the bare model name.")
+    query_vector_space: str | None = Field(
+        default=None, description="The vector space the bare model name resolves to (gateways pin to it)."
+    )
+    rollout: RolloutStatus | None = None
+    probe_drift: ProbeDriftStatus | None = None
 
 
 class ModelCacheSpec(CamelModel):

@@ -1,0 +1,5 @@
+"""Vector compatibility, shared by the runtime, the operator, the hub and the gateway: the canonical probe set,
+the drift gate that compares two revisions' probe outputs, revision identity and the `name@rN` names.
+
+It lives outside embedfleet.runtime so the operator and the gateway import it without the runtime package.
+"""
