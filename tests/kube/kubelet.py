@@ -18,6 +18,9 @@ from tests.procs import ROOT, child_env, spawn, stop_process
 
 #: The runtime's port (the EmbeddingDeployment default, which its Service and EndpointSlice name).
 RUNTIME_PORT = 8080
+#: Passed even without `config_env`: a gateway pins requests to the vector space the operator rendered
+#: for the pod, and a runtime started without it would (rightly) refuse them.
+IDENTITY_ENV = ("EMBEDFLEET_REVISION", "EMBEDFLEET_VECTOR_SPACE")
 
 
 class FakeKubelet:
@@ -55,15 +58,16 @@ class FakeKubelet:
                        if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
             running.pop(None, None)
             live = set(running)
-            envs = {ip: self.pod_env(pod) for ip, pod in running.items()
-                    if self.config_env and ip not in self.runtimes}
+            envs = {ip: self.pod_env(pod) for ip, pod in running.items() if ip not in self.runtimes}
             with self._lock:
                 if self.stop_flag.is_set():
                     return
                 for ip in live - set(self.runtimes):
                     env = envs.get(ip)
-                    if self.config_env and env is None:
+                    if env is None:
                         continue  # its ConfigMap could not be read yet: try again next round
+                    if not self.config_env:  # the embedded model, but the pod's revision identity (pinning)
+                        env = {k: v for k, v in env.items() if k in IDENTITY_ENV}
                     with open(self.logs / f"runtime-{ip}.log", "ab") as log:
                         self.runtimes[ip] = spawn(
                             [*self.net.prefix(), sys.executable, "-m", "embedfleet.runtime.cli", "serve",

@@ -66,6 +66,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
     ("EmbedfleetHighErrorRate", "rate(embedfleet_gateway_requests_total[5m])) > 0.05",
      "rate(embedfleet_gateway_requests_total[5m])) > 0.5"),
     ("EmbedfleetWebhookDeadLetters", 'outcome="dead_lettered"', 'outcome="delivered"'),
+    ("EmbedfleetProbeDrift", "(embedfleet_probe_cosine < 0.999)", "(embedfleet_probe_cosine < 0.9)"),
 ])
 def test_a_changed_rule_fails_its_unit_test(tmp_path: Path, alert: str, old: str, new: str) -> None:
     text = RULES.read_text()

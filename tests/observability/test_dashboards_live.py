@@ -121,7 +121,8 @@ def fleet() -> Iterator[Fleet]:
             runtime = start_runtime_on(runtime_port, "--redis-url", redis.url, "--webhook-secret", SECRET,
                                        "--webhook-allow-private", "--webhook-max-attempts", "2",
                                        "--webhook-backoff", "0.2", "--cache-enabled", "--max-concurrent-requests", "4",
-                                       "--max-queue-seconds", str(MAX_QUEUE_SECONDS))
+                                       "--max-queue-seconds", str(MAX_QUEUE_SECONDS),
+                                       "--probe-interval", "2")  # the probe drift panel needs a re-check
             started.append(runtime)
             runtime.wait_ready()
             assert [f.result() for f in held] == [200] * 3
@@ -145,6 +146,7 @@ def fleet() -> Iterator[Fleet]:
         wait_for(lambda: bool(prometheus.query(f"embedfleet_async_dead_letters >= {DOWN_JOBS}")),
                  "Prometheus to scrape them",
                  timeout=30)
+        wait_for(lambda: bool(prometheus.query("embedfleet_probe_cosine")), "a probe re-check scraped", timeout=60)
         time.sleep(2)  # two more scrapes: rates have a sample after the last event
         yield Fleet(runtime, gateway_a, gateway_b, redis, receiver, prometheus, codes)
     finally:

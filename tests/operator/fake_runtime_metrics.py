@@ -2,7 +2,8 @@
 
 Used where a test needs pods whose load it controls exactly (the autoscaler end to end), which the
 real runtime only gives under real traffic. ``POST /set`` with ``{"in_flight": N}`` sets the gauge
-(and ``"async_depth"`` the async backlog);
+(and ``"async_depth"`` the async backlog; ``"probe_cosine"`` / ``"probe_order_kept"`` the periodic probe
+re-check's gauges for model ``"model"``, absent until first set, as on a runtime that has not re-checked);
 ``GET /metrics`` is prometheus_client's own exposition; ``/health`` and ``/ready`` answer 200.
 
     python tests/operator/fake_runtime_metrics.py --port 0   # prints "listening on PORT"
@@ -24,6 +25,7 @@ IN_FLIGHT = Gauge("embedfleet_requests_in_flight", "requests accepted, not answe
 QUEUE = Gauge("embedfleet_queue_requests", "requests waiting for a batch", registry=REGISTRY)
 MAX_BATCH = Gauge("embedfleet_max_batch_requests", "configured batch size", registry=REGISTRY)
 ASYNC_DEPTH: list[Gauge] = []  # registered on first use: a runtime without Redis does not export it
+PROBE: dict[str, Gauge] = {}  # likewise: no probe gauges before the first re-check
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -56,6 +58,12 @@ class Handler(BaseHTTPRequestHandler):
                     ASYNC_DEPTH.append(Gauge("embedfleet_async_queue_depth", "unfinished async jobs",
                                              registry=REGISTRY))
                 ASYNC_DEPTH[0].set(float(body["async_depth"]))
+            for key in ("probe_cosine", "probe_order_kept"):
+                if key in body:
+                    if key not in PROBE:
+                        PROBE[key] = Gauge(f"embedfleet_{key}", "periodic probe re-check", ["model"],
+                                           registry=REGISTRY)
+                    PROBE[key].labels(str(body.get("model", "minilm"))).set(float(body[key]))
         except (ValueError, KeyError, TypeError) as exc:
             msg = json.dumps({"error": {"message": str(exc), "type": "invalid_request", "code": 400}})
             self._send(400, msg.encode())

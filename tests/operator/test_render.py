@@ -40,6 +40,10 @@ CONTRACT_ENV = {
     "EMBEDFLEET_TOKENIZER_WORKERS",
     "EMBEDFLEET_DRAIN_TIMEOUT",
     "EMBEDFLEET_MODEL_DIGEST",
+    "EMBEDFLEET_REVISION",
+    "EMBEDFLEET_VECTOR_SPACE",
+    "EMBEDFLEET_PROBE_INTERVAL",
+    "EMBEDFLEET_PROBE_MIN_COSINE",
 }
 
 
@@ -97,6 +101,9 @@ def test_runtime_contract_env_probes_and_drain() -> None:
     assert data["EMBEDFLEET_DEVICE"] == "cpu" and data["EMBEDFLEET_DRAIN_TIMEOUT"] == "45"
     assert data["EMBEDFLEET_MODEL"] == f"/var/cache/embedfleet/local/sha256-{'5e' * 32}"
     assert data["EMBEDFLEET_MODEL_DIGEST"] == DIGEST  # the runtime re-verifies what it loads
+    # One revision (no status yet): r1 in vector space r1, probe checks on the spec's defaults.
+    assert data["EMBEDFLEET_REVISION"] == "r1" and data["EMBEDFLEET_VECTOR_SPACE"] == "r1"
+    assert data["EMBEDFLEET_PROBE_INTERVAL"] == "300" and data["EMBEDFLEET_PROBE_MIN_COSINE"] == "0.999"
     container = runtime_container(manifests)
     assert container["envFrom"] == [{"configMapRef": {"name": "minilm-config"}}]
     api_key = next(e for e in container["env"] if e["name"] == "EMBEDFLEET_API_KEY")

@@ -24,7 +24,14 @@ import sys
 import aiohttp
 from aiohttp import web
 
-from embedfleet.gateway.config import BALANCES, ConfigError, GatewayConfig, parse_spill, parse_upstreams
+from embedfleet.gateway.config import (
+    BALANCES,
+    ConfigError,
+    GatewayConfig,
+    parse_spill,
+    parse_upstreams,
+    parse_vector_spaces,
+)
 from embedfleet.gateway.fleet import Fleet
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
@@ -50,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="another region's gateway that deployment NAME may spill to when it has no ready "
                              "replica here (repeat; tried in order). On Kubernetes the hub sets this per deployment "
                              "from its placement policy (annotation embedfleet.dev/spill-to)")
+    parser.add_argument("--vector-space", action="append", default=[], metavar="NAME=SPACE",
+                        help="pin requests for NAME to this vector space (replicas of another are never sent them); "
+                             "default: the space of the first routable --upstream listed, from its GET /v1/models. "
+                             "On Kubernetes the EmbeddingDeployment's status says it (docs/rollouts.md)")
     parser.add_argument("--spill-after", type=float, default=D.spill_after,
                         help="spill only when the expected cold start here is longer than this many seconds "
                              f"(default: {D.spill_after})")
@@ -117,6 +128,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     unknown = sorted(set(spill) - set(upstreams))
     if unknown:
         raise ConfigError(f"--spill names deployments with no --upstream: {', '.join(unknown)}")
+    spaces = parse_vector_spaces(args.vector_space)
+    if args.kubernetes and spaces:
+        raise ConfigError("--kubernetes takes vector spaces from the EmbeddingDeployments' status: drop --vector-space")
+    unknown = sorted(set(spaces) - set(upstreams))
+    if unknown:
+        raise ConfigError(f"--vector-space names deployments with no --upstream: {', '.join(unknown)}")
     if not upstreams and not args.kubernetes:
         raise ConfigError("no upstreams: give --upstream NAME=URL (once per replica), or --kubernetes")
     try:
@@ -130,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout=args.request_timeout, payload_limit=args.payload_limit,
         max_connections_per_replica=args.max_connections_per_replica, drain_timeout=args.drain_timeout,
         kubernetes=args.kubernetes, namespaces=tuple(args.namespace), region=args.region, spill=spill,
+        vector_spaces=spaces,
         spill_after=args.spill_after, balance=args.balance, max_queue_seconds=args.max_queue_seconds,
         max_queue_seconds_bulk=args.max_queue_seconds_bulk, urgent_max_inputs=args.urgent_max_inputs,
         eject_after=args.eject_after, eject_base=args.eject_base, eject_max=args.eject_max, tracing=tracing)

@@ -32,6 +32,7 @@ class GatewayConfig:
     drain_timeout: float = 30.0  # on SIGTERM: how long in-flight (and held) requests may finish
     region: str = ""  # this gateway's region: named on the requests it spills, and in metrics
     spill: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # deployment -> [(region, gateway URL)]
+    vector_spaces: dict[str, str] = field(default_factory=dict)  # deployment -> the space it pins (pinning.py)
     spill_after: float = 2.0  # spill when the expected cold start here is longer than this (seconds)
     balance: str = "least-wait"  # or "round-robin": a baseline for benchmarks only
     max_queue_seconds: float = 5.0  # shed (429) a query when every replica's expected wait is over it; 0: never
@@ -85,6 +86,18 @@ def parse_spill(values: list[str]) -> dict[str, list[tuple[str, str]]]:
             raise ConfigError(f"--spill {value!r}: expected NAME=REGION=URL (another region's gateway, "
                               "http(s)://HOST[:PORT])")
         out.setdefault(name.strip(), []).append((region.strip(), url.strip().rstrip("/")))
+    return out
+
+
+def parse_vector_spaces(values: list[str]) -> dict[str, str]:
+    """["NAME=SPACE", ...] -> {NAME: SPACE}: the vector space requests for NAME are pinned to, declared
+    (as the cluster's status declares it on Kubernetes) instead of learned from the replicas."""
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, space = (part.strip() for part in value.partition("="))
+        if not sep or not name or not space or "," in space:
+            raise ConfigError(f"--vector-space {value!r}: expected NAME=SPACE (a served model name and one space)")
+        out[name] = space
     return out
 
 

@@ -11,8 +11,8 @@ from aiohttp import web
 
 TYPES = {
     400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-    422: "invalid_request_error", 429: "rate_limit_error", 502: "server_error", 503: "service_unavailable",
-    504: "timeout_error",
+    409: "vector_space_mismatch", 422: "invalid_request_error", 429: "rate_limit_error", 502: "server_error",
+    503: "service_unavailable", 504: "timeout_error",
 }
 
 

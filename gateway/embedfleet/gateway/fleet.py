@@ -8,6 +8,12 @@ interactive first, then oldest first, each to the least-wait replica at that mom
 step, so no later request overtakes them and no query waits behind bulk work. A hold is bounded in
 number (--max-held) and in time (--hold-timeout); both refusals say when to come back from the
 deployment's learned cold start.
+
+Pinning (pinning.py): a request goes only to replicas of the vector space its name resolves to here
+(or that it arrived pinned to), never to one that refused it for its space; nothing of that space able
+to take it: it is held like a cold start, and refused at the hold time-out with a message saying the
+name resolves to a different revision there, mid-rollout (409 `vector_space_mismatch` for a request that
+came pinned, so the region that spilled it tries elsewhere).
 """
 
 from __future__ import annotations
@@ -21,12 +27,21 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from embedfleet.compat.names import split_model
 from embedfleet.gateway.coldstart import ColdStart
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.eject import admitted
 from embedfleet.gateway.errors import Refused
 from embedfleet.gateway.hold import Held, HeldQueue
 from embedfleet.gateway.pick import ROUTABLE, State, expected_wait, pick, pick_in_turn
+from embedfleet.gateway.pinning import (
+    HEADER_VECTOR_SPACE,
+    MISMATCH,
+    UNAVAILABLE,
+    effective_space,
+    eligible,
+    serves_elsewhere,
+)
 from embedfleet.gateway.shed import decide
 from embedfleet.gateway.spill import Target, choose, should_spill
 from embedfleet.gateway.upstreams import Replica, Upstreams
@@ -42,6 +57,8 @@ class Deployment:
     in_flight: int = 0  # requests the gateway is handling for it, held ones included
     last_request_at: float | None = None  # time.monotonic() of the latest arrival
     turn: int = 0  # --balance round-robin: requests routed so far
+    vector_space: str | None = None  # the space its requests are pinned to, when the cluster says (pinning.py)
+    mixed: frozenset[str] = frozenset()  # the spaces its replicas reported when that was last warned about
 
 
 @dataclass(slots=True)
@@ -54,6 +71,10 @@ class Ticket:
     hold: Held | None = field(default=None, repr=False)
     may_spill: bool = True  # false for a request another region spilled here (never spilled again)
     spilled_to: Target | None = None  # the region's gateway this attempt goes to (spill.py)
+    model: str = ""  # the model name the request asked for (messages)
+    space: str | None = None  # the vector space it is pinned to (pinning.py); None: not known here, no pin
+    pinned: bool = False  # it arrived carrying that pin (spilled in): this gateway does not choose another
+    refused: dict[str, str] = field(default_factory=dict)  # URL -> who: answered 409 vector_space_mismatch
 
 
 class Fleet:
@@ -73,6 +94,7 @@ class Fleet:
         self._arrivals = 0
         for name, urls in config.upstreams.items():
             self.set_replicas(name, urls)
+            self.deployments[name].vector_space = config.vector_spaces.get(name)
         for name, targets in config.spill.items():
             self.set_spill(name, [Target(region, url) for region, url in targets])
 
@@ -91,13 +113,15 @@ class Fleet:
         old = {t.url: t for t in self.spill.get(name, [])}
         self.spill[name] = [old.get(t.url, t) for t in targets]
 
-    def set_routes(self, routes: dict[str, tuple[str, list[str]]]) -> None:
-        """Kubernetes mode (kube.py): served model name -> (deployment, replica URLs), the whole set.
-        A deployment that left the cluster is forgotten unless requests are still held for it (they
-        then wait out their hold and are refused as any cold start is)."""
+    def set_routes(self, routes: dict[str, tuple[str, list[str]]], spaces: dict[str, str | None] | None = None) -> None:
+        """Kubernetes mode (kube.py): served model name -> (deployment, replica URLs), the whole set, and
+        each deployment's vector space. A deployment that left the cluster is forgotten unless requests
+        are still held for it (they then wait out their hold and are refused as any cold start is)."""
         self.aliases = {model: key for model, (key, _) in routes.items()}
-        for key, urls in routes.values():
+        for model, (key, urls) in routes.items():
             self.set_replicas(key, urls)
+            self.upstreams.models[key] = model
+            self.deployments[key].vector_space = (spaces or {}).get(key)
         live = set(self.aliases.values())
         for key in [k for k, d in self.deployments.items() if k not in live]:
             self.upstreams.set_replicas(key, [])
@@ -107,8 +131,11 @@ class Fleet:
 
     # -- requests
 
-    def resolve(self, model: str | None) -> Deployment:
-        """The deployment serving `model`; when the body names none, the only deployment there is."""
+    def resolve(self, model: str | None, pin: str | None = None) -> Deployment:
+        """The deployment serving `model`; when the body names none, the only deployment there is. A
+        request pinned to a vector space (`pin`) that the name's own deployment does not serve goes to the
+        deployment of the same model in that space, if there is one here (`bge` pinned to r2's space ->
+        `bge@r2`): a region a flip behind still answers from the right index."""
         names = sorted(self.aliases) if self.aliases else sorted(self.deployments)
         if model is None:
             if len(self.deployments) == 1:
@@ -119,7 +146,26 @@ class Fleet:
         if deployment is None:
             raise Refused(404, f"the model {model!r} does not exist here; this gateway serves {names}",
                           "model_not_found")
+        if pin is not None and self.space_of(deployment) != pin:
+            base = split_model(model)[0]
+            for name in names:
+                sibling = self.deployments.get(self.aliases.get(name, "") if self.aliases else name)
+                if sibling is not None and split_model(name)[0] == base and self.space_of(sibling) == pin:
+                    return sibling
         return deployment
+
+    def space_of(self, deployment: Deployment) -> str | None:
+        """The vector space `deployment`'s requests are pinned to (pinning.effective_space); warns once per
+        change when its replicas report several (only the chosen one's replicas get its requests)."""
+        replicas = self.upstreams.replicas(deployment.name)
+        space = effective_space(deployment.vector_space, replicas)
+        seen = frozenset(r.vector_space for r in replicas if r.vector_space is not None)
+        if len(seen | ({space} if space else set())) > 1 and seen != deployment.mixed:
+            log.warning("%s: its replicas serve the vector spaces %s; requests go only to those of %s (the first "
+                        "routable listed, or the cluster's choice), never mixed", deployment.name,
+                        ", ".join(sorted(seen)), space)
+        deployment.mixed = seen
+        return space
 
     def begin(self, deployment: Deployment) -> Ticket:
         deployment.in_flight += 1
@@ -134,11 +180,15 @@ class Fleet:
         """A replica for the request, counted in flight (give it back with `done`), at once or after a
         hold. Refused: 503 hold_full / cold_start with Retry-After, or 504 when `deadline` passes."""
         self._shed(deployment, ticket)
-        replica = self._pick(deployment)
+        replica = self._pick(deployment, ticket)
         if replica is not None:
             replica.in_flight += 1
             return replica
         now = self.now()
+        if ticket.pinned and ticket.space is not None and (
+                deployment.vector_space not in (None, ticket.space)
+                or serves_elsewhere(self.upstreams.replicas(deployment.name), ticket.space)):
+            raise self._mismatch(deployment, ticket)  # nothing here serves that space: do not hold it
         target = self._spill_target(deployment, ticket, now)
         if target is not None:  # another region's gateway, as if it were a replica (the proxy marks it)
             ticket.spilled_to = target
@@ -148,7 +198,7 @@ class Fleet:
         if ticket.held_since is None:
             ticket.held_since = now
         future: asyncio.Future[Replica] = asyncio.get_running_loop().create_future()
-        ticket.hold = Held(ticket.arrival, ticket.held_since, future, ticket.bulk)
+        ticket.hold = Held(ticket.arrival, ticket.held_since, future, ticket.bulk, ticket)
         if not deployment.held.admit(ticket.hold):
             raise Refused(503, f"{deployment.name} has no replica ready and already holds {deployment.held.bound} "
                           "requests (--max-held); retry later", "hold_full", self._retry_after(deployment, now))
@@ -167,6 +217,8 @@ class Fleet:
             if deadline is not None and deadline <= hold_until:
                 raise Refused(504, "the request's deadline passed while no replica of "
                               f"{deployment.name} was ready", "deadline_exceeded") from None
+            if self._kept_off(deployment, ticket):
+                raise self._mismatch(deployment, ticket) from None
             deployment.cold.observe_at_least(now - ticket.held_since)
             raise Refused(503, f"{deployment.name} has had no replica ready for {now - ticket.held_since:.0f}s "
                           "(--hold-timeout); it is starting from cold, retry later", "cold_start",
@@ -179,20 +231,54 @@ class Fleet:
             raise
 
     def _spill_target(self, deployment: Deployment, ticket: Ticket, now: float) -> Target | None:
-        targets = self.spill.get(deployment.name, [])
+        targets = [t for t in self.spill.get(deployment.name, []) if t.url not in ticket.refused]
         if not targets or not ticket.may_spill:
             return None
         cold_for = 0.0 if ticket.held_since is None else now - ticket.held_since
         remaining = deployment.cold.expected_s() - cold_for
-        routable = any(r.state in ROUTABLE for r in self.upstreams.replicas(deployment.name))
+        routable = any(r.state in ROUTABLE for r in self._eligible(deployment, ticket))
         if not should_spill(routable, not ticket.may_spill, remaining, self.config.spill_after, targets):
             return None
         return choose(targets, now)
 
-    def _pick(self, deployment: Deployment) -> Replica | None:
-        """The replica for the next request, of those not ejected: the least-wait one, or the next in
-        turn with --balance round-robin (a baseline for benchmarks)."""
-        replicas = admitted(self.upstreams.replicas(deployment.name), self.now())
+    def _eligible(self, deployment: Deployment, ticket: Ticket | None) -> list[Replica]:
+        """The replicas that may take this request: of its vector space (fixed here at its first pick, if
+        known by then) and not among those that refused it for its space."""
+        replicas = list(self.upstreams.replicas(deployment.name))
+        if ticket is None:
+            return replicas
+        if ticket.space is None:
+            ticket.space = self.space_of(deployment)
+        return [r for r in replicas if eligible(r, ticket.space) and r.url not in ticket.refused]
+
+    def _kept_off(self, deployment: Deployment, ticket: Ticket) -> bool:
+        """Was the request kept from an answer by its pin (refusals, or only other spaces able to take it)?"""
+        return bool(ticket.refused) or (ticket.space is not None and any(
+            r.state in ROUTABLE and not eligible(r, ticket.space) for r in self.upstreams.replicas(deployment.name)))
+
+    def _mismatch(self, deployment: Deployment, ticket: Ticket) -> Refused:
+        """The refusal of a request no replica of its vector space could take: 409 for one that came
+        pinned (the region that spilled it tries another), 503 for one this gateway pinned itself."""
+        here = sorted({r.vector_space for r in self.upstreams.replicas(deployment.name) if r.vector_space}
+                      | ({deployment.vector_space} if deployment.vector_space else set()))
+        elsewhere = sorted({who for who in ticket.refused.values() if who != "replica"})
+        model = ticket.model or deployment.name
+        if ticket.pinned:
+            return Refused(409, f"the request is pinned to vector space {ticket.space!r} ({HEADER_VECTOR_SPACE}), "
+                           f"but the model {model!r} resolves to {', '.join(map(repr, here)) or 'no vector space'} "
+                           "here: mid-rollout, this region serves another revision under that name, whose vectors "
+                           "are not interchangeable", MISMATCH)
+        spill = f"; the regions it could spill to ({', '.join(elsewhere)}) resolve it to a different revision" \
+            if elsewhere else ""
+        return Refused(503, f"the model {model!r} resolves to vector space {ticket.space!r} here, and no replica of "
+                       f"that space could take the request: mid-rollout, the name resolves to a different revision "
+                       f"on the replicas that can answer{spill}; retry later, or ask for a revision by name "
+                       "(<model>@rN)", UNAVAILABLE, self._retry_after(deployment, self.now()))
+
+    def _pick(self, deployment: Deployment, ticket: Ticket | None = None) -> Replica | None:
+        """The replica for the next request, of those not ejected and of its vector space: the least-wait
+        one, or the next in turn with --balance round-robin (a baseline for benchmarks)."""
+        replicas = admitted(self._eligible(deployment, ticket), self.now())
         if self.config.balance == "round-robin":
             deployment.turn += 1
             return pick_in_turn(replicas, deployment.turn)
@@ -201,7 +287,7 @@ class Fleet:
     def _shed(self, deployment: Deployment, ticket: Ticket) -> None:
         """429 `overloaded` now when every replica would refuse the request for its expected wait."""
         bound = self.config.max_queue_seconds_bulk if ticket.bulk else self.config.max_queue_seconds
-        shed = decide(admitted(self.upstreams.replicas(deployment.name), self.now()), bound, ticket.bulk)
+        shed = decide(admitted(self._eligible(deployment, ticket), self.now()), bound, ticket.bulk)
         if shed is not None:
             flag = "--max-queue-seconds-bulk" if ticket.bulk else "--max-queue-seconds"
             raise Refused(429, f"every replica of {deployment.name} is overloaded: the least loaded expects "
@@ -243,11 +329,17 @@ class Fleet:
             return
         now = self.now()
         oldest = deployment.held.oldest()
-        deployment.cold.observe(now - oldest.since)
-        for held in deployment.held.release():
-            replica = self._pick(deployment)
+        released = False
+        for held in list(deployment.held):  # release order; each goes only where its pin allows
+            replica = self._pick(deployment, held.owner if isinstance(held.owner, Ticket) else None)
+            if replica is None:
+                continue
+            deployment.held.remove(held)
             replica.in_flight += 1
             held.item.set_result(replica)
+            released = True
+        if released:
+            deployment.cold.observe(now - oldest.since)
 
     def replica_waits(self) -> dict[str, dict[str, float]]:
         """Per deployment, per replica URL: the expected wait the gateway routes by (pick.expected_wait)."""

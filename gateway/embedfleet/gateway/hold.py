@@ -23,6 +23,7 @@ class Held(Generic[T]):
     since: float  # time.monotonic() when it was first held
     item: T  # what the caller waits on (a future)
     bulk: bool = False  # released after every interactive request held
+    owner: object = None  # the caller's record of the request (fleet.py: its Ticket, which says where it may go)
 
     @property
     def order(self) -> tuple[bool, int]:

@@ -5,7 +5,9 @@ version is gone) feed the same `Fleet` the static `--upstream` flags feed:
 
 * EmbeddingDeployments: the served model name a request asks for (`spec.model.servedModelName`, else
   the object's name, as the runtime is told) -> the deployment `<namespace>/<name>`, whose runtime
-  Service has the deployment's name (operator/render.py).
+  Service has the deployment's name (operator/render.py). Mid-rollout, each live revision that is not
+  current answers `<served>@rN` through its own Service `<name>-rN`; every route carries the vector
+  space its requests are pinned to, from the deployment's status (pinning.py).
 * EndpointSlices of those Services: the addresses that may take work. An endpoint that is not `ready`,
   or is `terminating`, is dropped at once: a pod being deleted leaves the slice before its runtime's
   own /ready turns false, so draining replicas stop getting new requests first.
@@ -31,6 +33,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
+from embedfleet.gateway.pinning import revision_services
 from embedfleet.gateway.spill import ANNOTATION
 from embedfleet.operator.crd import naming
 
@@ -85,21 +88,39 @@ class ClusterView:
     deployments: dict[str, str] = field(default_factory=dict)  # "<ns>/<name>" -> served model name
     spill: dict[str, str] = field(default_factory=dict)  # "<ns>/<name>" -> the hub's spill-to annotation
     slices: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # "<ns>/<slice>" -> ("<ns>/<svc>", urls)
+    # "<ns>/<name>" -> (model name, Service name, vector space) per name it answers (pinning.revision_services)
+    names: dict[str, list[tuple[str, str, str | None]]] = field(default_factory=dict)
+
+    def _names(self, key: str) -> list[tuple[str, str, str | None]]:
+        return self.names.get(key) or [(self.deployments[key], key.split("/", 1)[1], None)]
 
     def routes(self) -> dict[str, tuple[str, list[str]]]:
-        """served model name -> (deployment key, replica URLs). Two deployments serving one name: the
-        first by key wins (a warning names the other), so routing never flips between them."""
+        """model name -> (Service key, replica URLs): the bare served name -> the main Service `<ns>/<name>`,
+        `<served>@rN` -> `<ns>/<name>-rN` (a live revision that is not current). Two deployments serving
+        one name: the first by key wins (a warning names the other), so routing never flips between them."""
         out: dict[str, tuple[str, list[str]]] = {}
         urls: dict[str, set[str]] = {}
         for service, found in self.slices.values():
             urls.setdefault(service, set()).update(found)
         for key in sorted(self.deployments):
-            model = self.deployments[key]
-            if model in out:
-                log.warning("%s and %s both serve the model %r; requests go to %s", out[model][0], key, model,
-                            out[model][0])
-                continue
-            out[model] = (key, sorted(urls.get(key, ())))
+            namespace = key.split("/", 1)[0]
+            for model, service, _ in self._names(key):
+                if model in out:
+                    log.warning("%s and %s both serve the model %r; requests go to %s", out[model][0], key, model,
+                                out[model][0])
+                    continue
+                service_key = deployment_key(namespace, service)
+                out[model] = (service_key, sorted(urls.get(service_key, ())))
+        return out
+
+    def spaces(self) -> dict[str, str | None]:
+        """Service key (as in `routes`) -> the vector space requests routed there are pinned to (None: the
+        operator has not written one; such requests carry no pin)."""
+        out: dict[str, str | None] = {}
+        for key in sorted(self.deployments):
+            namespace = key.split("/", 1)[0]
+            for _, service, space in self._names(key):
+                out.setdefault(deployment_key(namespace, service), space)
         return out
 
 
@@ -107,7 +128,8 @@ class KubeSource:
     """Keeps `apply(routes)` called with the cluster's current routes; wakes deployments at zero."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient, namespaces: Iterable[str],
-                 apply: Callable[[dict[str, tuple[str, list[str]]]], None], loop: asyncio.AbstractEventLoop,
+                 apply: Callable[[dict[str, tuple[str, list[str]]], dict[str, str | None]], None],
+                 loop: asyncio.AbstractEventLoop,
                  apply_spill: Callable[[dict[str, str]], None] | None = None) -> None:
         self.api = api_client
         self.namespaces = list(namespaces)
@@ -191,6 +213,9 @@ class KubeSource:
             items = obj.get("items") or []
             fresh = {deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): served_name(i) for i in items}
             self.view.deployments = kept | fresh
+            self.view.names = {k: v for k, v in self.view.names.items() if not self._in_scope(k, ns)} | {
+                deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): revision_services(i, served_name(i))
+                for i in items}
             self.view.spill = {k: v for k, v in self.view.spill.items() if not self._in_scope(k, ns)} | {
                 deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): spill_annotation(i) for i in items}
             return
@@ -198,8 +223,10 @@ class KubeSource:
         if kind == "DELETED":
             self.view.deployments.pop(key, None)
             self.view.spill.pop(key, None)
+            self.view.names.pop(key, None)
         else:
             self.view.deployments[key] = served_name(obj)
+            self.view.names[key] = revision_services(obj, served_name(obj))
             self.view.spill[key] = spill_annotation(obj)
 
     def _on_slice(self, kind: str, obj: dict, ns: str | None) -> None:
@@ -226,8 +253,9 @@ class KubeSource:
     def _publish(self) -> None:
         with self._lock:
             routes = self.view.routes()
+            spaces = self.view.spaces()
             spill = dict(self.view.spill)
-        self.loop.call_soon_threadsafe(self.apply, routes)
+        self.loop.call_soon_threadsafe(self.apply, routes, spaces)
         if self.apply_spill is not None:
             self.loop.call_soon_threadsafe(self.apply_spill, spill)
 
@@ -235,6 +263,8 @@ class KubeSource:
     async def wake(self, key: str) -> None:
         """Scale `<ns>/<name>` from 0 to 1 (scale subresource), at most once per WAKE_EVERY_S."""
         now = time.monotonic()
+        if key not in self.view.deployments:
+            return  # a revision's own Service (`<name>-rN`): its Deployment keeps minReplicas, nothing to wake
         if now - self._woken.get(key, float("-inf")) < WAKE_EVERY_S:
             return
         self._woken[key] = now

@@ -7,7 +7,10 @@ Per request: read the body (--payload-limit), find `model` (400 malformed JSON, 
 the request with the headers that matter and the time left of its deadline, and stream the answer.
 A replica that did not take the request (503 `draining`, connection refused or reset before any
 answer) is marked so at once and the request goes to another one, or back to the hold; once a replica
-may have run it (an answer began, or a timeout after sending) it is never sent again.
+may have run it (an answer began, or a timeout after sending) it is never sent again. Every request
+carries the vector space its name resolves to (`x-embedfleet-vector-space`, pinning.py); a replica or a
+region's gateway that refuses it for that (409 `vector_space_mismatch`) did not take it either: the
+request goes to another of the right space, and the refusal is never passed off as an answer.
 
 The gateway's own routes: /health, /ready, /metrics, /gateway/load (what an autoscaler reads), and
 GET /v1/models merged over the deployments.
@@ -27,6 +30,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
+from embedfleet.compat.names import split_model
 from embedfleet.gateway.classes import input_count, is_bulk
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.eject import is_failure
@@ -34,6 +38,7 @@ from embedfleet.gateway.errors import Refused, error_response
 from embedfleet.gateway.fleet import Deployment, Fleet, Ticket
 from embedfleet.gateway.metrics import UNKNOWN, GatewayMetrics
 from embedfleet.gateway.pick import State, pick
+from embedfleet.gateway.pinning import HEADER_VECTOR_SPACE, is_mismatch
 from embedfleet.gateway.spill import SPILLED_FROM
 from embedfleet.gateway.upstreams import Replica
 
@@ -124,6 +129,7 @@ class Gateway:
                 return name, None, b""
 
         answers = await asyncio.gather(*(ask(name) for name in self.fleet.deployments))
+        routed = {key: model for model, key in self.fleet.aliases.items()}  # Kubernetes: deployment -> its name
         data, seen = [], set()
         for name, status, raw in answers:
             if status is not None and status != 200:
@@ -135,6 +141,10 @@ class Gateway:
                 cards = None
             if not isinstance(cards, list):
                 cards = [{"id": name, "object": "model", "owned_by": "embedfleet", "ready": False}]
+            model = routed.get(name, name)
+            if split_model(model)[1] is not None:  # a revision side by side: listed by the name that reaches it
+                cards = [{**c, "id": model} if isinstance(c, dict) and c.get("id") == split_model(model)[0] else c
+                         for c in cards]
             for card in cards:
                 if isinstance(card, dict) and card.get("id") not in seen:
                     seen.add(card.get("id"))
@@ -149,10 +159,12 @@ class Gateway:
         try:
             body = await self._read_body(request)
             model, body_timeout, inputs = self._model_of(request, body)
-            deployment = self.fleet.resolve(model)
+            pin = request.headers.get(HEADER_VECTOR_SPACE, "").strip() or None  # spilled in: keep its space
+            deployment = self.fleet.resolve(model, pin)
         except Refused as refused:
             return self._refuse(refused, UNKNOWN)
         ticket = self.fleet.begin(deployment)
+        ticket.model, ticket.space, ticket.pinned = model or deployment.name, pin, pin is not None
         ticket.may_spill = SPILLED_FROM not in request.headers
         ticket.bulk = is_bulk(request.headers.get("x-priority"), inputs, self.config.urgent_max_inputs)
         try:
@@ -245,7 +257,8 @@ class Gateway:
                     self.metrics.spilled.labels(deployment.name, ticket.spilled_to.region).inc()
                 return answer
             if ticket.spilled_to is not None:  # that region's gateway did not take it: not again for a while
-                ticket.spilled_to.down_at = self.fleet.now()
+                if ticket.spilled_to.url not in ticket.refused:  # (one that refused its space: not for this one)
+                    ticket.spilled_to.down_at = self.fleet.now()
                 ticket.spilled_to = None
             attempts += 1
             if attempts >= len(self.fleet.upstreams.replicas(deployment.name)) + EXTRA_ATTEMPTS:
@@ -259,6 +272,8 @@ class Gateway:
         headers = self._headers(request, deadline)
         if ticket.spilled_to is not None:
             headers[SPILLED_FROM] = self.config.region or "unknown"
+        if ticket.space is not None:
+            headers[HEADER_VECTOR_SPACE] = ticket.space
         timeout = self._no_deadline if deadline is None else \
             aiohttp.ClientTimeout(total=deadline - self.fleet.now() + DEADLINE_GRACE_S, sock_connect=CONNECT_TIMEOUT_S)
         upstreams = self.fleet.upstreams
@@ -287,8 +302,9 @@ class Gateway:
             first_byte = self.fleet.now()
             upstreams.answered(replica, upstream.headers)
             length = upstream.content_length
-            if upstream.status == 503 or (length is not None and length <= WHOLE_BELOW):
-                # read whole: a 503 to see whether it is `draining`; a short answer to pass on in one write
+            if upstream.status in (409, 503) or (length is not None and length <= WHOLE_BELOW):
+                # read whole: a 503 to see whether it is `draining`, a 409 whether it is a refusal for the
+                # request's vector space; a short answer to pass on in one write
                 try:
                     raw = await upstream.read()
                 except (aiohttp.ClientError, TimeoutError) as exc:
@@ -296,6 +312,12 @@ class Gateway:
                                   "upstream_broke_off") from None
                 if upstream.status == 503 and _draining(raw):
                     return self._not_taken(deployment, replica, State.DRAINING, "draining", "answered 503 draining")
+                if is_mismatch(upstream.status, raw):  # another space's replica, or a region a flip apart
+                    target = ticket.spilled_to
+                    ticket.refused[replica.url] = "replica" if target is None else target.region
+                    log.info("%s: %s refused the request for vector space %s", deployment.name,
+                             replica.url if target is None else f"region {target.region}", ticket.space)
+                    return self._not_taken(deployment, replica, None, "vector_space", "answered 409 vector space")
                 self._answered(deployment, replica, ticket, upstream.status, first_byte, sent)
                 return web.Response(body=raw, status=upstream.status, reason=upstream.reason,
                                     headers=self._response_headers(upstream))

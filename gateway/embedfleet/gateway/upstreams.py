@@ -5,6 +5,9 @@ flight to it and its mean service time. Three sources keep them fresh: a cheap p
 replica's `GET /load` (every --poll-interval, faster while requests are held), the
 `x-embedfleet-expected-wait` and `server-timing` headers on every answer, and what happens to a
 request (a 503 `draining` marks the replica draining at once, a refused connection marks it down).
+Each replica's vector space (pinning.py) is learned from its `GET /v1/models` when a poll first finds
+it up (again after it was down: a restarted process may serve another revision; at most every
+SPACE_RETRY_S while it reports none), and from the `x-embedfleet-vector-space` header of its answers.
 
 The replica set of a deployment is replaced at run time by `set_replicas`: from --upstream flags
 locally, from watched EndpointSlices on Kubernetes.
@@ -24,12 +27,14 @@ import aiohttp
 import orjson
 
 from embedfleet.gateway.eject import Ejection
-from embedfleet.gateway.pick import State
+from embedfleet.gateway.pick import ROUTABLE, State
+from embedfleet.gateway.pinning import HEADER_VECTOR_SPACE, label, space_of_cards, spaces_of_header
 
 log = logging.getLogger("embedfleet.gateway.upstreams")
 
 SERVICE_ALPHA = 0.2  # weight of the newest answer in a replica's mean service time
 DEFAULT_SERVICE_S = 0.01  # before a replica's first answer
+SPACE_RETRY_S = 5.0  # a replica whose /v1/models named no vector space is asked again after this long
 RUNTIME_STATES = {"ready": State.READY, "saturated": State.BUSY, "draining": State.DRAINING}
 
 
@@ -45,6 +50,8 @@ class Replica:
     marked_at: float = -math.inf  # when a request's outcome last set `state` (a poll begun before is stale)
     detail: str = "not polled yet"
     ejection: Ejection = field(default_factory=Ejection)  # failures in a row, and when an ejection ends (eject.py)
+    vector_space: str | None = None  # the space it serves the deployment's model in, as it last said (pinning.py)
+    space_asked_at: float = -math.inf  # when its GET /v1/models was last read for that
 
     def report_wait(self, wait_s: float, at: float) -> None:
         if at >= self.reported_at and math.isfinite(wait_s):
@@ -103,6 +110,7 @@ class Upstreams:
         self.holding = holding  # true while requests are held: poll faster
         self.now = now
         self.deployments: dict[str, dict[str, Replica]] = {}
+        self.models: dict[str, str] = {}  # deployment -> the model name its requests ask for (a card's id)
         self._wake = asyncio.Event()
 
     def set_replicas(self, deployment: str, urls: Iterable[str]) -> None:
@@ -144,6 +152,17 @@ class Upstreams:
         took = server_timing_s(headers.get("server-timing"))
         if took is not None:
             replica.report_service(took)
+        spaces = spaces_of_header(headers.get(HEADER_VECTOR_SPACE))
+        if len(spaces) == 1 and replica.vector_space not in spaces:
+            self.learned(replica, label(next(iter(spaces))), "its answer")
+
+    def learned(self, replica: Replica, space: str | None, source: str) -> None:
+        """`replica` serves `space` (None: it did not say); a change may let held requests go to it."""
+        if space is None or space == replica.vector_space:
+            return
+        log.info("%s: replica %s serves vector space %s (%s)", replica.deployment, replica.url, space, source)
+        replica.vector_space = space
+        self.on_change(replica.deployment)
 
     def poll_now(self) -> None:
         self._wake.set()
@@ -172,6 +191,7 @@ class Upstreams:
         started = self.now()
         results = await asyncio.gather(*(self._fetch_load(url) for url in by_url))
         changed: set[str] = set()
+        seen: list[tuple[Replica, State, str]] = []
         for replicas, (doc, problem) in zip(by_url.values(), results, strict=True):
             for replica in replicas:
                 if problem is None:
@@ -180,20 +200,43 @@ class Upstreams:
                         replica.report_wait(wait, started)
                 else:
                     state, detail = State.DOWN, problem
-                if started < replica.marked_at:
-                    continue  # a request saw newer news than this poll
-                was = replica.state
-                self._set_state(replica, state, detail)
-                if state is not was:
-                    changed.add(replica.deployment)
+                seen.append((replica, state, detail))
+        # A replica coming up is asked its vector space before it is routable: no request goes to it unpinned.
+        ask = [r for r, state, _ in seen if state in ROUTABLE and (r.state not in ROUTABLE or (
+            r.vector_space is None and started - r.space_asked_at >= SPACE_RETRY_S))]
+        if ask:
+            await self._learn_spaces(ask, started)
+        for replica, state, detail in seen:
+            if started < replica.marked_at:
+                continue  # a request saw newer news than this poll
+            was = replica.state
+            self._set_state(replica, state, detail)
+            if state is not was:
+                changed.add(replica.deployment)
         for deployment in changed:
             self.on_change(deployment)
 
+    async def _learn_spaces(self, replicas: list[Replica], at: float) -> None:
+        """Read each replica's vector space from its GET /v1/models (one request per URL)."""
+        by_url: dict[str, list[Replica]] = {}
+        for replica in replicas:
+            replica.space_asked_at = at
+            by_url.setdefault(replica.url, []).append(replica)
+        docs = await asyncio.gather(*(self._fetch(f"{url}/v1/models") for url in by_url))
+        for group, (doc, _) in zip(by_url.values(), docs, strict=True):
+            for replica in group:
+                model = self.models.get(replica.deployment, replica.deployment)
+                self.learned(replica, space_of_cards(doc, model), "GET /v1/models")
+
     async def _fetch_load(self, url: str) -> tuple[Any, str | None]:
+        return await self._fetch(f"{url}/load")
+
+    async def _fetch(self, url: str) -> tuple[Any, str | None]:
+        path = url.split("/", 3)[-1]
         try:
-            async with self.session.get(f"{url}/load", timeout=self.poll_timeout) as resp:
+            async with self.session.get(url, timeout=self.poll_timeout) as resp:
                 if resp.status != 200:
-                    return None, f"GET /load answered {resp.status}"
+                    return None, f"GET /{path} answered {resp.status}"
                 return orjson.loads(await resp.read()), None
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-            return None, f"GET /load failed: {type(exc).__name__}: {exc}"
+            return None, f"GET /{path} failed: {type(exc).__name__}: {exc}"

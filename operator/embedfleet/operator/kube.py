@@ -76,6 +76,7 @@ KINDS: dict[str, Kind] = {
     "ServiceAccount": Kind("v1", "serviceaccounts", True),
     "Event": Kind("v1", "events", True),
     "Secret": Kind("v1", "secrets", True),
+    "Pod": Kind("v1", "pods", True),
     "Node": Kind("v1", "nodes", False),
     "Namespace": Kind("v1", "namespaces", False),
     "Lease": Kind("coordination.k8s.io/v1", "leases", True),

@@ -26,13 +26,16 @@ from __future__ import annotations
 import hashlib
 import json
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from embedfleet.compat.identity import identity
+from embedfleet.compat.names import with_revision
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.gpus import GPU_PRODUCT_LABEL, KNOWN_GPU_TYPES
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelSource, NodePool
 from embedfleet.operator.platform import CONTROL_PLANE_LABELS
+from embedfleet.operator.rollout.revisions import Run
 
 Manifest = dict[str, Any]
 
@@ -130,6 +133,44 @@ def config_map_name(name: str) -> str:
     return f"{name}-config"
 
 
+# ---------------------------------------------------------------- revisions (docs/rollouts.md)
+
+#: The first revision of a deployment that has no status yet: r1, in vector space r1.
+FIRST_REVISION = "r1"
+#: Pod component of a revision that runs beside the primary Deployment (a candidate or side by side):
+#: the primary's selector, status.selector, the PDB and the autoscaler never see its pods.
+REVISION_COMPONENT = "revision"
+
+
+def default_runs(spec: EmbeddingDeploymentSpec) -> list[Run]:
+    """Before status records any revision: the spec's identity is r1, alone in vector space r1."""
+    return [Run(FIRST_REVISION, identity(spec), FIRST_REVISION, True)]
+
+
+def revision_object_name(name: str, revision: str) -> str:
+    """``<name>-rN``: the Deployment and Service of a revision that is not the current one."""
+    return f"{name}-{revision}"
+
+
+def revision_config_map_name(name: str, revision: str) -> str:
+    return f"{revision_object_name(name, revision)}-config"
+
+
+def spec_for(spec: EmbeddingDeploymentSpec, ident: Mapping[str, Any]) -> EmbeddingDeploymentSpec:
+    """The spec with a revision's identity fields (model source, revision, digest, dtype, quantization,
+    engine) in place of its own: everything else (replicas, limits, placement) is the spec's."""
+    model = spec.model.model_copy(update={"source": ident["source"], "revision": ident.get("modelRevision"),
+                                          "digest": ident.get("digest")})
+    runtime = spec.runtime.model_copy(update={"dtype": ident.get("dtype") or spec.runtime.dtype,
+                                              "quantization": ident.get("quantization") or spec.runtime.quantization,
+                                              "engine": ident.get("engine") or spec.runtime.engine})
+    return spec.model_copy(update={"model": model, "runtime": runtime})
+
+
+def revision_labels(run: Run) -> dict[str, str]:
+    return {naming.REVISION_LABEL: run.revision, naming.VECTOR_SPACE_LABEL: run.vector_space}
+
+
 def node_pools(selector: dict[str, str], pools: list[NodePool]) -> list[NodePool]:
     """The node pools a cache spec names; none means one pool of ``selector`` (the node agent and the
     ModelCache status use this, so both count the same nodes)."""
@@ -176,10 +217,15 @@ def effective_replicas(spec: EmbeddingDeploymentSpec, autoscaler_desired: int | 
 # ---------------------------------------------------------------- runtime pieces
 
 
-def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[str, str] | None = None
-                ) -> dict[str, str]:
+def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[str, str] | None = None,
+                run: Run | None = None) -> dict[str, str]:
     """The runtime's configuration contract (EMBEDFLEET_* variables), as ConfigMap data; `platform_env`
-    is what the platform sets for every runtime (tracing: operator/runtime_tracing.py), never the spec."""
+    is what the platform sets for every runtime (tracing: operator/runtime_tracing.py), never the spec.
+    ``run`` is the revision it serves (default: r1 in vector space r1): the runtime answers ``<served>``
+    and ``<served>@rN``, refuses requests pinned to another vector space, and re-checks its probe every
+    probeIntervalSeconds against minCosine."""
+    run = run or default_runs(spec)[0]
+    spec = spec_for(spec, run.identity)
     rt = spec.runtime
     env = {
         "EMBEDFLEET_MODEL": model_dir(spec.model),
@@ -194,6 +240,10 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[
         "EMBEDFLEET_MAX_CLIENT_BATCH_SIZE": str(rt.max_client_batch_size),
         "EMBEDFLEET_MAX_CONCURRENT_REQUESTS": str(rt.max_concurrent_requests),
         "EMBEDFLEET_DRAIN_TIMEOUT": str(rt.drain_timeout_seconds),
+        "EMBEDFLEET_REVISION": run.revision,
+        "EMBEDFLEET_VECTOR_SPACE": run.vector_space,
+        "EMBEDFLEET_PROBE_INTERVAL": f"{spec.rollout.probe_interval_seconds:g}",
+        "EMBEDFLEET_PROBE_MIN_COSINE": f"{spec.rollout.min_cosine:g}",
     }
     optional = {
         "EMBEDFLEET_MAX_INPUT_TOKENS": rt.max_input_tokens,
@@ -215,14 +265,15 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[
 
 
 def render_config_map(name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec,
-                      platform_env: Mapping[str, str] | None = None) -> Manifest:
+                      platform_env: Mapping[str, str] | None = None, run: Run | None = None) -> Manifest:
+    run = run or default_runs(spec)[0]
+    cm_name = config_map_name(name) if run.primary else revision_config_map_name(name, run.revision)
+    component = "runtime" if run.primary else REVISION_COMPONENT
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(
-            config_map_name(name), namespace, owner_reference(name, uid), labels(name, "runtime")
-        ),
-        "data": runtime_env(name, spec, platform_env),
+        "metadata": _meta(cm_name, namespace, owner_reference(name, uid), labels(name, component)),
+        "data": runtime_env(name, spec, platform_env, run),
     }
 
 
@@ -358,7 +409,19 @@ def render_deployment(
     *,
     cache_root: str,
     allow_control_plane: bool = False,
+    run: Run | None = None,
 ) -> Manifest:
+    """The runtime Deployment of one revision: the primary ``<name>`` (the current revision) or
+    ``<name>-rN`` (a candidate or side-by-side revision, component ``revision``)."""
+    run = run or default_runs(spec)[0]
+    spec = spec_for(spec, run.identity)
+    if run.primary:
+        object_name, component, config_name = runtime_name(name), "runtime", config_map_name(name)
+        selector = selector_labels(name, component)
+    else:
+        object_name, component = revision_object_name(name, run.revision), REVISION_COMPONENT
+        config_name = revision_config_map_name(name, run.revision)
+        selector = {**selector_labels(name, component), naming.REVISION_LABEL: run.revision}
     rt = spec.runtime
     volumes, mounts, init_containers = _model_volumes(spec, namespace, cache_root)
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
@@ -396,7 +459,7 @@ def render_deployment(
         "imagePullPolicy": rt.image_pull_policy,
         "command": ["embedfleet", "serve"],
         "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
-        "envFrom": [{"configMapRef": {"name": config_map_name(name)}}],
+        "envFrom": [{"configMapRef": {"name": config_name}}],
         "env": env,
         "resources": _resources(spec),
         "startupProbe": {
@@ -437,7 +500,7 @@ def render_deployment(
                 "maxSkew": 1,
                 "topologyKey": "kubernetes.io/hostname",
                 "whenUnsatisfiable": "ScheduleAnyway",
-                "labelSelector": {"matchLabels": selector_labels(name, "runtime")},
+                "labelSelector": {"matchLabels": selector},
             }
         ],
     }
@@ -453,15 +516,15 @@ def render_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(runtime_name(name), namespace, owner_reference(name, uid), labels(name, "runtime")),
+        "metadata": _meta(object_name, namespace, owner_reference(name, uid), labels(name, component)),
         "spec": {
             "replicas": replicas,
             "revisionHistoryLimit": 3,
-            "selector": {"matchLabels": selector_labels(name, "runtime")},
+            "selector": {"matchLabels": selector},
             "strategy": rollout_strategy(spec),
             "template": {
                 "metadata": {
-                    "labels": labels(name, "runtime"),
+                    "labels": {**labels(name, component), **revision_labels(run)},
                     "annotations": {
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(rt.port),
@@ -475,12 +538,28 @@ def render_deployment(
     }
 
 
-def render_service(name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec) -> Manifest:
-    meta = _meta(runtime_name(name), namespace, owner_reference(name, uid), labels(name, "runtime"))
+def render_service(name: str, namespace: str, uid: str, spec: EmbeddingDeploymentSpec,
+                   query_vector_space: str = FIRST_REVISION, run: Run | None = None) -> Manifest:
+    """The main Service ``<name>`` (no ``run``): every runtime pod of the query vector space, whichever
+    Deployment runs it, so it never mixes spaces and never reaches an ungated candidate. With a ``run``:
+    the Service ``<name>-rN`` of that revision (``<served>@rN`` traffic and the drift gate's reads)."""
+    served = spec.model.served_model_name or name
+    if run is None:
+        object_name, model, space = runtime_name(name), served, query_vector_space
+        selector = {naming.INSTANCE_LABEL: name, naming.VECTOR_SPACE_LABEL: query_vector_space}
+        component = "runtime"
+    else:
+        object_name, model, space = revision_object_name(name, run.revision), with_revision(served, run.revision), \
+            run.vector_space
+        selector = {naming.INSTANCE_LABEL: name, naming.REVISION_LABEL: run.revision}
+        component = REVISION_COMPONENT
+    meta = _meta(object_name, namespace, owner_reference(name, uid), labels(name, component))
     meta["annotations"] = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(spec.runtime.port),
         "prometheus.io/path": "/metrics",
+        naming.MODEL_ANNOTATION: model,
+        naming.VECTOR_SPACE_ANNOTATION: space,
     }
     return {
         "apiVersion": "v1",
@@ -488,7 +567,7 @@ def render_service(name: str, namespace: str, uid: str, spec: EmbeddingDeploymen
         "metadata": meta,
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name, "runtime"),
+            "selector": selector,
             "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -531,22 +610,37 @@ def render(
     autoscaler_desired: int | None = None,
     service_monitor_available: bool = False,
     platform_env: Mapping[str, str] | None = None,
+    runs: Sequence[Run] | None = None,
+    query_vector_space: str | None = None,
 ) -> list[Manifest]:
     """Every object one EmbeddingDeployment needs, in apply order (config before its consumers).
 
     ``cache_root`` is the platform's node cache root (chart value platform.cacheRoot), never the
     tenant's; ``allow_control_plane`` lifts the rule that keeps runtime pods off control-plane nodes;
     ``platform_env`` is added to every runtime's configuration (the platform's tracing settings).
+    ``runs`` are the revisions to run (rollout.revisions.decide; default: the spec as r1), the primary
+    first, and ``query_vector_space`` the one the main Service selects (default: the primary's).
     """
-    config = render_config_map(name, namespace, uid, spec, platform_env)
+    runs = list(runs or default_runs(spec))
+    primary = next(r for r in runs if r.primary)
+    config = render_config_map(name, namespace, uid, spec, platform_env, primary)
     replicas = effective_replicas(spec, autoscaler_desired)
     out = [
         config,
         render_deployment(name, namespace, uid, spec, replicas, content_hash(config["data"]),
-                          cache_root=cache_root, allow_control_plane=allow_control_plane),
-        render_service(name, namespace, uid, spec),
+                          cache_root=cache_root, allow_control_plane=allow_control_plane, run=primary),
+        render_service(name, namespace, uid, spec, query_vector_space or primary.vector_space),
         render_pdb(name, namespace, uid),
     ]
+    for run in runs:
+        if run.primary:
+            continue
+        side_config = render_config_map(name, namespace, uid, spec, platform_env, run)
+        out += [side_config,
+                render_deployment(name, namespace, uid, spec, run.replicas or 1, content_hash(side_config["data"]),
+                                  cache_root=cache_root, allow_control_plane=allow_control_plane, run=run)]
+        if run.revision != primary.revision:
+            out.append(render_service(name, namespace, uid, spec, run=run))
     if spec.monitoring.service_monitor and service_monitor_available:
         out.append(render_service_monitor(name, namespace, uid, spec))
     return out

@@ -34,9 +34,15 @@ log = logging.getLogger(__name__)
 
 IN_FLIGHT_METRIC = "embedfleet_requests_in_flight"
 ASYNC_DEPTH_METRIC = "embedfleet_async_queue_depth"
+#: The runtime's periodic probe re-check (docs/rollouts.md, "Drift monitoring"), read from the same scrape.
+PROBE_COSINE_METRIC = "embedfleet_probe_cosine"
+PROBE_ORDER_METRIC = "embedfleet_probe_order_kept"
 DEFAULT_QUERY = 'sum(embedfleet_requests_in_flight{namespace="$namespace",service="$service"})'
 # Every replica reports the whole Redis queue, so the fleet's backlog is the max, not the sum.
 ASYNC_DEPTH_QUERY = 'max(embedfleet_async_queue_depth{namespace="$namespace",service="$service"})'
+# Per pod, the worst model's figure (a pod drifts when any of its models does).
+PROBE_COSINE_QUERY = 'min by (pod) (embedfleet_probe_cosine{namespace="$namespace",service="$service"})'
+PROBE_ORDER_QUERY = 'min by (pod) (embedfleet_probe_order_kept{namespace="$namespace",service="$service"})'
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,9 @@ class PodReading:
     in_flight: float | None
     async_depth: float | None = None
     error: str | None = None
+    #: The probe re-check's lowest cosine and order (1/0) over the pod's models; None until it re-checked.
+    probe_cosine: float | None = None
+    probe_order_kept: bool | None = None
 
     @property
     def ok(self) -> bool:
@@ -134,6 +143,14 @@ def parse_async_depth(text: str) -> float | None:
     return max(values) if values else None
 
 
+def parse_probe(text: str) -> tuple[float | None, bool | None]:
+    """(lowest probe cosine, whether every model kept the probe's order) in one exposition; None for a
+    gauge the runtime does not export (yet: it appears after the first periodic re-check)."""
+    cosines = _samples(text, PROBE_COSINE_METRIC)
+    orders = _samples(text, PROBE_ORDER_METRIC)
+    return (min(cosines) if cosines else None), (min(orders) >= 0.5 if orders else None)
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -167,7 +184,9 @@ async def scrape_pod(client: httpx.AsyncClient, target: Target, deadline_s: floa
         async with asyncio.timeout(deadline_s):
             body = await _read_capped(client, target.url, max_body_bytes)
         text = body.decode("utf-8")
-        return PodReading(target.pod, parse_in_flight(text), parse_async_depth(text))
+        cosine, order_kept = parse_probe(text)
+        return PodReading(target.pod, parse_in_flight(text), parse_async_depth(text), probe_cosine=cosine,
+                          probe_order_kept=order_kept)
     except TimeoutError:
         reason = f"no complete answer within {deadline_s:g}s"
     except _BodyTooLarge as exc:
@@ -230,6 +249,31 @@ def _vector_sum(result: list[dict[str, Any]] | None) -> float:
         if math.isfinite(number):
             total += number
     return total
+
+
+def query_probe(url: str, namespace: str, name: str, service: str, timeout_s: float = 5.0
+                ) -> tuple[PodReading, ...] | None:
+    """Each pod's probe figures from Prometheus (`PROBE_COSINE_QUERY`, `PROBE_ORDER_QUERY`, substituted as
+    the in-flight query is); None when Prometheus cannot answer (the verdict then stays as it was)."""
+    from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+
+    by_pod: dict[str, dict[str, float]] = {}
+    try:
+        prom = PrometheusConnect(url=url)
+        for key, query in (("cosine", PROBE_COSINE_QUERY), ("order", PROBE_ORDER_QUERY)):
+            result = prom.custom_query(render_query(query, namespace, name, service),
+                                       params={"timeout": f"{timeout_s:g}s"})
+            for series in result or []:
+                pod = (series.get("metric") or {}).get("pod")
+                number = float((series.get("value") or [None, "nan"])[1])
+                if pod and math.isfinite(number):
+                    by_pod.setdefault(pod, {})[key] = number
+    except (PrometheusApiClientException, OSError, ValueError) as exc:
+        log.warning("probe drift unknown: %s", exc)
+        return None
+    return tuple(PodReading(pod, None, probe_cosine=v.get("cosine"),
+                            probe_order_kept=None if "order" not in v else v["order"] >= 0.5)
+                 for pod, v in sorted(by_pod.items()))
 
 
 def query_async_depth(url: str, query: str, timeout_s: float = 5.0) -> float | None:

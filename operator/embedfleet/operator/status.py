@@ -1,9 +1,12 @@
 """Status of an EmbeddingDeployment from what the cluster shows. Pure: dicts in, dicts out.
 
 The handlers own ``status.conditions``, ``status.replicas.current/ready``, ``status.cachedNodes`` /
-``totalNodes``, ``status.selector`` and ``status.observedGeneration``. The autoscaler daemon owns
+``totalNodes``, ``status.selector``, ``status.observedGeneration`` and, through the rollout decision
+(rollout/revisions.py), ``status.revisions`` / ``currentRevision`` / ``queryVectorSpace`` / ``rollout`` and
+the ``RolloutBlocked`` condition. The autoscaler daemon owns
 ``status.replicas.desired`` (after its first decision), ``status.inFlight`` and
-``status.lastScaleDecision``. Conditions are one list (a merge patch replaces lists whole), so only the
+``status.lastScaleDecision`` and ``status.probeDrift`` (which ``Degraded`` folds in, see
+rollout/drift.py). Conditions are one list (a merge patch replaces lists whole), so only the
 handlers write it.
 """
 
@@ -12,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-CONDITION_ORDER = ("Accepted", "CacheReady", "Available", "Scaling", "Degraded")
+from embedfleet.operator.rollout import drift
+
+CONDITION_ORDER = ("Accepted", "CacheReady", "Available", "Scaling", "Degraded", "RolloutBlocked")
 
 
 def condition(
@@ -53,8 +58,10 @@ def observed_conditions(
     cache_nodes: tuple[int, int] | None,
     desired: int,
     generation: int | None,
+    probe_drift: Mapping[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(CacheReady/Available/Scaling/Degraded conditions, status fields) from the live objects."""
+    """(CacheReady/Available/Scaling/Degraded conditions, status fields) from the live objects, and
+    ``status.probeDrift`` as the autoscaler daemon last wrote it (a drifted probe is Degraded too)."""
     dep_status = (deployment or {}).get("status") or {}
     current = int(dep_status.get("replicas") or 0)
     ready = int(dep_status.get("readyReplicas") or 0)
@@ -117,7 +124,7 @@ def observed_conditions(
         "; ".join(failures),
         generation,
     )
-    return [cache, available, scaling, degraded], fields
+    return [cache, available, scaling, drift.degraded(probe_drift, degraded)], fields
 
 
 def status_patch(current: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> dict[str, Any]:

@@ -100,6 +100,19 @@ class RuntimeMetrics:
         self.fp8_accepted = Gauge(
             "embedfleet_fp8_accepted", "FP8 quality gate: 1 when FP8 is served, 0 after a fall back to bf16",
             ["model"], registry=r)
+        # revisions, fingerprints and drift (probe.py, drift.py; docs/rollouts.md)
+        self.model_info = Gauge(
+            "embedfleet_model_info", "1 per served model: its revision, vector space and probe fingerprint",
+            ["model", "revision", "vector_space", "fingerprint"], registry=r)
+        self.probe_cosine = Gauge(
+            "embedfleet_probe_cosine", "Drift check: lowest cosine of the last probe re-run's outputs with the "
+            "reference (--probe-reference, else the start-up probe)", ["model"], registry=r)
+        self.probe_order_kept = Gauge(
+            "embedfleet_probe_order_kept", "Drift check: 1 when the last probe re-run kept the reference's order "
+            "(similarity pairs; rerankers/classifiers: top-1 and score order)", ["model"], registry=r)
+        self.probe_checks = Counter(
+            "embedfleet_probe_checks_total", "Drift checks by outcome: ok, drift (outside --probe-min-cosine or "
+            "order changed), error (the check could not run)", ["model", "outcome"], registry=r)
 
     def for_model(self, name: str) -> ModelMetrics:
         """The per-model series (label `model`), so each model's queue is visible on its own."""

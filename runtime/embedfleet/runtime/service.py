@@ -18,9 +18,13 @@ from functools import partial
 
 import numpy as np
 
+from embedfleet.compat.gate import ProbeOutputs
+from embedfleet.compat.names import split_model, with_revision
+from embedfleet.runtime import probe as probing
 from embedfleet.runtime.core.batcher import BatchManager, DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.quantize import CALIBRATION_TEXTS, Calibration, calibration_file
 from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
+from embedfleet.runtime.drift import DriftMonitor
 from embedfleet.runtime.engines.base import Engine
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.models.spec import ModelSpec, Task, load_spec
@@ -88,6 +92,8 @@ class ModelService:
         self.calibration: Calibration | None = None  # int8/uint8 ranges (core/quantize.py): see calibrated()
         self._calibrating = asyncio.Lock()
         self.created = int(time.time())
+        self.probe: probing.ProbeState | None = None  # fingerprint and vector space, from the start-up probe
+        self.drift: DriftMonitor | None = None
 
     @property
     def loaded(self) -> bool:
@@ -139,11 +145,52 @@ class ModelService:
                                self.settings.shared_batch_seconds, self.settings.max_queue_seconds)
         tokens, seconds = await loop.run_in_executor(self.engine_thread, self._timed_batch, run)
         batcher.seed_rate(tokens, seconds)
+        await self._fingerprint(run)
         batcher.start()
         self.batcher = batcher
+        if self.drift is not None:
+            self.drift.start()
         log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,
                  spec.model_type, ",".join(spec.architectures), spec.pooling, self.input_limit,
                  self.settings.device, self.effective_dtype)
+
+    async def _fingerprint(self, run) -> None:
+        """The start-up probe (before the model counts as loaded, so /ready waits for it), straight on the
+        engine thread (nothing else runs yet): fingerprint, vector space, the `embedfleet_model_info`
+        series, and the drift monitor. With --probe-reference the start-up outputs are its first check, at
+        no extra engine cost."""
+        assert self.spec is not None and self.tokenizer is not None
+        s = self.settings
+        execute = probing.on_engine_thread(run, self.engine_thread, s.max_batch_requests, s.max_batch_tokens)
+        outputs = await probing.run_probe(self.spec.task, self.tokenizer, execute, self.input_limit)
+        self.probe = probing.startup_state(outputs, s.vector_space, s.revision, s.reference(),
+                                            self.spec.digest)
+        self._runtime_metrics.model_info.labels(self.name, s.revision, self.probe.vector_space,
+                                                self.probe.fingerprint).set(1)
+        log.info("probe %s of %s: fingerprint %s, vector space %s%s", outputs.probe_set, self.name,
+                 self.probe.fingerprint, self.probe.vector_space, f", revision {s.revision}" if s.revision else "")
+        self.drift = DriftMonitor(self.name, self.probe.reference, self.run_probe, s.probe_interval,
+                                  s.probe_min_cosine, self._runtime_metrics)
+        if s.probe_reference is not None:
+            self.drift.record(outputs)
+
+    async def run_probe(self) -> ProbeOutputs:
+        """The probe set through this model's batch manager, now (drift checks, GET .../probe?fresh=1)."""
+        assert self.spec is not None and self.tokenizer is not None and self.batcher is not None
+        return await probing.run_probe(self.spec.task, self.tokenizer, probing.through_batcher(self.batcher),
+                                       self.input_limit)
+
+    @property
+    def revision(self) -> str:
+        return self.settings.revision
+
+    @property
+    def vector_space(self) -> str | None:
+        return self.probe.vector_space if self.probe is not None else None
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.probe.fingerprint if self.probe is not None else None
 
     async def calibrated(self) -> Calibration:
         """The int8/uint8 calibration: the model directory's file (read at load), else the shipped texts
@@ -187,6 +234,8 @@ class ModelService:
         return length * count, time.perf_counter() - started
 
     async def close(self) -> None:
+        if self.drift is not None:
+            await self.drift.stop()
         if self.batcher:
             await self.batcher.stop()
         self.engine_thread.shutdown(wait=True)
@@ -378,9 +427,24 @@ class Models:
     def names(self) -> list[str]:
         return list(self.services)
 
+    def served_names(self) -> list[str]:
+        """Every name a request may use: each model's, and with --revision also `<name>@<revision>`."""
+        revision = self.settings.revision
+        return [n for name in self.services for n in ((name, with_revision(name, revision)) if revision else (name,))]
+
+    def vector_spaces(self) -> list[str]:
+        """The vector spaces of the loaded models (one, unless several models each keep their own)."""
+        return sorted({s.vector_space for s in self.services.values() if s.vector_space is not None})
+
     def pick(self, name: str | None, task: Task) -> ModelService | None:
-        """The named model, or the first one serving `task` when the request names none."""
+        """The named model, or the first one serving `task` when the request names none. `<name>@rN`
+        names this runtime's revision of the model; another revision's suffix is not served here (None)."""
         if name is not None:
-            return self.services.get(name)
+            if name in self.services:
+                return self.services[name]
+            base, revision = split_model(name)
+            if revision is None or revision != self.settings.revision:
+                return None
+            return self.services.get(base)
         return next((s for s in self.services.values() if s.spec is None or s.task == task),
                     next(iter(self.services.values())))

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from embedfleet.compat import probe_set
+from embedfleet.compat.gate import ProbeOutputs
+from embedfleet.compat.names import REVISION_PATTERN
+from embedfleet.runtime.core.probe import load_reference
 from embedfleet.runtime.models.spec import TASKS, Task
 from embedfleet.runtime.tenants import Tenants
 
@@ -27,6 +32,7 @@ EngineName = Literal["torch", "trtllm"]
 
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+VECTOR_SPACE_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$"  # a Kubernetes label value
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,45 @@ class RuntimeSettings(BaseSettings):
         False, description="export OpenTelemetry traces (OTLP/HTTP, set up by the standard OTEL_* variables; also "
         "on when OTEL_TRACES_EXPORTER names an exporter): docs/tracing.md")
 
+    # -- revisions, fingerprints and drift (probe.py, drift.py; docs/rollouts.md) ----------
+    revision: str = Field(
+        "", description="this runtime's revision name (r1, r2, ...; the operator sets it): clients may also name "
+        "the model `<served>@<revision>`, and every answer carries it in `x-embedfleet-revision`; empty: none")
+    vector_space: str = Field(
+        "", description="the vector space this runtime serves: a request whose `x-embedfleet-vector-space` names "
+        "another is refused (409); default: the revision if set, else `weights-` + 12 hex of the model files' digest")
+    probe_reference: Path | None = Field(
+        None, description="JSON file as GET /v1/models/MODEL/probe returns it (one model): drift is measured "
+        "against its outputs; unset: against this process' start-up probe")
+    probe_interval: float = Field(
+        300.0, ge=0, description="seconds between drift checks (re-run the probe set, compare with the "
+        "reference); 0: off")
+    probe_min_cosine: float = Field(
+        0.999, gt=0, le=1, description="a drift check passes when every probe output keeps at least this cosine "
+        "with the reference and the order holds")
+
+    @field_validator("revision")
+    @classmethod
+    def _revision_name(cls, value: str) -> str:
+        if value and not re.match(REVISION_PATTERN, value):
+            raise ValueError(f"{value!r} is not a revision name: r1, r2, ... (or empty for none)")
+        return value
+
+    @field_validator("vector_space")
+    @classmethod
+    def _vector_space_name(cls, value: str) -> str:
+        if value and not re.match(VECTOR_SPACE_PATTERN, value):
+            raise ValueError(f"{value!r} is not a vector space name: up to 63 letters, digits, '.', '_' or '-', "
+                             "starting and ending with a letter or digit (it is a label value and a header)")
+        return value
+
+    @field_validator("probe_reference")
+    @classmethod
+    def _reference_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            load_reference(value, probe_set.load().version)  # a missing or malformed file stops start-up here
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> RuntimeSettings:
         if self.cuda_graphs and self.device != "cuda":
@@ -177,7 +222,20 @@ class RuntimeSettings(BaseSettings):
             raise ValueError("api_key and api_keys: give one (a keys file may hold the single key as one tenant)")
         if self.api_keys is not None:
             self.tenants()  # a broken keys file stops start-up here, naming the file and the entry
+        if self.probe_reference is not None:
+            if len(entries) != 1:
+                raise ValueError("probe_reference: holds one model's probe outputs; serve one --model with it")
+            reference = self.reference()
+            if entries[0].task is not None and reference.task != entries[0].task:
+                raise ValueError(f"probe_reference: {self.probe_reference} holds {reference.task} outputs, but the "
+                                 f"model is served as {entries[0].task}")
         return self
+
+    def reference(self) -> ProbeOutputs | None:
+        """The --probe-reference outputs (validated at start-up), or None."""
+        if self.probe_reference is None:
+            return None
+        return load_reference(self.probe_reference, probe_set.load().version)
 
     def tenants(self) -> Tenants:
         """Who may call, from --api-keys, --api-key or neither (tenants.py)."""

@@ -28,6 +28,16 @@ INSTANCE_LABEL = "embedfleet.dev/deployment"
 #: Label naming the component inside one deployment (runtime, prepull).
 COMPONENT_LABEL = "embedfleet.dev/component"
 #: On cluster-scoped objects, which can carry no owner reference to a namespaced owner.
+#: Pod label: the revision (r1, r2, ...) a runtime pod serves (docs/rollouts.md).
+REVISION_LABEL = "embedfleet.dev/revision"
+#: Pod label and Service annotation: the vector space a runtime pod's vectors belong to.
+VECTOR_SPACE_LABEL = "embedfleet.dev/vector-space"
+#: Service annotation: the model name the Service answers (``<served>`` or ``<served>@rN``).
+MODEL_ANNOTATION = "embedfleet.dev/model"
+#: On a spoke's copy of an EmbeddingDeployment: the revision name the hub gave the spec's identity (and,
+#: optionally, the vector space the hub recorded for it).
+REVISION_ANNOTATION = "embedfleet.dev/revision"
+VECTOR_SPACE_ANNOTATION = "embedfleet.dev/vector-space"
 OWNER_NAMESPACE_LABEL = "embedfleet.dev/namespace"
 OWNER_KIND_LABEL = "embedfleet.dev/owner-kind"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"

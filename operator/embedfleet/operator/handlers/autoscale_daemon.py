@@ -14,8 +14,14 @@ daemon keeps between ticks. Only when no pod answered is the total unknown (keep
 ``SignalUnavailable`` Warning); a partly answering fleet gets one ``PodMetricsUnavailable`` Warning per
 pod per `UNREACHABLE_WARN_EVERY_S`, not one per tick.
 
+Probe drift rides on the same scrape (rollout/drift.py): each pod's ``embedfleet_probe_cosine`` and
+``embedfleet_probe_order_kept`` become ``status.probeDrift`` when the verdict changes, and the conditions
+are then re-derived by the reconcile's own code (handlers/embedding.py `refresh_status`), which folds it
+into ``Degraded``. With autoscaling off the daemon still scrapes, for the probe only, every
+`drift_every_s`; with a Prometheus source it asks Prometheus (signals.query_probe) at that pace.
+
 Ownership of status fields is documented in operator/status.py: this daemon writes
-``replicas.desired``, ``inFlight`` and ``lastScaleDecision``, nothing else.
+``replicas.desired``, ``inFlight``, ``lastScaleDecision`` and ``probeDrift``, nothing else.
 """
 
 from __future__ import annotations
@@ -43,14 +49,19 @@ from embedfleet.operator.autoscale import (
     trim_observations,
 )
 from embedfleet.operator.crd import naming
+from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.gateway_signal import GatewayReading, gateway_targets, read_gateways
+from embedfleet.operator.handlers.embedding import refresh_status
 from embedfleet.operator.kube import Kube, KubeError
 from embedfleet.operator.render import runtime_name
+from embedfleet.operator.rollout import drift
 from embedfleet.operator.signals import (
     ASYNC_DEPTH_QUERY,
+    PodReading,
     Reading,
     pod_targets,
     query_async_depth,
+    query_probe,
     query_prometheus,
     render_query,
     scrape,
@@ -91,6 +102,10 @@ class LoopState:
     pod_memory: Mapping[str, LastSeen] = field(default_factory=dict)
     #: monotonic time each failing pod was last named in a Warning (see UNREACHABLE_WARN_EVERY_S).
     unreachable_warned_at: dict[str, float] = field(default_factory=dict)
+    #: status.probeDrift as this daemon last wrote it (kopf's view of the object may lag its own write).
+    probe_drift: Mapping[str, Any] | None = None
+    #: monotonic time of the last drift check made for drift alone (autoscaling off, or Prometheus).
+    drift_checked_at: float = float("-inf")
 
 
 def _now_iso() -> str:
@@ -217,6 +232,7 @@ def tick(
     deployment: dict[str, Any] | None,
     pods: list[dict[str, Any]],
     gateways: Sequence[Mapping[str, Any]] = (),
+    spec: EmbeddingDeploymentSpec | None = None,
 ) -> Decision | None:
     """One round of the loop; returns the decision, or None when there was nothing to decide on.
 
@@ -241,6 +257,12 @@ def tick(
         return _apply(name, namespace, body, decision, state, now, record=True)
 
     reading = read_signal(name, namespace, autoscaling, port, pods)
+    if spec is not None:
+        if reading.source == "pods":
+            watch_drift(name, namespace, body, spec, state, reading.pods)
+        elif now - state.drift_checked_at >= drift_every_s(spec):
+            state.drift_checked_at = now
+            watch_drift(name, namespace, body, spec, state, probe_readings(name, namespace, autoscaling, port, []))
     fleet: FleetLoad | None = None
     if reading.source == "pods":
         fleet = count_pods(reading.pods, state.pod_memory, now, config.target_per_replica,
@@ -278,6 +300,52 @@ def tick(
     first = not status.get("lastScaleDecision")
     return _apply(name, namespace, body, decision, state, now,
                   record=decision.changed or first or decision.mode != state.last_mode)
+
+
+def drift_every_s(spec: EmbeddingDeploymentSpec) -> float:
+    """How often drift is read when it costs a request of its own: no more often than the runtimes
+    re-check (spec.rollout.probeIntervalSeconds), and at least once a minute."""
+    return max(IDLE_RECHECK_S, min(60.0, spec.rollout.probe_interval_seconds))
+
+
+def probe_readings(name: str, namespace: str, autoscaling: Mapping[str, Any], port: int,
+                   pods: list[dict[str, Any]]) -> tuple[PodReading, ...] | None:
+    """Per-pod probe figures when the autoscaler made no scrape this tick: Prometheus when configured,
+    else the Ready pods' /metrics."""
+    url = autoscaling.get("prometheusUrl") or os.environ.get(ENV_PROMETHEUS_URL)
+    if url:
+        return query_probe(url, namespace, name, runtime_name(name))
+    return asyncio.run(scrape(pod_targets(pods, port))).pods
+
+
+def watch_drift(name: str, namespace: str, body: dict[str, Any], spec: EmbeddingDeploymentSpec, state: LoopState,
+                readings: Sequence[PodReading] | None) -> drift.DriftVerdict | None:
+    """Judge the pods' probe figures against spec.rollout.minCosine; write ``status.probeDrift`` only when
+    the verdict changed, then let the reconcile's code re-derive Degraded from it (kopf runs no update
+    handler for a status change). Pods that did not answer give no evidence either way; when none
+    answered, the last verdict stands."""
+    answered = [r for r in readings or () if r.error is None]
+    if spec.rollout.probe_interval_seconds <= 0 or not answered:
+        return None
+    verdict = drift.assess({r.pod: drift.ProbeSample(r.probe_cosine, r.probe_order_kept) for r in answered},
+                           spec.rollout.min_cosine)
+    current = state.probe_drift if state.probe_drift is not None else (body.get("status") or {}).get("probeDrift")
+    if not drift.changed(current, verdict):
+        return None
+    written = verdict.status(_now_iso())
+    KUBE.patch_status(KIND, name, namespace, {"probeDrift": written})
+    state.probe_drift = written
+    flipped = bool((current or {}).get("drifted")) != verdict.drifted
+    if flipped:
+        log.warning("%s/%s: %s", namespace, name, verdict.message)
+        try:
+            record_event(body, "ProbeDrift" if verdict.drifted else "ProbeInTolerance", verdict.message,
+                         type_="Warning" if verdict.drifted else "Normal")
+        except (kubernetes.client.ApiException, OSError) as exc:
+            log.warning("could not record the probe drift event: %s", exc)
+    if flipped or verdict.drifted:  # Degraded's status or its message follows the new verdict
+        refresh_status(name, namespace)
+    return verdict
 
 
 def warn_unreachable(body: dict[str, Any], fleet: FleetLoad, state: LoopState, now: float) -> None:
@@ -349,6 +417,9 @@ async def autoscale(
         spec = dict(body.get("spec") or {})
         parsed, _ = check(name, spec)
         if parsed is None or not parsed.autoscaling.enabled:
+            if parsed is not None and time.monotonic() - state.drift_checked_at >= drift_every_s(parsed):
+                state.drift_checked_at = time.monotonic()
+                await _drift_only(name, namespace, body, parsed, state, runtime_pods, logger)
             await stopped.wait(IDLE_RECHECK_S)
             continue
         autoscaling = parsed.autoscaling.model_dump(by_alias=True, exclude_none=True)
@@ -364,13 +435,28 @@ async def autoscale(
             gateways = list(gateway_pods.get("gateways", []))
             decision = await asyncio.to_thread(
                 tick, name, namespace, dict(body), config, autoscaling, parsed.runtime.port, state,
-                time.monotonic(), deployment, pods, gateways,
+                time.monotonic(), deployment, pods, gateways, parsed,
             )
             if decision is not None and decision.changed:
                 logger.info("%s", decision.reason)
         except (KubeError, kubernetes.client.ApiException, OSError) as exc:
             logger.warning("autoscaler tick failed, retrying next interval: %s", exc)
         await wait_for_tick(stopped, body, parsed.autoscaling.interval_seconds)
+
+
+async def _drift_only(name: str, namespace: str, body: kopf.Body, parsed: EmbeddingDeploymentSpec,
+                      state: LoopState, runtime_pods: kopf.Index, logger: kopf.Logger) -> None:
+    """Autoscaling off: no tick scrapes the pods, so drift is read on its own (see `drift_every_s`)."""
+    if parsed.rollout.probe_interval_seconds <= 0:
+        return
+    autoscaling = parsed.autoscaling.model_dump(by_alias=True, exclude_none=True)
+    pods = list(runtime_pods.get((namespace, name), []))
+    try:
+        await asyncio.to_thread(lambda: watch_drift(
+            name, namespace, dict(body), parsed, state,
+            probe_readings(name, namespace, autoscaling, parsed.runtime.port, pods)))
+    except (KubeError, kubernetes.client.ApiException, OSError) as exc:
+        logger.warning("probe drift check failed, retrying later: %s", exc)
 
 
 async def wait_for_tick(stopped: kopf.DaemonStopped, body: kopf.Body, seconds: float) -> None:

@@ -8,6 +8,12 @@ Two kinds of trigger, one path (`converge`):
   converged. A hand edit of the image or a deleted Service is reverted within one reconcile; a
   Deployment's pods becoming ready update ``Available`` as it happens (no polling timer).
 
+Revisions (docs/rollouts.md): each converge first runs the rollout decision (rollout/revisions.py) on the
+recorded status, the deployment's pods and, while a candidate is gated, the revisions' probes read from
+their pods (rollout/probe_client.py); render then runs the current revision as the primary Deployment and
+the others beside it. A revision Deployment's change converges the owner (its pods became ready: the gate
+can read them), and a per-object daemon converges it while a gate or a promotion is in flight.
+
 Every step is idempotent: the same spec renders the same manifests, `Kube.apply` compares against the
 live object and writes only differences, and the status is written only when it differs, so a converge
 of a deployment in steady state issues reads only. An invalid spec is reported in ``Accepted=False`` and
@@ -16,10 +22,12 @@ creates nothing; the handler returns normally so kopf does not retry a spec only
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -32,6 +40,17 @@ from embedfleet.operator.handlers.common import cache_nodes, reject
 from embedfleet.operator.handlers.common import now as _now
 from embedfleet.operator.kube import OWNED_KINDS, Kube, KubeError, NotOwned, up_to_date
 from embedfleet.operator.render import effective_replicas, render, runtime_name, selector_string
+from embedfleet.operator.rollout import probe_client
+from embedfleet.operator.rollout.revisions import (
+    Observed,
+    Plan,
+    Run,
+    decide,
+    needs_observation,
+    poll_wanted,
+    recorded_runs,
+    rolled_revision,
+)
 from embedfleet.operator.runtime_tracing import runtime_tracing_env
 from embedfleet.operator.validate import check
 
@@ -58,6 +77,11 @@ PRUNED_KINDS = tuple(kind for kind in OWNED_KINDS if kind != "ClusterRoleBinding
 #: resync period: self-healing stays bounded even if a watch goes silent (seen once after an API server
 #: restart: a resumed stream that delivered nothing).
 RESYNC_SECONDS = float(os.environ.get("EMBEDFLEET_RESYNC_SECONDS", "120"))
+#: While a candidate is gated (or a promotion rolls), the owner is converged this often: a runtime that
+#: kwok or a kubelet reports Ready may not answer its probe yet, and a gate timeout needs a clock.
+GATE_POLL_SECONDS = float(os.environ.get("EMBEDFLEET_GATE_POLL_SECONDS", "5"))
+#: Kinds a revision beside the primary renders: what a rollout transition prunes.
+REVISION_KINDS = ("Service", "Deployment", "ConfigMap")
 
 
 class _Locks:
@@ -99,10 +123,12 @@ def wanted_status(
     generation: int | None,
     desired: int,
     deployment: Mapping[str, Any] | None,
+    plan: Plan | None = None,
 ) -> dict[str, Any]:
     """Status from the runtime Deployment (as read, or as a watch event just showed it) and, with
     pre-pull on, the node agents' cache labels on the Nodes. ``replicas.desired`` is written here only
-    while autoscaling is off; with it on, the autoscaler is its one writer."""
+    while autoscaling is off; with it on, the autoscaler is its one writer. ``plan`` (a converge's
+    rollout decision) adds the revisions, currentRevision, queryVectorSpace, rollout and RolloutBlocked."""
     counts = None
     if spec.cache.pre_pull and spec.model.digest is not None:
         counts = cache_nodes(KUBE, namespace, spec.model.digest, spec.cache.node_selector, spec.cache.node_pools,
@@ -112,11 +138,16 @@ def wanted_status(
         cache_nodes=counts,
         desired=desired,
         generation=generation,
+        probe_drift=(status or {}).get("probeDrift"),
     )
     accepted = st.condition("Accepted", True, "Valid", "spec accepted", generation)
     replicas = fields.pop("replicas")
     if not spec.autoscaling.enabled:
         replicas["desired"] = desired
+    if plan is not None:
+        observed.append({**plan.blocked, "observedGeneration": generation} if generation is not None
+                        else dict(plan.blocked))
+        fields.update(plan.status_fields())
     conditions = st.merge_conditions((status or {}).get("conditions"), [accepted, *observed], _now())
     return {
         "observedGeneration": generation,
@@ -153,18 +184,70 @@ def admit(obj: Mapping[str, Any]) -> tuple[EmbeddingDeploymentSpec | None, list[
     return (None if problems else parsed), problems
 
 
-def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec) -> tuple[int, list[dict[str, Any]]]:
-    """(replicas to run, manifests) for a parsed, valid object."""
+def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec,
+            revisions: tuple[list[Run], str] | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """(replicas to run, manifests) for a parsed, valid object; ``revisions`` are the runs and the query
+    vector space (a converge's plan), else what status records."""
     meta = obj["metadata"]
     service_monitor = parsed.monitoring.service_monitor and KUBE.has_resource(
         "monitoring.coreos.com/v1", "servicemonitors"
     )
     autoscaler_desired = _autoscaler_desired(obj.get("status"))
+    runs, query_space = revisions or recorded_runs(parsed, obj.get("status")) or (None, None)
     manifests = render(meta["name"], meta["namespace"], meta["uid"], parsed,
                        cache_root=POLICY.cache_root, allow_control_plane=POLICY.allow_control_plane,
                        autoscaler_desired=autoscaler_desired, service_monitor_available=service_monitor,
-                       platform_env=RUNTIME_TRACING)
+                       platform_env=RUNTIME_TRACING, runs=runs, query_vector_space=query_space)
     return effective_replicas(parsed, autoscaler_desired), manifests
+
+
+#: (namespace, name) -> the rollout status fields this process last wrote: a converge whose in-memory
+#: object says otherwise (a watch event not in yet) re-reads it, so no transition is decided twice.
+LAST_ROLLOUT: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def _fresh_status(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = obj["metadata"]
+    status = obj.get("status") or {}
+    written = LAST_ROLLOUT.get((meta["namespace"], meta["name"]))
+    if written is None or all(status.get(k) == v for k, v in written.items()):
+        return status
+    live = KUBE.get(KIND, meta["name"], meta["namespace"])
+    return (live or {}).get("status") or status
+
+
+def plan_rollout(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec, status: Mapping[str, Any]) -> Plan:
+    """The rollout decision (rollout/revisions.py) from what is live: the deployment's pods and, when the
+    decision asks for them, the revisions' probes read from their pods. In steady state nothing is read."""
+    meta = obj["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    annotations = meta.get("annotations") or {}
+    hub_revision = annotations.get(naming.REVISION_ANNOTATION)
+    hub_space = annotations.get(naming.VECTOR_SPACE_ANNOTATION)
+    now = datetime.now(UTC)
+    if not needs_observation(parsed, status, hub_revision):
+        return decide(name, parsed, status, Observed(now, primary_revision=status.get("currentRevision")),
+                      hub_revision=hub_revision, hub_vector_space=hub_space)
+    pods = KUBE.list("Pod", namespace, {naming.INSTANCE_LABEL: name})
+    observed = Observed(now, ready=probe_client.ready_by_revision(pods),
+                        primary_revision=rolled_revision(KUBE.get("Deployment", runtime_name(name), namespace)))
+    plan = decide(name, parsed, status, observed, hub_revision=hub_revision, hub_vector_space=hub_space)
+    if not plan.probe_wanted:
+        return plan
+    served = parsed.model.served_model_name or name
+    probes = {rev: probe_client.read_probe(probe_client.revision_ips(pods, rev), parsed.runtime.port, served)
+              for rev in plan.probe_wanted}
+    return decide(name, parsed, status, Observed(now, observed.ready, observed.primary_revision, probes),
+                  hub_revision=hub_revision, hub_vector_space=hub_space)
+
+
+def _announce(obj: Mapping[str, Any], plan: Plan, logger: Any) -> None:
+    for event in plan.events:
+        logger.info("%s: %s", event.reason, event.message)
+        if event.type == "Warning":
+            kopf.warn(dict(obj), reason=event.reason, message=event.message[:1000])
+        else:
+            kopf.info(dict(obj), reason=event.reason, message=event.message[:1000])
 
 
 def converge(
@@ -190,12 +273,19 @@ def converge(
     uid = meta.get("uid")
     if not uid:
         raise kopf.TemporaryError("metadata.uid is not set yet; owner references need it", delay=5)
-    desired, manifests = _render(obj, parsed)
     LAST_CONVERGED[(namespace, name)] = time.monotonic()
     with LOCKS(namespace, name):
+        status = _fresh_status(obj)
+        plan = plan_rollout(obj, parsed, status)
+        # A rollout transition (a revision started, promoted, blocked, retired) removes the objects of
+        # revisions that stopped running; in steady state nothing is listed.
+        transition = any(status.get(k) != v for k, v in plan.status_fields().items())
+        desired, manifests = _render({**obj, "status": status}, parsed,
+                                     (plan.runs, plan.query_vector_space))
         try:
             results = {f"{m['kind']}/{m['metadata']['name']}": KUBE.apply(m) for m in manifests}
-            pruned = KUBE.prune(KIND, name, uid, namespace, manifests, kinds=PRUNED_KINDS) if prune else []
+            kinds = PRUNED_KINDS if prune else REVISION_KINDS if transition else ()
+            pruned = KUBE.prune(KIND, name, uid, namespace, manifests, kinds=kinds) if kinds else []
         except NotOwned as exc:
             _report_conflict(obj, status, generation, str(exc))
             return
@@ -216,10 +306,13 @@ def converge(
         # resourceVersion precondition and retries it when that fails, so a stale status from this
         # handler could land after (and undo) a newer one written by an owned-object event.
         deployment = KUBE.get("Deployment", runtime_name(name), namespace)
-        wanted = wanted_status(name, namespace, parsed, status, generation, desired, deployment)
+        wanted = wanted_status(name, namespace, parsed, status, generation, desired, deployment, plan)
         update = st.status_patch(status, wanted)
         if update:
             KUBE.patch_status(KIND, name, namespace, update)
+        LAST_ROLLOUT[(namespace, name)] = plan.status_fields()
+        if transition:
+            _announce(obj, plan, logger)
 
 
 def _report_conflict(obj: Mapping[str, Any], status: Mapping[str, Any], generation: int | None,
@@ -300,8 +393,15 @@ def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, log
         return
     if kind not in ("Deployment", "DaemonSet"):
         return
-    status = owner.get("status") or {}
+    if kind == "Deployment" and (name != runtime_name(owner_name) or _rollout_moving(owner.get("status"))):
+        # A candidate's or side revision's pods became ready (the gate reads them now), or the primary
+        # rolled on during a promotion (the old revision retires once it has).
+        converge(owner, logger, prune=False)
+        return
     with LOCKS(namespace, owner_name):
+        # The owner as this process last wrote it (the index may not have our last write yet: conditions
+        # computed from an older list would drop one, RolloutBlocked say).
+        status = _fresh_status(owner)
         # Read, not the event's body: an event can be older than what a converge just read and wrote,
         # and status from it would flap (ready 1 -> 0 -> 1).
         observed = KUBE.get("Deployment", runtime_name(owner_name), namespace)
@@ -311,8 +411,56 @@ def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, log
             KUBE.patch_status(KIND, owner_name, namespace, update)
 
 
+def refresh_status(name: str, namespace: str) -> None:
+    """Re-derive one EmbeddingDeployment's status from a fresh read of it and of its Deployment.
+
+    For the daemon that writes a status field the conditions fold in (``status.probeDrift``): kopf runs
+    no update handler for a status change, and conditions have one writer, this module's code, under the
+    owner's lock. Writes only what differs."""
+    with LOCKS(namespace, name):
+        owner = KUBE.get(KIND, name, namespace)
+        if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        parsed, _ = admit(owner)
+        if parsed is None:
+            return
+        status = owner.get("status") or {}
+        desired = effective_replicas(parsed, _autoscaler_desired(status))
+        observed = KUBE.get("Deployment", runtime_name(name), namespace)
+        update = st.status_patch(status, wanted_status(name, namespace, parsed, status,
+                                                       owner["metadata"].get("generation"), desired, observed))
+        if update:
+            KUBE.patch_status(KIND, name, namespace, update)
+
+
 for _group, _version, _plural in OWNED_WATCHES:
     kopf.on.event(_group, _version, _plural, labels=MANAGED, id=f"owned-{_plural}")(owned_changed)
+
+
+def _rollout_moving(status: Mapping[str, Any] | None) -> bool:
+    """A rollout waits on the primary Deployment: a promotion draining the old revision."""
+    return any(r.get("state") == "Draining" for r in (status or {}).get("revisions") or [])
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
+async def gate_poll(stopped: kopf.DaemonStopped, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    """Converge while a candidate is gated, a promotion rolls or a side revision's fingerprint is unread:
+    probes that did not answer yet are read again, and a gate that runs out of time blocks.
+
+    A daemon, not a timer: an idle deployment costs a look at its status in memory every interval, on
+    the event loop, with no worker thread and no log line (sixty idle deployments with a timer each kept
+    the executor and the log busy)."""
+    while not stopped:
+        await stopped.wait(GATE_POLL_SECONDS)
+        if stopped:
+            return
+        spec = body.get("spec") or {}
+        timeout = float((spec.get("rollout") or {}).get("gateTimeoutSeconds") or 600)
+        if poll_wanted(body.get("status"), datetime.now(UTC), timeout):
+            try:
+                await asyncio.to_thread(converge, body, logger, prune=False)
+            except (kopf.TemporaryError, KubeError, OSError) as exc:
+                logger.warning("gate poll: converge failed, retrying next interval: %s", exc)
 
 
 @kopf.on.delete(*RESOURCE)
@@ -323,5 +471,6 @@ def cleanup(meta: kopf.Meta, name: str, namespace: str, logger: kopf.Logger, **_
         deleted = KUBE.prune(KIND, name, meta.get("uid"), namespace, keep=[], kinds=PRUNED_KINDS)
     LOCKS.forget(namespace, name)
     LAST_CONVERGED.pop((namespace, name), None)
+    LAST_ROLLOUT.pop((namespace, name), None)
     if deleted:
         logger.info("deleted %s", ", ".join(deleted))

@@ -17,6 +17,7 @@ from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, PlacementSpe
 from embedfleet.operator.hub.health import Health
 from embedfleet.operator.kube import covers
 from embedfleet.operator.platform import PlatformPolicy
+from embedfleet.operator.rollout import waves
 from embedfleet.operator.scheduling import (
     Cluster,
     ClusterPlacement,
@@ -165,12 +166,16 @@ def deployment_from(
 
 
 def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlacement,
-                   spill: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    """The EmbeddingDeployment a spoke runs: the hub's spec with this spoke's bounds, placement removed, and
-    where its gateway may spill requests (`spill`, from scheduling/spill.py; absent when nowhere)."""
+                   spill: list[dict[str, str]] | None = None, pin: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The EmbeddingDeployment a spoke runs: the hub's spec with this spoke's bounds, placement removed,
+    where its gateway may spill requests (`spill`, from scheduling/spill.py; absent when nowhere) and, with
+    `pin` (rollout/waves.py), the identity of the revision this cluster should run and its name."""
     meta = hub_obj["metadata"]
     spec = copy.deepcopy(dict(hub_obj.get("spec") or {}))
     spec.pop("placement", None)
+    annotations: dict[str, str] = {}
+    if pin is not None:
+        waves.apply_pin(spec, annotations, pin)
     auto = dict(spec.get("autoscaling") or {})
     rng = share.range
     if auto.get("enabled", True):
@@ -191,7 +196,7 @@ def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlace
             "name": meta["name"],
             "namespace": meta["namespace"],
             "labels": {HUB_MANAGED_LABEL: cluster, naming.MANAGED_BY_LABEL: "embedfleet-hub"},
-            "annotations": {HUB_UID_ANNOTATION: str(meta.get("uid") or ""),
+            "annotations": {HUB_UID_ANNOTATION: str(meta.get("uid") or ""), **annotations,
                             **({SPILL_ANNOTATION: json.dumps(spill, sort_keys=True, separators=(",", ":"))}
                                if spill else {})},
         },
@@ -228,6 +233,7 @@ def spoke_row(
         # The scheduler's score is left out: it moves with the hub's own last decision (stickiness), so
         # it would cost a second status write for every new share, and it orders, never sizes, a share.
         "reasons": [*reasons, *(r for r in (share.reasons if share else ()) if not r.startswith("score "))],
+        "revision": status.get("currentRevision"),
     }
     return row
 

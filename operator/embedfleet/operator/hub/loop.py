@@ -53,6 +53,7 @@ from embedfleet.operator.crd.fleet import (
     FleetClusterSpec,
     PlacementPolicySpec,
 )
+from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.hub import convert
 from embedfleet.operator.hub.autoscale import fleet_target
 from embedfleet.operator.hub.breaker import Breaker
@@ -63,6 +64,7 @@ from embedfleet.operator.hub.policy_status import policy_statuses
 from embedfleet.operator.hub.propagate import Needs, needs_of, secret_copy
 from embedfleet.operator.kube import Kube, KubeError, up_to_date, user_agent
 from embedfleet.operator.platform import PlatformPolicy
+from embedfleet.operator.rollout import waves
 from embedfleet.operator.scheduling import Cluster, ClusterPlacement, Deployment, Placement, place
 from embedfleet.operator.scheduling.spill import spill_targets
 from embedfleet.operator.spoke.heartbeat import (
@@ -109,6 +111,19 @@ def _stamp(moment: datetime) -> str:
 
 def _wall() -> str:
     return _stamp(datetime.now(UTC))
+
+
+def _wall_stamp(seconds: float) -> str:
+    return _stamp(datetime.fromtimestamp(seconds, UTC))
+
+
+def _parse_wall(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def _age(stamp: str | None) -> float | None:
@@ -195,6 +210,7 @@ class SpokeView:
     #: its status rows are carried over. The sentence says why when it is a problem (breaker open).
     held: str | None = None
     skipped: bool = False
+    labels: Mapping[str, str] = field(default_factory=dict)  # the FleetCluster's (rollout waves select on them)
 
 
 @dataclass(frozen=True)
@@ -224,6 +240,8 @@ class HubState:
     policies: dict[str, str | None] = field(default_factory=dict)
     #: Spokes whose credentials failed: cluster -> (reason, sentence).
     credentials: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: Rollout soak clocks: hub object -> (revision, wave, wall time the wave was first seen healthy).
+    soak: dict[str, tuple[str, int, float]] = field(default_factory=dict)
 
 
 class HubLoop:
@@ -449,7 +467,7 @@ class HubLoop:
         })
         cluster = convert.cluster_from(name, spec, health, cached, policy_key)
         view = SpokeView(name, spec.region, cluster, health, link, error, last_seen, policy=policy,
-                         gateway_url=spec.gateway_url)
+                         gateway_url=spec.gateway_url, labels=dict(fc["metadata"].get("labels") or {}))
         self._copies_of(view, now)
         return view
 
@@ -530,6 +548,7 @@ class HubLoop:
         hub_objects = list(informers["deployments"].items().values())
         deployments: list[Deployment] = []
         info: dict[str, tuple[dict[str, Any], int]] = {}
+        parsed_specs: dict[str, EmbeddingDeploymentSpec] = {}
         for obj in hub_objects:
             meta = obj["metadata"]
             key = _key(obj)
@@ -551,26 +570,57 @@ class HubLoop:
             refused = convert.refusals(obj.get("spec") or {}, spoke_policies)
             deployments.append(convert.deployment_from(key, parsed, labels, target, previous, running, refused))
             info[key] = (obj, target)
+            parsed_specs[key] = parsed
 
         placements = place(deployments, [v.cluster for v in views.values()], policies, now, ramp_seconds=self.ramp)
         self._write_policy_statuses(informers["policies"].items(), placements)
         plans: dict[str, list[Write]] = {name: [] for name in views}
+        decisions = {key: self._rollout(info[key][0], parsed_specs[key], placement, views)
+                     for key, placement in placements.items()}
+        self.state.soak = {k: v for k, v in self.state.soak.items() if k in decisions}
         for key, placement in placements.items():
             obj, _ = info[key]
             spec = policy_specs.get(placement.policy or "")
-            self._plan(obj, placement, views, plans, spec.propagate_secrets if spec else False)
+            self._plan(obj, placement, views, plans, spec.propagate_secrets if spec else False,
+                       decisions[key].pins)
         for view in views.values():
             if view.copies is not None:
                 plans[view.name] += self._orphans(view, set(info) | {_key(o) for o in hub_objects})
         outcomes = self._run_writes(views, plans)
         for key, placement in placements.items():
             obj, target = info[key]
-            self._reconcile(obj, placement, target, views, outcomes)
+            self._reconcile(obj, placement, target, views, outcomes, decisions[key])
 
     # ------------------------------------------------------------ planning and writing
 
+    def _rollout(self, obj: dict[str, Any], spec: EmbeddingDeploymentSpec, placement: Placement,
+                 views: Mapping[str, SpokeView]) -> waves.Decision:
+        """This round's rollout decision (rollout/waves.py) from the copies as each spoke's watch last
+        showed them (a spoke skipped this round still reports), with the soak clock this hub keeps."""
+        key = _key(obj)
+        shares = placement.clusters if placement.accepted else {}
+        members = {n: waves.Member(views[n].region, views[n].labels) for n in shares if n in views}
+        copies: dict[str, Any] = {}
+        for name in members:
+            link = views[name].link
+            if link is not None and link.copies.synced:
+                copies[name] = link.copies.items().get(key)
+        status = obj.get("status") or {}
+        recorded = status.get("rollout") or {}
+        soak = self.state.soak.get(key)
+        since = soak[2] if soak and (soak[0], soak[1]) == (recorded.get("revision"), recorded.get("wave") or 0) \
+            else None
+        decision = waves.decide(status, spec, members, copies, time.time(), since, _wall_stamp, _parse_wall)
+        rollout = decision.rollout
+        if rollout.healthy_since is not None:
+            self.state.soak[key] = (rollout.new, rollout.wave, rollout.healthy_since)
+        else:
+            self.state.soak.pop(key, None)
+        return decision
+
     def _plan(self, obj: dict[str, Any], placement: Placement, views: Mapping[str, SpokeView],
-              plans: dict[str, list[Write]], propagate_secrets: bool) -> None:
+              plans: dict[str, list[Write]], propagate_secrets: bool,
+              pins: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """The writes that bring each judged spoke's copy of ``obj`` to its share (none when it already is)."""
         key = _key(obj)
         gateways = {n: v.gateway_url for n, v in views.items() if v.gateway_url}
@@ -587,7 +637,8 @@ class HubLoop:
                 if live is not None:
                     plans[name].append(Write(key, None, None, live, Needs(key.split("/", 1)[0])))
                 continue
-            manifest = convert.spoke_manifest(obj, name, share, spill_targets(placement, name, gateways))
+            manifest = convert.spoke_manifest(obj, name, share, spill_targets(placement, name, gateways),
+                                              (pins or {}).get(name))
             needs = needs_of(obj, propagate_secrets)
             assert view.link is not None
             now = time.monotonic()
@@ -723,7 +774,8 @@ class HubLoop:
     # ------------------------------------------------------------ status
 
     def _reconcile(self, obj: dict[str, Any], placement: Placement, target: int,
-                   views: Mapping[str, SpokeView], outcomes: Mapping[str, Mapping[str, Outcome]]) -> None:
+                   views: Mapping[str, SpokeView], outcomes: Mapping[str, Mapping[str, Outcome]],
+                   decision: waves.Decision | None = None) -> None:
         """Status and Events of one hub object from what each spoke's copy is after this round's writes."""
         key = _key(obj)
         status = obj.get("status") or {}
@@ -766,12 +818,16 @@ class HubLoop:
                 rows.append(convert.spoke_row(name, None, view.region, None, view.last_seen, problem))
                 unavailable[name] = view.health.reason
         self._events(obj, old_rows, rows, placement)
+        generation = obj["metadata"].get("generation")
+        conds = convert.conditions(placement, rows, failures, unavailable, generation)
+        if decision is not None:
+            self._rollout_events(obj, status.get("rollout") or {}, decision.status["rollout"])
+            if decision.blocked is not None:
+                conds.append(st.condition("RolloutBlocked", *decision.blocked, generation))
         wanted: dict[str, Any] = {
-            "observedGeneration": obj["metadata"].get("generation"),
-            "conditions": st.merge_conditions(
-                status.get("conditions"),
-                convert.conditions(placement, rows, failures, unavailable, obj["metadata"].get("generation")),
-                _wall()),
+            "observedGeneration": generation,
+            "conditions": st.merge_conditions(status.get("conditions"), conds, _wall()),
+            **(decision.status if decision is not None else {}),
         }
         ready = sum(int(r.get("ready") or 0) for r in rows if not convert.row_problem(r))
         inflight = [r["inflight"] for r in rows if r.get("inflight") is not None]
@@ -783,6 +839,17 @@ class HubLoop:
             "inFlight": sum(inflight) if inflight else None,
         })
         self._write_status(obj, wanted)
+
+    def _rollout_events(self, obj: dict[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+        """An Event when a rollout's wave or phase changes (compared with the status last written: once)."""
+        if (before.get("revision"), before.get("phase"), before.get("wave")) == \
+                (after.get("revision"), after.get("phase"), after.get("wave")):
+            return
+        phase = after.get("phase")
+        if phase == waves.ROLLED_BACK:
+            self._event(obj, "RolledBack", str(after.get("message")), "Warning")
+        elif phase in (waves.WAVES, waves.SIDE_BY_SIDE, waves.DONE):
+            self._event(obj, "Rollout", str(after.get("message")), "Normal")
 
     def _write_policy_statuses(self, live: Mapping[str, dict[str, Any]], placements: Mapping[str, Placement]) -> None:
         for name, wanted in policy_statuses(live, placements).items():

@@ -59,11 +59,14 @@ def create_app(models: Models, gate_state: GateState,
     settings = models.settings
     metrics = models.metrics
     load_task: dict[str, asyncio.Task] = {}
+    configured_space = settings.vector_space or settings.revision
+    gate_state.pinning.serve(settings.revision, [configured_space] if configured_space else [])
 
     async def lifespan(_: FastAPI):
         async def load() -> None:
             try:
                 await models.load()
+                gate_state.pinning.serve(settings.revision, models.vector_spaces())  # fingerprints known now
                 metrics.ready.set(1)
             except Exception:
                 if on_load_failed:

@@ -28,8 +28,9 @@ class ApiError(Exception):
         self.code = code or TYPES.get(status, "error")
 
 
-def error_body(status: int, message: str, code: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": TYPES.get(status, "error"),
+def error_body(status: int, message: str, code: str | None = None, kind: str | None = None) -> bytes:
+    """`kind`: the error type where the status alone does not say it (409 vector_space_mismatch)."""
+    return orjson.dumps({"error": {"message": message, "type": kind or TYPES.get(status, "error"),
                                    "code": code or str(status)}})
 
 

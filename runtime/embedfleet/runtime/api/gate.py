@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: auth, drain, payload limit, admission, in-flight count.
+"""ASGI middleware in front of every route: auth, vector-space pinning (api/pinning.py), drain, payload
+limit, admission, in-flight count.
 
 Written as raw ASGI (not BaseHTTPMiddleware) because it runs on every request and must add
 microseconds, not milliseconds, to the single-query fast path.
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from embedfleet.runtime.api.errors import error_body
+from embedfleet.runtime.api.pinning import MISMATCH, VECTOR_SPACE_HEADER, Pinning
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.tenants import Tenant, Tenants
 from embedfleet.runtime.tracing import RuntimeTracing
@@ -42,6 +44,7 @@ class GateState:
     draining: bool = False
     in_flight: int = 0
     tracing: RuntimeTracing | None = None  # --otel (tracing.py); None: no span, no propagation work
+    pinning: Pinning = field(default_factory=Pinning)  # the vector space served (api/pinning.py)
 
 
 class Gate:
@@ -61,9 +64,9 @@ class Gate:
         self.expected_wait = expected_wait
 
     async def _refuse(self, send, status: int, message: str, code: str,
-                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
+                      extra: list[tuple[bytes, bytes]] | None = None, kind: str | None = None) -> None:
         self.metrics.errors.labels(str(status)).inc()
-        body = error_body(status, message, code)
+        body = error_body(status, message, code, kind)
         # The request body is left unread, so the connection is closed after this answer: a client that
         # reused it for its next request could otherwise race the server's close and see a reset.
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -72,7 +75,7 @@ class Gate:
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or is_startup_probe(scope):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -82,8 +85,13 @@ class Gate:
                                "invalid_api_key", [(b"www-authenticate", b"Bearer")])
             return
         scope[TENANT] = tenant
+        pinning = self.state.pinning
+        wanted = headers.get(VECTOR_SPACE_HEADER)
+        if wanted is not None and pinning.refuses(wanted):  # before the body is read: no engine work
+            await self._refuse(send, 409, pinning.mismatch_message(wanted), MISMATCH, pinning.headers, MISMATCH)
+            return
         if scope["method"] != "POST":
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, self._stamped(send, pinning.headers) if pinning.headers else send)
             return
         if self.state.draining:
             await self._refuse(send, 503, "the server is draining for shutdown; retry on another replica",
@@ -108,6 +116,15 @@ class Gate:
             return
         await self._admit(scope, receive, send)
 
+    @staticmethod
+    def _stamped(send, headers: list[tuple[bytes, bytes]]):
+        """`send` that names the revision and vector space on the response (GET routes)."""
+        async def stamped(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), *headers]
+            await send(message)
+        return stamped
+
     async def _admit(self, scope, receive, send) -> None:
         received = 0
         started_response = False
@@ -130,7 +147,7 @@ class Gate:
                 took = (time.monotonic() - arrived) * 1000
                 message["headers"] = [*message.get("headers", ()),
                                       (b"x-embedfleet-expected-wait", b"%.4f" % self.expected_wait()),
-                                      (b"server-timing", b"total;dur=%.2f" % took)]
+                                      (b"server-timing", b"total;dur=%.2f" % took), *self.state.pinning.headers]
             await send(message)
 
         scope[ARRIVED] = arrived = time.monotonic()
@@ -152,6 +169,15 @@ class Gate:
             self.metrics.requests_in_flight.set(self.state.in_flight)
             route = scope["path"] if scope["path"] in self.known_paths else "other"
             self.metrics.request_duration.labels(route).observe(time.perf_counter() - start)
+
+
+def is_startup_probe(scope) -> bool:
+    """GET /v1/models/MODEL/probe with no query: a model's start-up probe outputs, served from memory.
+    Open like /metrics (which already names the fingerprint): the operator's drift gate reads it from pod
+    IPs with no API key. `?fresh=1` runs the engine, so it goes through the gate like any request."""
+    path = scope["path"]
+    return (scope["method"] == "GET" and not scope["query_string"] and path.startswith("/v1/models/")
+            and path.endswith("/probe"))
 
 
 def tenant_of(scope) -> Tenant:

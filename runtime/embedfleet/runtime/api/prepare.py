@@ -29,6 +29,7 @@ ROUTE_TASKS: dict[str, tuple[Task, ...]] = {
     "/predict": ("rerank", "classify"), "/classify": ("classify",),
     "/tokenize": ("embed", "rerank", "classify", "sparse", "multivector"),
     "/v2/embed": ("embed",), "/v2/rerank": ("rerank",), "/": ("embed", "rerank", "classify"),
+    "/v1/models/{model}/probe": ("embed", "rerank", "classify", "sparse", "multivector"),
 }
 KIND = {"embed": "an embedding model", "rerank": "a reranker (cross-encoder)", "classify": "a classifier",
         "sparse": "a sparse (SPLADE) model", "multivector": "a multi-vector (ColBERT) model"}
@@ -40,7 +41,8 @@ def select(models: Models, name: str | None, route: str, tenant: Tenant | None =
     tasks = ROUTE_TASKS[route]
     svc = models.pick(name, tasks[0])
     if svc is None:
-        raise ApiError(404, f"model {name!r} is not served here; available: {models.names()}", "model_not_found")
+        raise ApiError(404, f"model {name!r} is not served here; available: {models.served_names()}",
+                       "model_not_found")
     if tenant is not None and not tenant.allows(svc.name):
         models.metrics.tenant_refused.labels(tenant.name, "model_not_allowed").inc()
         raise ApiError(403, f"tenant {tenant.name!r} may not use model {svc.name!r}; its models: "

@@ -1,17 +1,23 @@
-"""Routes about the server rather than through the engine: /tokenize, /v1/models and the probes."""
+"""Routes about the server rather than through the engine: /tokenize, /v1/models (and each model's probe-set
+outputs, /v1/models/{model}/probe) and the probes."""
 
 from __future__ import annotations
+
+import math
 
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from embedfleet.compat.gate import compare
 from embedfleet.runtime.api import errors
-from embedfleet.runtime.api.gate import GateState, tenant_of
+from embedfleet.runtime.api.gate import TENANT, GateState, tenant_of
 from embedfleet.runtime.api.http import JSON, body_of, parse
 from embedfleet.runtime.api.inputs import as_batch
 from embedfleet.runtime.api.prepare import select
-from embedfleet.runtime.api.schemas import ModelCard, ModelList, SimpleToken, TokenizeRequest
+from embedfleet.runtime.api.schemas import ModelCard, ModelList, ProbeAnswer, SimpleToken, TokenizeRequest
+from embedfleet.runtime.core.batcher import QueueFull
+from embedfleet.runtime.core.probe import fingerprint, probe_body
 from embedfleet.runtime.core.tokenize import TooManyTokens
 from embedfleet.runtime.service import Models
 
@@ -47,9 +53,33 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
                            pooling=s.spec.pooling, dtype=s.effective_dtype, device=settings.device,
                            digest=s.spec.digest, architecture=",".join(s.spec.architectures),
                            requested_dtype=settings.dtype if settings.dtype != s.effective_dtype else None,
-                           fp8_min_cosine=s.fp8_min_cosine)
+                           fp8_min_cosine=s.fp8_min_cosine, revision=s.revision or None,
+                           vector_space=s.vector_space, fingerprint=s.fingerprint,
+                           probe_set=s.probe.outputs.probe_set if s.probe is not None else None)
                  for s in models.services.values() if tenant.allows(s.name)]
         return JSON(ModelList(data=cards).model_dump())
+
+    @router.get("/v1/models/{model:path}/probe", response_model=ProbeAnswer, tags=["embedfleet"])
+    async def model_probe(model: str, request: Request, fresh: bool = False):
+        """The model's outputs on the canonical probe set: the start-up outputs its fingerprint was taken
+        from, or with `?fresh=1` a re-run now (through the batch manager, like any bulk work) and its
+        comparison with the drift reference. What an operator's drift gate compares between revisions."""
+        # the start-up outputs are open (api/gate.py is_startup_probe): no tenant then
+        svc = select(models, model, "/v1/models/{model}/probe", request.scope.get(TENANT))
+        state = svc.probe
+        assert state is not None  # a loaded model has been probed
+        outputs, gate = state.outputs, None
+        if fresh:
+            try:
+                outputs = await svc.run_probe()
+            except QueueFull as exc:
+                raise errors.ApiError(429, str(exc), "overloaded",
+                                      {"retry-after": str(max(1, math.ceil(exc.retry_after)))}) from None
+            gate = compare(state.reference, outputs, settings.probe_min_cosine).as_status()
+        body = probe_body(svc.name, svc.revision or None, state.vector_space, state.fingerprint, outputs)
+        body.update(fresh=fresh, gate=gate,
+                    outputs_fingerprint=fingerprint(outputs.probe_set, outputs.task, outputs.outputs))
+        return JSON(body)
 
     @router.get("/health", tags=["probes"])
     async def health():

@@ -105,6 +105,27 @@ class ModelCard(BaseModel):
     digest: str
     requested_dtype: str | None = None  # set when it differs from dtype (fp8 fell back to bf16)
     fp8_min_cosine: float | None = None  # the quality gate's measurement, for fp8 requests
+    # revisions (docs/rollouts.md): also answers `<id>@<revision>`; requests pinned to another space get 409
+    revision: str | None = None
+    vector_space: str | None = None
+    fingerprint: str | None = None  # sha256 of the start-up outputs on the canonical probe set
+    probe_set: str | None = None  # the probe set's version
+
+
+class ProbeAnswer(BaseModel):
+    """GET /v1/models/{model}/probe: the model's outputs on the canonical probe set (core/probe.py says
+    what a row is per task). The shape a --probe-reference file holds."""
+
+    model: str
+    revision: str | None
+    vector_space: str
+    fingerprint: str  # of the start-up outputs: this revision's identity
+    probe_set: str
+    task: str
+    outputs: list[list[float]]
+    fresh: bool = False  # re-run now (?fresh=1) rather than the start-up outputs
+    outputs_fingerprint: str  # of these outputs (equal to `fingerprint` unless fresh outputs moved)
+    gate: dict | None = None  # fresh: these outputs against the drift reference (compat.gate)
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,111 @@
+"""Running the canonical probe set through a loaded model: the revision's fingerprint and vector space.
+
+The model runs on its one engine thread, and the probe never beside that: at start-up, before the batch
+manager starts and before the model counts as loaded (so /ready waits for the fingerprint), it runs
+directly on the engine thread, as the start-up timing batch does, in batches within the configured
+limits; nothing else is queued then. Once serving, a re-run (drift check, ?fresh=1) goes through the
+batch manager as bulk work, so its engine time and queue wait are counted where admission and the
+autoscaler look, and it waits behind queries instead of delaying them unseen.
+
+What a row is for each task, and how the fingerprint is taken: core/probe.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from embedfleet.compat import probe_set as canonical
+from embedfleet.compat.gate import ProbeOutputs
+from embedfleet.runtime.core import probe as rows
+from embedfleet.runtime.core.batcher import BatchManager
+from embedfleet.runtime.core.tokenize import TokenizerPool
+from embedfleet.runtime.models.spec import Task
+
+PROBE_TENANT = "embedfleet-probe"  # the batch manager's fairness and per-tenant wait histogram name it so
+Rows = np.ndarray | list[np.ndarray]
+Execute = Callable[[list], Awaitable[Rows]]  # engine inputs -> the engine's rows, in input order
+
+
+@dataclass(frozen=True)
+class ProbeState:
+    """A revision's identity as this process measured it at start-up."""
+
+    outputs: ProbeOutputs  # the start-up probe outputs (GET /v1/models/{model}/probe)
+    fingerprint: str
+    vector_space: str
+    reference: ProbeOutputs  # what drift is measured against: --probe-reference, else `outputs`
+
+
+def through_batcher(batcher: BatchManager) -> Execute:
+    """Bulk work of the batch manager (a serving model)."""
+    async def execute(inputs: list) -> Rows:
+        return await batcher.submit(inputs, urgent=False, tenant=PROBE_TENANT).future
+    return execute
+
+
+def on_engine_thread(run: Callable[[list], Rows], engine_thread: ThreadPoolExecutor, max_requests: int,
+                     max_tokens: int) -> Execute:
+    """Straight onto the engine thread in batches within --max-batch-requests and --max-batch-tokens (a
+    model not serving yet: nothing else is queued)."""
+    async def execute(inputs: list) -> Rows:
+        size = max(1, min(max_requests, max_tokens // max(len(x) for x in inputs)))
+        loop = asyncio.get_running_loop()
+        parts = [await loop.run_in_executor(engine_thread, run, inputs[i:i + size])
+                 for i in range(0, len(inputs), size)]
+        if isinstance(parts[0], np.ndarray):
+            return np.vstack(parts)
+        return [row for part in parts for row in part]
+    return execute
+
+
+async def run_probe(task: Task, tokenizer: TokenizerPool, execute: Execute, limit: int) -> ProbeOutputs:
+    """The probe set's outputs for `task` (rows: core/probe.py), run by `execute`.
+
+    Plain texts, truncated to `limit` tokens: a ColBERT model's texts go without query/document markers,
+    since the probe measures the weights and arithmetic (markers are code, the same in both revisions).
+    """
+    probe = canonical.load()
+    if task == "rerank":
+        pairs = probe.pairs()
+        tokenized = await tokenizer.encode_pairs(pairs, limit, True, "right")
+    else:
+        tokenized = await tokenizer.encode(list(probe.texts), limit, True, "right")
+    raw = await execute(tokenized)
+    if task == "embed":
+        out = rows.embed_rows(raw)
+    elif task == "sparse":
+        out = rows.sparse_rows(raw)
+    elif task == "multivector":
+        out = rows.multivector_rows(raw)
+    elif task == "rerank":
+        out = rows.rerank_rows(raw, [len(r.documents) for r in probe.rerank])
+    else:
+        out = rows.classify_rows(raw)
+    return ProbeOutputs.of(task, out, probe.version)
+
+
+def vector_space_of(configured: str, revision: str, digest: str) -> str:
+    """--vector-space if given, else the revision, else `weights-` + 12 hex of the model files' digest."""
+    return configured or revision or rows.weights_space(digest)
+
+
+def startup_state(outputs: ProbeOutputs, configured_space: str, revision: str,
+                  reference: ProbeOutputs | None, digest: str) -> ProbeState:
+    """The start-up identity; a reference that cannot be compared with these outputs (another task or
+    shape: another kind of model) is a configuration error, raised naming --probe-reference."""
+    fp = rows.fingerprint(outputs.probe_set, outputs.task, outputs.outputs)
+    if reference is not None:
+        if reference.task != outputs.task:
+            raise ValueError(f"--probe-reference holds {reference.task} outputs, but this model's task is "
+                             f"{outputs.task}: take the reference from a model of the same task")
+        if reference.outputs.shape != outputs.outputs.shape:
+            raise ValueError(f"--probe-reference outputs are {reference.outputs.shape[0]} x "
+                             f"{reference.outputs.shape[1]}, this model's are {outputs.outputs.shape[0]} x "
+                             f"{outputs.outputs.shape[1]}: not the same kind of model")
+    return ProbeState(outputs, fp, vector_space_of(configured_space, revision, digest),
+                      reference if reference is not None else outputs)
