@@ -95,11 +95,21 @@ def test_operator_killed_mid_reconcile_converges_without_orphans(kube_cluster: C
                                for c in (i.get("status") or {}).get("conditions", [])) for i in items)
 
             wait_until(all_available, 180, "all 20 Available after the restart", interval=1)
-            for kind in ("deployments", "services", "configmaps", "poddisruptionbudgets"):
-                managed = "app.kubernetes.io/managed-by=embedfleet-operator"
+            wanted = sorted(f"k{i}" for i in range(20))
+            managed = "app.kubernetes.io/managed-by=embedfleet-operator"
+
+            def owners(kind: str) -> list[str]:
                 items = cluster.get_json(kind, "-n", ns, "-l", managed)["items"]
-                owners = sorted(i["metadata"]["ownerReferences"][0]["name"] for i in items)
-                assert owners == sorted(f"k{i}" for i in range(20)), kind  # exactly one each, none orphaned
+                return sorted(i["metadata"]["ownerReferences"][0]["name"] for i in items)
+
+            # Available only says the pods are ready: a Deployment the killed operator created reports it
+            # before the restarted one has reached that owner's Service and PDB (seen in CI), so wait for
+            # the converge to finish, then require exactly one object of each kind per owner.
+            kinds = ("deployments", "services", "configmaps", "poddisruptionbudgets")
+            wait_until(lambda: all(owners(kind) == wanted for kind in kinds), 120,
+                       "one Deployment, Service, ConfigMap and PDB per deployment", interval=1)
+            for kind in kinds:
+                assert owners(kind) == wanted, kind  # exactly one each, none orphaned
             errors = again.unexpected_errors()
             assert errors == [], "\n".join(map(str, errors))
         finally:
