@@ -105,3 +105,17 @@ def build_all(root: Path) -> dict[str, Path]:
                                                label2id={v: k for k, v in labels.items()})).save_pretrained(d)
     bpe_tokenizer(d)
     return out
+
+
+def bert_embedder(path: Path, seed: int) -> Path:
+    """A tiny random BERT sentence embedder (mean pooling, 32 dims) whose weights follow from ``seed``: two
+    seeds give two models that embed the same text differently, which is what a drift gate must refuse."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    path.mkdir()
+    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=128)).save_pretrained(path)
+    bert_tokenizer(path)
+    sentence_transformers_files(path, "mean", 32)
+    return path

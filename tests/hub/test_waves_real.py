@@ -6,7 +6,8 @@ Everything is real, the spokes' side included: what each spoke reports (``status
 kwok runs no runtimes, so no probe answers on these spokes: a breaking change (no gate: side by side, then
 flipped by ``queryRevision``) goes through every wave, and a compatible change is blocked by the spoke's
 gate with ``GateTimeout`` (the gate refusing different weights on real runtimes is tested in
-tests/operator/test_rollout_real.py). Tests in this module share the fleet and run in file order.
+tests/operator/test_rollout_real.py, and failing a wave so in tests/hub/test_waves_gate_real.py). Tests in
+this module share the fleet and run in file order.
 """
 
 from __future__ import annotations
