@@ -32,6 +32,7 @@ from tests.kube.kubelet import RUNTIME_PORT, FakeKubelet
 from tests.kube.netns import PodNetwork
 from tests.kube.operator_proc import OperatorProcess
 from tests.operator.real import condition, operator_writes, release
+from tests.tiny_models import bert_embedder
 
 from embedfleet.operator.crd import naming
 
@@ -52,20 +53,7 @@ class Scenario:
 
 def build_models(root: Path) -> dict[str, Path]:
     """Two tiny random BERT embedders with different weights, and a byte-identical copy of the first."""
-    import torch
-    from tests.tiny_models import bert_tokenizer, sentence_transformers_files
-    from transformers import BertConfig, BertModel
-
-    config = {"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "intermediate_size": 64, "max_position_embeddings": 128}
-    out = {}
-    for seed, key in ((0, "a"), (1, "b")):
-        torch.manual_seed(seed)
-        path = out[key] = root / f"embedder-{key}"
-        path.mkdir()
-        BertModel(BertConfig(**config)).save_pretrained(path)
-        bert_tokenizer(path)
-        sentence_transformers_files(path, "mean", 32)
+    out = {key: bert_embedder(root / f"embedder-{key}", seed) for seed, key in ((0, "a"), (1, "b"))}
     out["a-copy"] = root / "embedder-a-copy"
     shutil.copytree(out["a"], out["a-copy"])
     return out
