@@ -274,6 +274,9 @@ def test_role_region_and_namespaces_reach_the_operator() -> None:
     args = operator_container(objects)["args"]
     assert "--role=spoke" in args and "--region=eu-west-1" in args and "--cloud=aws" in args
     assert "--namespace=embeddings" in args and "--namespace=search" in args
+    # The gateway names its region on the requests it spills (x-embedfleet-spilled-from).
+    gateway_args = gateway_deployment(objects)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--region=eu-west-1" in gateway_args and "--namespace=search" in gateway_args
     bindings = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["name"] == "embedfleet-namespaced"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["embeddings", "search"]
     assert not [b for b in by_kind(objects, "ClusterRoleBinding") if b["metadata"]["name"].endswith("-namespaced")]

@@ -4,13 +4,20 @@ gateway in front of stand-in runtimes reporting chosen waits."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from embedfleet.gateway.bounds import Bounds
+from embedfleet.gateway.config import GatewayConfig
+from embedfleet.gateway.errors import Refused
+from embedfleet.gateway.fleet import Fleet
 from embedfleet.gateway.pick import ROUTABLE, State
 from embedfleet.gateway.shed import decide, over
 from tests.gateway.conftest import wait_for
@@ -115,3 +122,31 @@ def test_a_backfilling_fleet_takes_queries_and_sheds_bulk_work(gateway_factory, 
         assert r.headers["retry-after"] == "10"  # ceil(40 - 30)
     assert gateway.count("embedfleet_gateway_shed_total", deployment="m", reason="expected_wait_bulk") == 2
     assert len(a.received()) == 1 and b.received() == []
+
+
+def test_a_deployments_own_max_queue_seconds_sheds_where_the_flag_would_not():
+    """Kubernetes mode: spec.runtime.maxQueueSeconds (kube.py -> set_routes) is that deployment's bound;
+    another deployment with the same load and no bound of its own goes by --max-queue-seconds."""
+    routes = {"tight": ("team/tight", ["http://198.18.0.5:8080"]), "loose": ("team/loose", ["http://198.18.0.6:8080"])}
+    bounds = {"team/tight": Bounds(max_queue_s=2.0, max_queue_bulk_s=60.0)}
+
+    async def run():
+        async with aiohttp.ClientSession() as polls:  # never used: nothing here polls
+            fleet = Fleet(GatewayConfig(max_queue_seconds=5.0, max_queue_seconds_bulk=30.0), polls)
+            fleet.set_routes(routes, {}, bounds)
+            for key in ("team/tight", "team/loose"):
+                (replica,) = fleet.upstreams.replicas(key)
+                replica.state, replica.reported_wait_s = State.BUSY, 3.5  # saturated, 3.5 s queued
+            tight, loose = fleet.resolve("tight"), fleet.resolve("loose")
+            with pytest.raises(Refused) as refused:
+                await fleet.acquire(tight, fleet.begin(tight), None)
+            got = await fleet.acquire(loose, fleet.begin(loose), None)  # 3.5 s is under the flag's 5 s
+            bulk = fleet.begin(tight)
+            bulk.bulk = True
+            for_bulk = await fleet.acquire(tight, bulk, None)  # 3.5 s is under its own bulk bound
+            return refused.value, got.url, for_bulk.url
+
+    refused, loose_got, bulk_got = asyncio.run(run())
+    assert (refused.status, refused.code, refused.retry_after) == (429, "overloaded", 2)  # ceil(3.5 - 2)
+    assert "spec.runtime.maxQueueSeconds" in refused.message and "2s" in refused.message
+    assert loose_got == "http://198.18.0.6:8080" and bulk_got == "http://198.18.0.5:8080"

@@ -12,14 +12,26 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.gateway.conftest import GatewayServer
 from tests.kube.controlplane import AuditEvent, Cluster, ControlPlane, wait_until
 from tests.kube.fixtures import require_control_plane
-from tests.kube.operator_proc import BENIGN, CHART, OperatorProcess, is_kopf_patch_precondition, start_operator
+from tests.kube.operator_proc import (
+    BENIGN,
+    CHART,
+    OperatorProcess,
+    is_kopf_patch_precondition,
+    render_chart,
+    start_operator,
+)
+from tests.procs import ROOT, child_env, free_port, spawn
 
 SYSTEM = "embedfleet-system"
 API = "embedfleet.dev/v1alpha1"
@@ -69,6 +81,15 @@ def errors(events: Iterable[AuditEvent], user: str, allow: Iterable[tuple[int, s
             and (e.code, e.verb) not in allowed and (e.code, e.resource) not in allowed]
 
 
+@dataclass
+class SpokeGateway:
+    """A spoke's `embedfleet gateway --kubernetes`, run on the host as the chart runs it in a pod."""
+
+    server: GatewayServer
+    user: str  # its ServiceAccount, as the spoke's audit log names it
+    argv: list[str]  # the chart's command and args, as started (port and hold time-out on loopback terms)
+
+
 def writes(events: Iterable[AuditEvent], user: str) -> list[str]:
     """`user`'s writes, heartbeats (Lease renewals) left out."""
     return [str(e) for e in events if e.user == user and e.is_write and e.resource not in HEARTBEATS]
@@ -86,6 +107,7 @@ class Fleet:
     #: Extra chart values (``--set``) per cluster name ("hub" or a spoke's), e.g. its ``platform`` rules:
     #: used by install *and* start, so the admission policy and the operator enforce the same rules.
     values: dict[str, dict[str, str]] = field(default_factory=dict)
+    gateways: dict[str, SpokeGateway] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ setting up
 
@@ -153,6 +175,48 @@ class Fleet:
                       "connection": {"kubeconfigSecret": {"name": f"{name}-kubeconfig"}}, "lease": LEASE}},
         )
 
+    def pod_range(self, spoke: str, cidr: str) -> None:
+        """Every node of `spoke` a pod range of its own (kwok allocates from a node's podCIDR), set before any
+        pod exists: each spoke's kwok would otherwise hand out the same addresses from netns.POD_CIDR."""
+        for node in (self.spokes[spoke].get_json("nodes") or {}).get("items") or []:
+            self.spokes[spoke].kubectl("patch", "node", node["metadata"]["name"], "--type=merge", "-p",
+                                       json.dumps({"spec": {"podCIDR": cidr, "podCIDRs": [cidr]}}))
+
+    def start_gateway(self, spoke: str, hold_timeout: float) -> SpokeGateway:
+        """`spoke`'s gateway as its chart renders it (command, args, ServiceAccount token) on a free loopback
+        port, and that URL as the spoke's FleetCluster `spec.gatewayUrl`: where other regions' gateways
+        spill to, once the hub names it on their copies. Stopped with the fleet."""
+        cluster, port = self.spokes[spoke], free_port()
+        sets = {"role": "spoke", "region": self.regions[spoke], **ELECTION, **self.values.get(spoke, {})}
+        for doc in render_chart(cluster, f"ef-{spoke}", SYSTEM, sets=sets):
+            labels = doc.get("metadata", {}).get("labels") or {}
+            if doc.get("kind") == "Deployment" and labels.get("app.kubernetes.io/component") == "gateway":
+                pod = doc["spec"]["template"]["spec"]
+                break
+        else:
+            raise LookupError(f"the chart rendered no gateway Deployment for {spoke}")
+        (container,) = pod["containers"]
+        argv = [*container["command"], *container.get("args", [])]
+        assert argv[:3] == ["embedfleet", "gateway", "--kubernetes"], argv
+        argv = [sys.executable, "-m", "embedfleet.runtime.cli",
+                *[a for a in argv[1:] if not a.startswith(("--port=", "--hold-timeout="))],
+                "--host", "127.0.0.1", "--port", str(port), f"--hold-timeout={hold_timeout:g}"]
+        account = pod["serviceAccountName"]
+        kubeconfig = cluster.kubeconfig_for(cluster.token_for(SYSTEM, account),
+                                            self.workdir / f"gateway-{spoke}.kubeconfig", namespace=SYSTEM,
+                                            user=account)
+        log_path = self.workdir / f"gateway-{spoke}.log"
+        with open(log_path, "ab") as log:
+            proc = spawn(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                         env=child_env({"KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
+                                        "KUBERNETES_SERVICE_HOST": None}))
+        gateway = SpokeGateway(GatewayServer(proc, port, log_path), f"system:serviceaccount:{SYSTEM}:{account}", argv)
+        self.gateways[spoke] = gateway
+        gateway.server.wait_ready(timeout=120)  # 200 once its first lists are in
+        self.hub.kubectl("patch", "fleetcluster", spoke, "--type=merge", "-p",
+                         json.dumps({"spec": {"gatewayUrl": gateway.server.url}}))
+        return gateway
+
     def namespace(self, name: str, labels: dict[str, str] | None = None) -> None:
         """A namespace on the hub (with the labels policies select on) and on every spoke."""
         for cluster in (self.hub, *self.spokes.values()):
@@ -160,6 +224,8 @@ class Fleet:
                            "metadata": {"name": name, "labels": dict(labels or {})}})
 
     def stop(self) -> None:
+        for gateway in self.gateways.values():
+            gateway.server.stop()
         for proc in [*self.spoke_procs.values(), self.hub_proc]:
             if proc is not None:
                 proc.stop()

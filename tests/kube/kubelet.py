@@ -27,11 +27,14 @@ class FakeKubelet:
     """Starts one real runtime per Running pod IP (and stops it when the pod goes)."""
 
     def __init__(self, cluster: Cluster, net: PodNetwork, namespace: str, selector: str, logs: Path,
-                 config_env: bool = False) -> None:
+                 config_env: bool = False, keep_env: tuple[str, ...] = IDENTITY_ENV) -> None:
         self.cluster, self.net, self.namespace, self.selector, self.logs = cluster, net, namespace, selector, logs
         #: Start each runtime with the EMBEDFLEET_* variables of its pod (the ConfigMaps its container's
         #: envFrom names, then its env values) as a kubelet would, instead of the embedded default model.
         self.config_env = config_env
+        #: Without `config_env`, the pod's variables the runtime still gets (add EMBEDFLEET_SERVED_MODEL_NAME
+        #: where the gateway routes by a name other than the embedded model's).
+        self.keep_env = keep_env
         self.runtimes: dict[str, subprocess.Popen] = {}
         #: IPs whose runtime outlives its pod until the test stops it with `stop` (a slow shutdown).
         self.lingering: set[str] = set()
@@ -67,7 +70,7 @@ class FakeKubelet:
                     if env is None:
                         continue  # its ConfigMap could not be read yet: try again next round
                     if not self.config_env:  # the embedded model, but the pod's revision identity (pinning)
-                        env = {k: v for k, v in env.items() if k in IDENTITY_ENV}
+                        env = {k: v for k, v in env.items() if k in self.keep_env}
                     with open(self.logs / f"runtime-{ip}.log", "ab") as log:
                         self.runtimes[ip] = spawn(
                             [*self.net.prefix(), sys.executable, "-m", "embedfleet.runtime.cli", "serve",

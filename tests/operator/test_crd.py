@@ -139,6 +139,11 @@ def test_the_crd_refuses_both_api_key_references() -> None:
         (("model", "source"), "ftp://host/x", "spec.model.source"),
         (("runtime", "resources"), {"requests": {"cpu": "lots"}}, "spec.runtime.resources.requests.cpu"),
         (("placement", "policy"), "Random", "spec.placement.policy"),
+        (("runtime", "maxQueueSeconds"), -1, "spec.runtime.maxQueueSeconds"),
+        (("runtime", "maxQueueSeconds"), 0, "spec.runtime.maxQueueSeconds"),  # the runtime needs a bound
+        (("runtime", "maxQueueSecondsBulk"), float("inf"), "spec.runtime.maxQueueSecondsBulk"),
+        (("placement", "spillAfterSeconds"), -0.5, "spec.placement.spillAfterSeconds"),
+        (("placement", "spillAfterSeconds"), float("inf"), "spec.placement.spillAfterSeconds"),
     ],
 )
 def test_schema_rejects_nonsense(path: tuple[str, str], value: Any, field: str) -> None:

@@ -93,6 +93,27 @@ def test_server_refuses_wrong_types_and_unknown_fields(crds_installed: Cluster, 
     crds_installed.kubectl("delete", "namespace", ns, "--wait=false")
 
 
+def test_server_refuses_queue_and_spill_bounds_out_of_range(crds_installed: Cluster, unique: str) -> None:
+    """spec.runtime.maxQueueSeconds(/Bulk) > 0 (the runtime needs a bound), spec.placement.spillAfterSeconds
+    >= 0: the server refuses the rest, naming the field; values in range are stored as given."""
+    ns = f"crdbounds-{unique}"
+    crds_installed.kubectl("create", "namespace", ns)
+    refused = (({"runtime": {"maxQueueSeconds": -1}}, "maxQueueSeconds"),
+               ({"runtime": {"maxQueueSecondsBulk": 0}}, "maxQueueSecondsBulk"),
+               ({"placement": {"spillAfterSeconds": -0.5}}, "spillAfterSeconds"))
+    for i, (extra, field) in enumerate(refused):
+        done = crds_installed.kubectl("create", "-f", "-", input=json.dumps(_minimal(f"b{i}", ns, extra)),
+                                      check=False)
+        assert done.returncode != 0 and field in done.stderr, (extra, done.stderr)
+    ok = _minimal("ok", ns, {"runtime": {"maxQueueSeconds": 2.5, "maxQueueSecondsBulk": 20},
+                             "placement": {"spillAfterSeconds": 0}})
+    crds_installed.apply(ok)
+    live = crds_installed.get_json("embeddingdeployment", "ok", "-n", ns)["spec"]
+    assert (live["runtime"]["maxQueueSeconds"], live["runtime"]["maxQueueSecondsBulk"]) == (2.5, 20)
+    assert live["placement"]["spillAfterSeconds"] == 0
+    crds_installed.kubectl("delete", "namespace", ns, "--wait=false")
+
+
 def test_server_refuses_one_key_and_a_keys_file_together(crds_installed: Cluster, unique: str) -> None:
     """The CEL rule on spec.runtime: apiKeySecret or apiKeysSecret, not both; an explicit null is absent
     (as for the operator's validation)."""

@@ -38,6 +38,8 @@ CONTRACT_ENV = {
     "EMBEDFLEET_PAYLOAD_LIMIT",
     "EMBEDFLEET_API_KEY",
     "EMBEDFLEET_TOKENIZER_WORKERS",
+    "EMBEDFLEET_MAX_QUEUE_SECONDS",
+    "EMBEDFLEET_MAX_QUEUE_SECONDS_BULK",
     "EMBEDFLEET_DRAIN_TIMEOUT",
     "EMBEDFLEET_MODEL_DIGEST",
     "EMBEDFLEET_REVISION",
@@ -118,6 +120,21 @@ def test_runtime_contract_env_probes_and_drain() -> None:
     annotations = by_kind(manifests)["Deployment"]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8080"
     assert "nvidia.com/gpu" not in str(container["resources"])
+
+
+def test_queue_bounds_reach_the_runtime_as_its_settings_read_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """spec.runtime.maxQueueSeconds(/Bulk): the runtime refuses at the bound the gateway sheds by
+    (gateway/bounds.py); unset, the runtime keeps its own default (no variable at all)."""
+    runtime_settings = pytest.importorskip("embedfleet.runtime.settings")
+    data = by_kind(render("minilm", "ml", "uid-1", spec_of(runtime={"maxQueueSeconds": 2.5,
+                                                                   "maxQueueSecondsBulk": 12})))["ConfigMap"]["data"]
+    assert set(data) <= CONTRACT_ENV
+    for var in ("EMBEDFLEET_MAX_QUEUE_SECONDS", "EMBEDFLEET_MAX_QUEUE_SECONDS_BULK"):
+        monkeypatch.setenv(var, data[var])  # as envFrom hands the ConfigMap to the pod
+    read = runtime_settings.RuntimeSettings()
+    assert (read.max_queue_seconds, read.max_queue_seconds_bulk) == (2.5, 12.0)
+    plain = by_kind(render("minilm", "ml", "uid-1", spec_of()))["ConfigMap"]["data"]
+    assert "EMBEDFLEET_MAX_QUEUE_SECONDS" not in plain and "EMBEDFLEET_MAX_QUEUE_SECONDS_BULK" not in plain
 
 
 def test_a_tenants_keys_file_is_mounted_from_its_secret() -> None:

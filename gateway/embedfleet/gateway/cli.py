@@ -55,14 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this gateway's region: named on requests it spills to another region (metrics, logs)")
     parser.add_argument("--spill", action="append", default=[], metavar="NAME=REGION=URL",
                         help="another region's gateway that deployment NAME may spill to when it has no ready "
-                             "replica here (repeat; tried in order). On Kubernetes the hub sets this per deployment "
+                             "replica here, or every replica is over its queue bound (repeat; tried in order). "
+                             "On Kubernetes the hub sets this per deployment "
                              "from its placement policy (annotation embedfleet.dev/spill-to)")
     parser.add_argument("--vector-space", action="append", default=[], metavar="NAME=SPACE",
                         help="pin requests for NAME to this vector space (replicas of another are never sent them); "
                              "default: the space of the first routable --upstream listed, from its GET /v1/models. "
                              "On Kubernetes the EmbeddingDeployment's status says it (docs/rollouts.md)")
     parser.add_argument("--spill-after", type=float, default=D.spill_after,
-                        help="spill only when the expected cold start here is longer than this many seconds "
+                        help="spill only when the expected wait here (a cold start, or every saturated replica's "
+                             "queue; bulk work only past --max-queue-seconds-bulk) is longer than this many seconds; "
+                             "on Kubernetes a deployment's spec.placement.spillAfterSeconds wins "
                              f"(default: {D.spill_after})")
     parser.add_argument("--host", default=D.host, help=f"address to bind (default: {D.host})")
     parser.add_argument("--port", type=int, default=D.port, help=f"port to bind (default: {D.port})")
@@ -94,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "blind to load; only a baseline for benchmarks, never for serving")
     parser.add_argument("--max-queue-seconds", type=float, default=D.max_queue_seconds,
                         help="refuse a query at once (429 overloaded, Retry-After) when every replica reports an "
-                             "expected wait over this and says it is saturated; 0: never (default: "
+                             "expected wait over this and says it is saturated; 0: never; on Kubernetes a "
+                             "deployment's spec.runtime.maxQueueSeconds wins (default: "
                              f"{D.max_queue_seconds}, the runtime's)")
     parser.add_argument("--max-queue-seconds-bulk", type=float, default=D.max_queue_seconds_bulk,
                         help="the same for bulk requests (X-Priority: bulk, or more than --urgent-max-inputs "

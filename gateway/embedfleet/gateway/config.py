@@ -33,9 +33,10 @@ class GatewayConfig:
     region: str = ""  # this gateway's region: named on the requests it spills, and in metrics
     spill: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # deployment -> [(region, gateway URL)]
     vector_spaces: dict[str, str] = field(default_factory=dict)  # deployment -> the space it pins (pinning.py)
-    spill_after: float = 2.0  # spill when the expected cold start here is longer than this (seconds)
+    spill_after: float = 2.0  # spill when the expected wait here (cold start or queue) is longer (seconds)
     balance: str = "least-wait"  # or "round-robin": a baseline for benchmarks only
     max_queue_seconds: float = 5.0  # shed (429) a query when every replica's expected wait is over it; 0: never
+    # (on Kubernetes a deployment's spec.runtime.maxQueueSeconds[Bulk] / spec.placement.spillAfterSeconds win)
     max_queue_seconds_bulk: float = 30.0  # the same for bulk requests
     urgent_max_inputs: int = 4  # requests with more inputs are bulk (the runtime's --urgent-max-inputs)
     eject_after: int = 5  # failures in a row that eject a replica for a while; 0: never

@@ -1,13 +1,15 @@
 """The deployments the gateway fronts: for each, its replicas, its held requests and its cold start.
 
 `acquire` gives a request a replica at once (pick's least-wait choice among the replicas not
-ejected for failing (eject.py), counted in flight before it returns), refuses it at once with 429
-`overloaded` when every replica would refuse it for its expected wait (shed.py), or, when none can
-take work, holds it until one can. When a poll finds one, the held requests are handed out
-interactive first, then oldest first, each to the least-wait replica at that moment, in the same
-step, so no later request overtakes them and no query waits behind bulk work. A hold is bounded in
-number (--max-held) and in time (--hold-timeout); both refusals say when to come back from the
-deployment's learned cold start.
+ejected for failing (eject.py), counted in flight before it returns), sends it to another region's
+gateway when every replica here is over the spill bound and the policy names one (spill.py, "queue"),
+refuses it at once with 429 `overloaded` when every replica would refuse it for its expected wait
+(shed.py), or, when none can take work, spills it ("cold") or holds it until one can. When a poll
+finds one, the held requests are handed out interactive first, then oldest first, each to the
+least-wait replica at that moment, in the same step, so no later request overtakes them and no query
+waits behind bulk work. A hold is bounded in number (--max-held) and in time (--hold-timeout); both
+refusals say when to come back from the deployment's learned cold start. The shed and spill bounds
+are the deployment's own (its EmbeddingDeployment's, on Kubernetes: bounds.py), else the flags.
 
 Pinning (pinning.py): a request goes only to replicas of the vector space its name resolves to here
 (or that it arrived pinned to), never to one that refused it for its space; nothing of that space able
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from embedfleet.compat.names import split_model
+from embedfleet.gateway.bounds import Bounds, shed_bound, spill_after
 from embedfleet.gateway.coldstart import ColdStart
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.eject import admitted
@@ -43,7 +46,7 @@ from embedfleet.gateway.pinning import (
     serves_elsewhere,
 )
 from embedfleet.gateway.shed import decide
-from embedfleet.gateway.spill import Target, choose, should_spill
+from embedfleet.gateway.spill import COLD, QUEUE, Target, choose, queue_bound, should_spill, should_spill_queue
 from embedfleet.gateway.upstreams import Replica, Upstreams
 
 log = logging.getLogger("embedfleet.gateway.fleet")
@@ -59,6 +62,7 @@ class Deployment:
     turn: int = 0  # --balance round-robin: requests routed so far
     vector_space: str | None = None  # the space its requests are pinned to, when the cluster says (pinning.py)
     mixed: frozenset[str] = frozenset()  # the spaces its replicas reported when that was last warned about
+    bounds: Bounds = field(default_factory=Bounds)  # its own shed/spill bounds (bounds.py); unset: the flags
 
 
 @dataclass(slots=True)
@@ -71,6 +75,7 @@ class Ticket:
     hold: Held | None = field(default=None, repr=False)
     may_spill: bool = True  # false for a request another region spilled here (never spilled again)
     spilled_to: Target | None = None  # the region's gateway this attempt goes to (spill.py)
+    spill_reason: str = ""  # why it went there: spill.COLD or spill.QUEUE
     model: str = ""  # the model name the request asked for (messages)
     space: str | None = None  # the vector space it is pinned to (pinning.py); None: not known here, no pin
     pinned: bool = False  # it arrived carrying that pin (spilled in): this gateway does not choose another
@@ -110,18 +115,24 @@ class Fleet:
 
     def set_spill(self, name: str, targets: list[Target]) -> None:
         """Where `name` may spill (the policy's choice; empty: nowhere). Known targets keep their state."""
-        old = {t.url: t for t in self.spill.get(name, [])}
-        self.spill[name] = [old.get(t.url, t) for t in targets]
+        old = {(t.region, t.url): t for t in self.spill.get(name, [])}
+        if [(t.region, t.url) for t in targets] != list(old):
+            # once per change (the cluster's watch hands over every deployment's targets on each event)
+            log.info("%s may spill to %s", name, ", ".join(f"{t.region} ({t.url})" for t in targets) or "nowhere")
+        self.spill[name] = [old.get((t.region, t.url), t) for t in targets]
 
-    def set_routes(self, routes: dict[str, tuple[str, list[str]]], spaces: dict[str, str | None] | None = None) -> None:
+    def set_routes(self, routes: dict[str, tuple[str, list[str]]], spaces: dict[str, str | None] | None = None,
+                   bounds: dict[str, Bounds] | None = None) -> None:
         """Kubernetes mode (kube.py): served model name -> (deployment, replica URLs), the whole set, and
-        each deployment's vector space. A deployment that left the cluster is forgotten unless requests
-        are still held for it (they then wait out their hold and are refused as any cold start is)."""
+        each deployment's vector space and own bounds. A deployment that left the cluster is forgotten
+        unless requests are still held for it (they then wait out their hold and are refused as any cold
+        start is)."""
         self.aliases = {model: key for model, (key, _) in routes.items()}
         for model, (key, urls) in routes.items():
             self.set_replicas(key, urls)
             self.upstreams.models[key] = model
             self.deployments[key].vector_space = (spaces or {}).get(key)
+            self.deployments[key].bounds = (bounds or {}).get(key) or Bounds()
         live = set(self.aliases.values())
         for key in [k for k, d in self.deployments.items() if k not in live]:
             self.upstreams.set_replicas(key, [])
@@ -178,7 +189,11 @@ class Fleet:
 
     async def acquire(self, deployment: Deployment, ticket: Ticket, deadline: float | None) -> Replica:
         """A replica for the request, counted in flight (give it back with `done`), at once or after a
-        hold. Refused: 503 hold_full / cold_start with Retry-After, or 504 when `deadline` passes."""
+        hold, or another region's gateway (spill.py). Refused: 429 overloaded (shed.py), 503 hold_full /
+        cold_start with Retry-After, or 504 when `deadline` passes."""
+        target = self._queue_spill_target(deployment, ticket, self.now())
+        if target is not None:  # every replica here is over the bound: another region, before shedding
+            return self._spill_to(deployment, ticket, target, QUEUE)
         self._shed(deployment, ticket)
         replica = self._pick(deployment, ticket)
         if replica is not None:
@@ -190,11 +205,10 @@ class Fleet:
                 or serves_elsewhere(self.upstreams.replicas(deployment.name), ticket.space)):
             raise self._mismatch(deployment, ticket)  # nothing here serves that space: do not hold it
         target = self._spill_target(deployment, ticket, now)
-        if target is not None:  # another region's gateway, as if it were a replica (the proxy marks it)
-            ticket.spilled_to = target
-            if self.on_hold is not None:  # and wake this region's replicas for the requests after it
+        if target is not None:
+            if self.on_hold is not None:  # wake this region's replicas for the requests after it
                 self.on_hold(deployment)
-            return Replica(deployment.name, target.url, state=State.READY, in_flight=1)
+            return self._spill_to(deployment, ticket, target, COLD)
         if ticket.held_since is None:
             ticket.held_since = now
         future: asyncio.Future[Replica] = asyncio.get_running_loop().create_future()
@@ -230,14 +244,40 @@ class Fleet:
                 deployment.held.remove(ticket.hold)
             raise
 
+    @staticmethod
+    def _spill_to(deployment: Deployment, ticket: Ticket, target: Target, reason: str) -> Replica:
+        """Another region's gateway, as if it were a replica (the proxy marks the request and counts it)."""
+        ticket.spilled_to, ticket.spill_reason = target, reason
+        return Replica(deployment.name, target.url, state=State.READY, in_flight=1)
+
+    def _spill_targets(self, deployment: Deployment, ticket: Ticket) -> list[Target]:
+        """Where this request may go: the policy's targets, less those that refused its vector space."""
+        if not ticket.may_spill:
+            return []
+        return [t for t in self.spill.get(deployment.name, []) if t.url not in ticket.refused]
+
     def _spill_target(self, deployment: Deployment, ticket: Ticket, now: float) -> Target | None:
-        targets = [t for t in self.spill.get(deployment.name, []) if t.url not in ticket.refused]
-        if not targets or not ticket.may_spill:
+        """Cold: nothing here can take the request and its cold start is expected to last too long."""
+        targets = self._spill_targets(deployment, ticket)
+        if not targets:
             return None
         cold_for = 0.0 if ticket.held_since is None else now - ticket.held_since
         remaining = deployment.cold.expected_s() - cold_for
         routable = any(r.state in ROUTABLE for r in self._eligible(deployment, ticket))
-        if not should_spill(routable, not ticket.may_spill, remaining, self.config.spill_after, targets):
+        after = spill_after(deployment.bounds, self.config).seconds
+        if not should_spill(routable, not ticket.may_spill, remaining, after, targets):
+            return None
+        return choose(targets, now)
+
+    def _queue_spill_target(self, deployment: Deployment, ticket: Ticket, now: float) -> Target | None:
+        """Queue: every replica here that may take the request is over the spill bound for its class."""
+        targets = self._spill_targets(deployment, ticket)
+        if not targets:
+            return None
+        bound = queue_bound(spill_after(deployment.bounds, self.config).seconds,
+                            shed_bound(deployment.bounds, self.config, ticket.bulk).seconds, ticket.bulk)
+        replicas = admitted(self._eligible(deployment, ticket), now)
+        if not should_spill_queue(replicas, bound, ticket.bulk, not ticket.may_spill, targets):
             return None
         return choose(targets, now)
 
@@ -286,13 +326,12 @@ class Fleet:
 
     def _shed(self, deployment: Deployment, ticket: Ticket) -> None:
         """429 `overloaded` now when every replica would refuse the request for its expected wait."""
-        bound = self.config.max_queue_seconds_bulk if ticket.bulk else self.config.max_queue_seconds
-        shed = decide(admitted(self._eligible(deployment, ticket), self.now()), bound, ticket.bulk)
+        bound = shed_bound(deployment.bounds, self.config, ticket.bulk)
+        shed = decide(admitted(self._eligible(deployment, ticket), self.now()), bound.seconds, ticket.bulk)
         if shed is not None:
-            flag = "--max-queue-seconds-bulk" if ticket.bulk else "--max-queue-seconds"
             raise Refused(429, f"every replica of {deployment.name} is overloaded: the least loaded expects "
-                          f"{shed.least_wait_s:.1f}s of queued work, over the bound of {bound:g}s ({flag}); retry "
-                          f"in {shed.retry_after}s", "overloaded", shed.retry_after)
+                          f"{shed.least_wait_s:.1f}s of queued work, over the bound of {bound.seconds:g}s "
+                          f"({bound.source}); retry in {shed.retry_after}s", "overloaded", shed.retry_after)
 
     def done(self, replica: Replica) -> None:
         replica.in_flight -= 1

@@ -7,7 +7,9 @@ version is gone) feed the same `Fleet` the static `--upstream` flags feed:
   the object's name, as the runtime is told) -> the deployment `<namespace>/<name>`, whose runtime
   Service has the deployment's name (operator/render.py). Mid-rollout, each live revision that is not
   current answers `<served>@rN` through its own Service `<name>-rN`; every route carries the vector
-  space its requests are pinned to, from the deployment's status (pinning.py).
+  space its requests are pinned to, from the deployment's status (pinning.py), and the deployment's own
+  shed and spill bounds (`spec.runtime.maxQueueSeconds`, `maxQueueSecondsBulk`,
+  `spec.placement.spillAfterSeconds`: bounds.py), the same for its main and its revision Services.
 * EndpointSlices of those Services: the addresses that may take work. An endpoint that is not `ready`,
   or is `terminating`, is dropped at once: a pod being deleted leaves the slice before its runtime's
   own /ready turns false, so draining replicas stop getting new requests first.
@@ -33,6 +35,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
+from embedfleet.gateway.bounds import Bounds, from_object
 from embedfleet.gateway.pinning import revision_services
 from embedfleet.gateway.spill import ANNOTATION
 from embedfleet.operator.crd import naming
@@ -90,6 +93,20 @@ class ClusterView:
     slices: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # "<ns>/<slice>" -> ("<ns>/<svc>", urls)
     # "<ns>/<name>" -> (model name, Service name, vector space) per name it answers (pinning.revision_services)
     names: dict[str, list[tuple[str, str, str | None]]] = field(default_factory=dict)
+    bounds: dict[str, Bounds] = field(default_factory=dict)  # "<ns>/<name>" -> its own shed/spill bounds
+
+    def record(self, obj: Mapping[str, Any]) -> None:
+        """An EmbeddingDeployment as the API server sent it (listed, added or modified)."""
+        key = deployment_key(obj["metadata"]["namespace"], obj["metadata"]["name"])
+        served = served_name(obj)
+        self.deployments[key] = served
+        self.names[key] = revision_services(obj, served)
+        self.spill[key] = spill_annotation(obj)
+        self.bounds[key] = from_object(obj)
+
+    def forget(self, key: str) -> None:
+        for table in (self.deployments, self.names, self.spill, self.bounds):
+            table.pop(key, None)
 
     def _names(self, key: str) -> list[tuple[str, str, str | None]]:
         return self.names.get(key) or [(self.deployments[key], key.split("/", 1)[1], None)]
@@ -113,6 +130,16 @@ class ClusterView:
                 out[model] = (service_key, sorted(urls.get(service_key, ())))
         return out
 
+    def service_bounds(self) -> dict[str, Bounds]:
+        """Service key (as in `routes`) -> its deployment's own bounds: a revision's Service has the
+        deployment's (limits are the spec's, not the revision's: operator/render.py spec_for)."""
+        out: dict[str, Bounds] = {}
+        for key in sorted(self.deployments):
+            namespace = key.split("/", 1)[0]
+            for _, service, _ in self._names(key):
+                out.setdefault(deployment_key(namespace, service), self.bounds.get(key, Bounds()))
+        return out
+
     def spaces(self) -> dict[str, str | None]:
         """Service key (as in `routes`) -> the vector space requests routed there are pinned to (None: the
         operator has not written one; such requests carry no pin)."""
@@ -128,7 +155,8 @@ class KubeSource:
     """Keeps `apply(routes)` called with the cluster's current routes; wakes deployments at zero."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient, namespaces: Iterable[str],
-                 apply: Callable[[dict[str, tuple[str, list[str]]], dict[str, str | None]], None],
+                 apply: Callable[[dict[str, tuple[str, list[str]]], dict[str, str | None], dict[str, Bounds]],
+                                 None],
                  loop: asyncio.AbstractEventLoop,
                  apply_spill: Callable[[dict[str, str]], None] | None = None) -> None:
         self.api = api_client
@@ -209,25 +237,14 @@ class KubeSource:
     def _on_deployment(self, kind: str, obj: dict, ns: str | None) -> None:
         """One watch event (or RESET: a fresh list of scope `ns`, None for all namespaces)."""
         if kind == "RESET":
-            kept = {k: v for k, v in self.view.deployments.items() if not self._in_scope(k, ns)}
-            items = obj.get("items") or []
-            fresh = {deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): served_name(i) for i in items}
-            self.view.deployments = kept | fresh
-            self.view.names = {k: v for k, v in self.view.names.items() if not self._in_scope(k, ns)} | {
-                deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): revision_services(i, served_name(i))
-                for i in items}
-            self.view.spill = {k: v for k, v in self.view.spill.items() if not self._in_scope(k, ns)} | {
-                deployment_key(i["metadata"]["namespace"], i["metadata"]["name"]): spill_annotation(i) for i in items}
-            return
-        key = deployment_key(obj["metadata"]["namespace"], obj["metadata"]["name"])
-        if kind == "DELETED":
-            self.view.deployments.pop(key, None)
-            self.view.spill.pop(key, None)
-            self.view.names.pop(key, None)
+            for key in [k for k in self.view.deployments if self._in_scope(k, ns)]:
+                self.view.forget(key)
+            for item in obj.get("items") or []:
+                self.view.record(item)
+        elif kind == "DELETED":
+            self.view.forget(deployment_key(obj["metadata"]["namespace"], obj["metadata"]["name"]))
         else:
-            self.view.deployments[key] = served_name(obj)
-            self.view.names[key] = revision_services(obj, served_name(obj))
-            self.view.spill[key] = spill_annotation(obj)
+            self.view.record(obj)
 
     def _on_slice(self, kind: str, obj: dict, ns: str | None) -> None:
         def entry(s: dict) -> tuple[str, tuple[str, list[str]]] | None:
@@ -254,8 +271,9 @@ class KubeSource:
         with self._lock:
             routes = self.view.routes()
             spaces = self.view.spaces()
+            bounds = self.view.service_bounds()
             spill = dict(self.view.spill)
-        self.loop.call_soon_threadsafe(self.apply, routes, spaces)
+        self.loop.call_soon_threadsafe(self.apply, routes, spaces, bounds)
         if self.apply_spill is not None:
             self.loop.call_soon_threadsafe(self.apply_spill, spill)
 

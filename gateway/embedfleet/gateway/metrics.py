@@ -81,7 +81,9 @@ class GatewayMetrics:
                                     "to the first byte of a replica's answer", ["deployment"],
                                     buckets=COLD_START_BUCKETS, registry=r)
         self.spilled = Counter("embedfleet_gateway_spilled", "Requests sent to another region's gateway (spill.py), "
-                               "by the region they went to", ["deployment", "to"], registry=r)
+                               "by the region they went to and why: cold (no replica here could take work) or "
+                               "queue (every replica here was over the bound)", ["deployment", "to", "reason"],
+                               registry=r)
         self.shed = Counter("embedfleet_gateway_shed", "Requests refused at once (429 overloaded) because every "
                             "replica's expected wait was over the bound (shed.py)", ["deployment", "reason"],
                             registry=r)

@@ -254,7 +254,8 @@ class Gateway:
                 self.fleet.done(replica)
             if answer is not None:
                 if ticket.spilled_to is not None:
-                    self.metrics.spilled.labels(deployment.name, ticket.spilled_to.region).inc()
+                    self.metrics.spilled.labels(deployment.name, ticket.spilled_to.region,
+                                               ticket.spill_reason).inc()
                 return answer
             if ticket.spilled_to is not None:  # that region's gateway did not take it: not again for a while
                 if ticket.spilled_to.url not in ticket.refused:  # (one that refused its space: not for this one)

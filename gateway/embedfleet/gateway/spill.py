@@ -6,9 +6,15 @@ annotation `embedfleet.dev/spill-to`; locally, `--spill NAME=REGION=URL`. The ga
 no targets, no spill (RegionLocked to one region, or a standby that runs nothing yet), and the request
 is held or refused here as it would be without spill.
 
-When: the deployment has no replica here that can take work and its expected cold start (the learned
-time, less how long it has already been cold) is over `--spill-after`; a request that was itself
-spilled (`x-embedfleet-spilled-from`) is never spilled again, so two regions cannot bounce a request.
+When (the threshold: the deployment's `spec.placement.spillAfterSeconds`, else `--spill-after`):
+* cold (`should_spill`): the deployment has no replica here that can take work and its expected cold
+  start (the learned time, less how long it has already been cold) is over the threshold;
+* queue (`should_spill_queue`): it has replicas here, but every one that may take the request is over
+  `queue_bound` for the request's class, with shed.py's meaning of "over" (a query: a reported wait
+  over the bound *and* saturated; bulk work: the reported wait alone). This is checked before
+  shedding, so a region with somewhere to spill spills instead of answering 429.
+A request that was itself spilled (`x-embedfleet-spilled-from`) is never spilled again, so two regions
+cannot bounce a request.
 Where: the first target not marked down in the last DOWN_FOR_S (targets are in the hub's order:
 best-scored region first).
 """
@@ -17,13 +23,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from embedfleet.gateway.pick import ROUTABLE, Load
+from embedfleet.gateway.shed import over
 
 SPILLED_FROM = "x-embedfleet-spilled-from"  # header on a spilled request: the region it left
 ANNOTATION = "embedfleet.dev/spill-to"  # on a spoke's EmbeddingDeployment: JSON list of {cluster, region, url}
 DOWN_FOR_S = 10.0  # a target whose gateway did not take a request is skipped this long
+COLD, QUEUE = "cold", "queue"  # why a request spilled (the `reason` label of embedfleet_gateway_spilled_total)
 
 
 @dataclass(eq=False, slots=True)
@@ -63,6 +73,27 @@ def should_spill(routable_here: bool, spilled_in: bool, cold_remaining_s: float,
     """Pure: spill when nothing here can take the request, the wait for a cold start here is over the
     threshold, the request did not come from another region, and the policy named somewhere to go."""
     return (not routable_here and not spilled_in and bool(targets) and cold_remaining_s > spill_after_s)
+
+
+def queue_bound(spill_after_s: float, shed_bound_s: float, bulk: bool) -> float:
+    """Pure: the reported wait over which a request of this class leaves for another region. A query: the
+    spill threshold, or the shed bound when that is lower (what would be refused here spills instead);
+    bulk work is meant to queue, so it leaves only where it would be refused: at its shed bound, never
+    when shedding is off for it (0)."""
+    if bulk:
+        return shed_bound_s if shed_bound_s > 0 else math.inf
+    return min(spill_after_s, shed_bound_s) if shed_bound_s > 0 else spill_after_s
+
+
+def should_spill_queue(replicas: Iterable[Load], bound_s: float, bulk: bool, spilled_in: bool,
+                       targets: Sequence[Target]) -> bool:
+    """Pure: spill a request the deployment has replicas for when every one that can take work is over
+    `bound_s` (shed.over: a query only where the replica is also saturated), the request did not come from
+    another region, and the policy named somewhere to go. No routable replica: not this rule (`should_spill`)."""
+    if spilled_in or not targets:
+        return False
+    routable = [r for r in replicas if r.state in ROUTABLE]
+    return bool(routable) and all(over(r, bound_s, bulk) for r in routable)
 
 
 def choose(targets: Sequence[Target], now: float) -> Target | None:

@@ -249,6 +249,9 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[
         "EMBEDFLEET_MAX_INPUT_TOKENS": rt.max_input_tokens,
         "EMBEDFLEET_PAYLOAD_LIMIT": rt.payload_limit,
         "EMBEDFLEET_TOKENIZER_WORKERS": rt.tokenizer_workers,
+        # the same bounds the gateway sheds by for this deployment (gateway/bounds.py)
+        "EMBEDFLEET_MAX_QUEUE_SECONDS": rt.max_queue_seconds,
+        "EMBEDFLEET_MAX_QUEUE_SECONDS_BULK": rt.max_queue_seconds_bulk,
     }
     env.update({key: str(value) for key, value in optional.items() if value is not None})
     if downloaded(spec.model) and spec.model.digest is not None:

@@ -163,6 +163,18 @@ class RuntimeSpec(CamelModel):
     max_batch_tokens: int = Field(default=16384, ge=1, le=4_194_304, description="Padded tokens per batch.")
     max_client_batch_size: int = Field(default=2048, ge=1, le=1_000_000)
     max_concurrent_requests: int = Field(default=512, ge=1, le=1_000_000)
+    max_queue_seconds: float | None = Field(
+        default=None, gt=0, le=3600,
+        description="Refuse (429 with Retry-After) a query expected to wait longer than this many seconds: "
+        "the runtime's --max-queue-seconds, and the gateway's shed bound for this deployment (it answers 429 "
+        "when every replica is over it; spills first where the placement allows). Unset: the runtime's "
+        "default (5) and the gateway's --max-queue-seconds.",
+    )
+    max_queue_seconds_bulk: float | None = Field(
+        default=None, gt=0, le=3600,
+        description="The same bound for bulk requests (X-Priority: bulk, or more inputs than the runtime's "
+        "--urgent-max-inputs). Unset: the runtime's default (30) and the gateway's --max-queue-seconds-bulk.",
+    )
     max_input_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
     payload_limit: int | None = Field(default=None, ge=1024, description="Request body limit in bytes.")
     tokenizer_workers: int | None = Field(default=None, ge=1, le=256)
@@ -329,6 +341,12 @@ class PlacementSpec(CamelModel):
     max_replicas_per_cluster: int | None = Field(default=None, ge=1, le=10000)
     max_clusters: int | None = Field(default=None, ge=1, le=1000, description="Use at most this many clusters.")
     tolerations: list[ClusterToleration] = Field(default_factory=list, description="FleetCluster taints tolerated.")
+    spill_after_seconds: float | None = Field(
+        default=None, ge=0, le=3600,
+        description="A gateway sends a request to another region the policy allows when the expected wait "
+        "here is longer than this many seconds: a cold start with no ready replica, or a queue with every "
+        "replica over it. Unset: the gateway's --spill-after (2).",
+    )
 
 
 # ---------------------------------------------------------------- rollouts (docs/rollouts.md)

@@ -167,12 +167,15 @@ def deployment_from(
 
 def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlacement,
                    spill: list[dict[str, str]] | None = None, pin: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The EmbeddingDeployment a spoke runs: the hub's spec with this spoke's bounds, placement removed,
-    where its gateway may spill requests (`spill`, from scheduling/spill.py; absent when nowhere) and, with
-    `pin` (rollout/waves.py), the identity of the revision this cluster should run and its name."""
+    """The EmbeddingDeployment a spoke runs: the hub's spec with this spoke's bounds, placement removed
+    (all but `spillAfterSeconds`, its gateway's spill threshold), where its gateway may spill requests
+    (`spill`, from scheduling/spill.py; absent when nowhere) and, with `pin` (rollout/waves.py), the
+    identity of the revision this cluster should run and its name."""
     meta = hub_obj["metadata"]
     spec = copy.deepcopy(dict(hub_obj.get("spec") or {}))
-    spec.pop("placement", None)
+    placement = spec.pop("placement", None) or {}
+    if placement.get("spillAfterSeconds") is not None:
+        spec["placement"] = {"spillAfterSeconds": placement["spillAfterSeconds"]}
     annotations: dict[str, str] = {}
     if pin is not None:
         waves.apply_pin(spec, annotations, pin)
