@@ -12,7 +12,8 @@ runtime still answers), and the gateway identity's requests in the API server's 
 The operator does not see this gateway: it looks for gateway *pods* (label embedfleet.dev/component=gateway)
 and this one is a host process. So the wake is covered through the scale subresource alone (the chart's own
 gateway pods exist as kwok pods with nothing behind their IPs; the operator reads their activity as unknown,
-which only keeps it from scaling to zero).
+which only keeps it from scaling to zero). test_wake_twice.py serves the gateway on its one pod's IP, so
+the operator does read it there.
 """
 
 from __future__ import annotations
@@ -56,9 +57,21 @@ class Scenario:
     workdir: Path
 
 
-def gateway_argv(cluster: Cluster, release_name: str, namespace: str, port: int) -> tuple[list[str], str]:
+@dataclass
+class HostedGateway(GatewayServer):
+    """A gateway process listening on `host`: loopback, or a pod's IP made local (netns.pod_ip_on_host)."""
+
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def gateway_argv(cluster: Cluster, release_name: str, namespace: str, port: int,
+                 sets: dict[str, str] | None = None, host: str = "127.0.0.1") -> tuple[list[str], str]:
     """The chart's gateway command and args (its port moved to a free loopback one), and its ServiceAccount."""
-    docs = render_chart(cluster, release_name, namespace, [CHART / "ci" / "standalone-values.yaml"])
+    docs = render_chart(cluster, release_name, namespace, [CHART / "ci" / "standalone-values.yaml"], sets)
     for doc in docs:
         labels = doc.get("metadata", {}).get("labels") or {}
         if doc.get("kind") == "Deployment" and labels.get("app.kubernetes.io/component") == "gateway":
@@ -67,14 +80,16 @@ def gateway_argv(cluster: Cluster, release_name: str, namespace: str, port: int)
             argv = [*container["command"], *container.get("args", [])]
             assert argv[:3] == ["embedfleet", "gateway", "--kubernetes"], argv
             argv = [a for a in argv[1:] if not a.startswith(("--port=", "--hold-timeout="))]
-            return [sys.executable, "-m", "embedfleet.runtime.cli", *argv, "--host", "127.0.0.1", "--port",
+            return [sys.executable, "-m", "embedfleet.runtime.cli", *argv, "--host", host, "--port",
                     str(port), f"--hold-timeout={HOLD_TIMEOUT_S}"], spec["serviceAccountName"]
     raise LookupError("the chart rendered no gateway Deployment")
 
 
-def start_gateway(cluster: Cluster, release_name: str, namespace: str, workdir: Path) -> tuple[GatewayServer, str]:
-    port = free_port()
-    argv, service_account = gateway_argv(cluster, release_name, namespace, port)
+def start_gateway(cluster: Cluster, release_name: str, namespace: str, workdir: Path,
+                  sets: dict[str, str] | None = None, host: str = "127.0.0.1",
+                  port: int | None = None) -> tuple[HostedGateway, str]:
+    port = port or free_port()
+    argv, service_account = gateway_argv(cluster, release_name, namespace, port, sets, host)
     kubeconfig = cluster.kubeconfig_for(cluster.token_for(namespace, service_account), workdir / "gateway.kubeconfig",
                                         namespace=namespace, user=service_account)
     log_path = workdir / "gateway.log"
@@ -82,7 +97,7 @@ def start_gateway(cluster: Cluster, release_name: str, namespace: str, workdir: 
         proc = spawn(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
                      env=child_env({"KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
                                     "KUBERNETES_SERVICE_HOST": None}))
-    gateway = GatewayServer(proc, port, log_path)
+    gateway = HostedGateway(proc, port, log_path, host=host)
     gateway.wait_ready(timeout=120)  # 200 only once its first lists of both kinds are in
     return gateway, f"system:serviceaccount:{namespace}:{service_account}"
 

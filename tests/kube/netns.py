@@ -9,6 +9,9 @@ uses it), one /24 per test process (`POD_CIDR`). Two routes keep every packet on
 - `PodNetwork`: a network namespace where every address is local, reached through a veth pair by a more
   specific route for this process's /24, so a runtime started with ``ip netns exec NS ... --host
   198.18.7.5`` answers the scrape of the pod with that IP. Deleted (veth and route too) at teardown.
+- `pod_ip_on_host(ip)`: one pod IP made an address of the root namespace (a ``local`` route), for a
+  process that must answer on a pod's IP *and* reach the API server, which listens on the host's
+  loopback (inside the namespace, 127.0.0.1 is the namespace's own): a gateway served on its pod's IP.
 
 Needs root (CAP_NET_ADMIN) and ``ip``; without them the control-plane tests skip.
 """
@@ -18,7 +21,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from ipaddress import ip_address, ip_network
 
 GUARD_RANGE = "198.18.0.0/15"
 #: This process's pod range (kwok --cidr): distinct /24s let concurrent test runs each own theirs.
@@ -91,5 +97,23 @@ class PodNetwork:
 
     def delete(self) -> None:
         _ip("route", "del", POD_CIDR, "dev", self.host_if, check=False)
+        _ip("route", "flush", "table", "local", "root", POD_CIDR, check=False)  # pod_ip_on_host leftovers
         _ip("link", "del", self.host_if, check=False)
         _ip("netns", "del", self.name, check=False)
+
+
+@contextmanager
+def pod_ip_on_host(ip: str) -> Iterator[str]:
+    """While inside: `ip` (a pod IP of this process's POD_CIDR) is local to the root namespace, so a host
+    process can listen on it and the operator's scrape of that pod reaches it; its own connections still
+    leave from the host (API server on loopback, runtimes through the veth, source 198.19.255.254).
+
+    A ``local`` route in the ``local`` table wins over the POD_CIDR route to the namespace for this one
+    address; the rest of the range still leads there."""
+    if ip_address(ip) not in ip_network(POD_CIDR):
+        raise ValueError(f"{ip} is not in this test process's pod range {POD_CIDR}")
+    _ip("route", "replace", "local", f"{ip}/32", "dev", "lo", "table", "local")
+    try:
+        yield ip
+    finally:
+        _ip("route", "del", "local", f"{ip}/32", "dev", "lo", "table", "local", check=False)

@@ -462,10 +462,15 @@ async def _drift_only(name: str, namespace: str, body: kopf.Body, parsed: Embedd
 async def wait_for_tick(stopped: kopf.DaemonStopped, body: kopf.Body, seconds: float) -> None:
     """The interval, cut short when spec.replicas changes in kopf's live view of the object: a gateway
     holding requests for a fleet at zero scales it through the scale subresource and must not wait a
-    whole interval for the pods (an in-memory check; nothing is read from the API server)."""
+    whole interval for the pods (an in-memory check; nothing is read from the API server).
+
+    It sleeps rather than `stopped.wait(0.1)`: kopf runs each time-limited wait as a task of its own, and
+    one that timed out just as the operator's SIGTERM cancelled the daemon was left holding a TimeoutError
+    that kopf re-raised on exit (exit code 1 instead of 0; seen in tests/gateway/test_wake_twice.py).
+    The `stopped` flag is still read every WAKE_POLL_S."""
     seen = (body.get("spec") or {}).get("replicas")
     end = time.monotonic() + seconds
     while not stopped and time.monotonic() < end:
-        await stopped.wait(min(WAKE_POLL_S, max(0.0, end - time.monotonic())))
+        await asyncio.sleep(min(WAKE_POLL_S, max(0.0, end - time.monotonic())))
         if (body.get("spec") or {}).get("replicas") != seen:
             return
