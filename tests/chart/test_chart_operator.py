@@ -200,7 +200,8 @@ def test_spoke_operator_needs_exactly_the_chart_rbac(strict_cluster: Cluster, tm
     user = proc.user
     cluster_wide = KOPF_RIGHTS | _crud("namespaces", "list watch") | NODE_READ
     leases = lease_rights("spk-embedfleet-operator", "embedfleet-spoke")
-    assert rights(cluster, user, namespace) == cluster_wide | leases
+    gateway_pods = _crud("pods", "list")  # the heartbeat's gateway load, in the release namespace
+    assert rights(cluster, user, namespace) == cluster_wide | leases | gateway_pods
     assert rights(cluster, user, watched[1]) == cluster_wide | WORKLOAD_RIGHTS
     assert rights(cluster, user, "default") == cluster_wide  # not watched: nothing namespaced
 

@@ -269,7 +269,9 @@ def test_a_request_wakes_it_from_zero_again(scenario: Scenario) -> None:
     # with the gateway's wake skipped, the operator counted the requests the gateway reported held.
     (wake, *_) = scaled_events(cluster)[events:]
     if gateway_scale_patches(scenario) > patches:
-        assert wake.startswith("spec.replicas set to 1") and wake.endswith("0 -> 1"), wake
+        # both may act: the operator's own tick can count the held requests before it sees the patch (seen
+        # in CI), so its decision reads either way
+        assert wake.startswith(("spec.replicas set to 1", "scale up 0 -> 1")) and "0 -> 1" in wake, wake
     else:
         assert wake.startswith("scale up 0 -> 1"), wake
 

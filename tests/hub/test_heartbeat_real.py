@@ -1,19 +1,26 @@
 """The spoke's heartbeat on a real API server with RBAC: when its identity may not list nodes, the cached
 models it reports are unknown, and it says so (a Lease annotation, one log line, the hub's FleetCluster
-Degraded=True) instead of reporting "nothing cached"; once allowed, the report is complete again."""
+Degraded=True) instead of reporting "nothing cached"; once allowed, the report is complete again. The same
+for its gateway pods: once it may list them, it asks each for GET /gateway/load and the hub shows the sum on
+the FleetCluster (status.gateway)."""
 
 from __future__ import annotations
 
 import base64
+import json
 import logging
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from embedfleet.operator.hub.loop import HubLoop
 from embedfleet.operator.kube import Kube, load_client
-from embedfleet.operator.spoke.heartbeat import LEASE_NAME, PROBLEM_ANNOTATION, Heartbeat
+from embedfleet.operator.spoke.heartbeat import GATEWAY_LOAD_ANNOTATION, LEASE_NAME, PROBLEM_ANNOTATION, Heartbeat
+from tests.gateway.conftest import start_gateway, wait_for
 from tests.kube.controlplane import ROOT, Cluster, ControlPlane, wait_until
+from tests.procs import free_port
 
 NS = "embedfleet-system"
 RBAC = "rbac.authorization.k8s.io/v1"
@@ -63,6 +70,7 @@ def test_a_refused_node_list_is_reported_not_swallowed(fresh_plane: ControlPlane
     annotations = cluster.get_json("lease", LEASE_NAME, "-n", NS)["metadata"]["annotations"]
     problem = annotations.get(PROBLEM_ANNOTATION, "")
     assert "cannot list nodes" in problem and "403" in problem, annotations
+    assert "cannot list gateway pods" in problem and GATEWAY_LOAD_ANNOTATION not in annotations, annotations
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "403" in warnings[0].getMessage(), "logged once, not every beat"
     # The hub reads the lease through a watch: a round sees the renewal once the event has arrived.
@@ -70,7 +78,27 @@ def test_a_refused_node_list_is_reported_not_swallowed(fresh_plane: ControlPlane
     assert degraded["status"] == "True" and degraded["reason"] == "HeartbeatIncomplete", degraded
     assert "cannot list nodes" in degraded["message"]
 
-    # Allowed to list nodes: the report is complete, the annotation gone, the hub says Healthy.
+    # A gateway pod (no kubelet here: a real gateway process, the pod's IP set to where it listens) holding
+    # two requests for a deployment with no replica.
+    gateway = start_gateway("--upstream", f"cold=http://127.0.0.1:{free_port()}", "--hold-timeout", "120")
+    held = [threading.Thread(target=lambda i=i: _post(gateway.url, f"t{i}"), daemon=True) for i in range(2)]
+    for thread in held:
+        thread.start()
+    wait_for(lambda: gateway.load()["cold"]["held"] == 2, "2 requests held")
+    cluster.apply({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default", "namespace": NS}},
+                  {"apiVersion": "v1", "kind": "Pod", "metadata": {
+                      "name": "gateway-0", "namespace": NS, "labels": {"embedfleet.dev/component": "gateway"}},
+                   "spec": {"automountServiceAccountToken": False,
+                            "containers": [{"name": "gateway", "image": "embedfleet/gateway:test"}]}})
+    cluster.kubectl("patch", "pod", "gateway-0", "-n", NS, "--subresource=status", "--type=merge", "-p", json.dumps(
+        {"status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}]}}))
+    beat.gateway_port = gateway.port
+
+    # Allowed to list nodes and its gateway pods: the report is complete, the problem gone, the hub says
+    # Healthy and shows the gateway load.
+    cluster.kubectl("create", "role", "gateway-pods", "-n", NS, "--verb=list", "--resource=pods")
+    cluster.kubectl("create", "rolebinding", "gateway-pods", "-n", NS, "--role=gateway-pods",
+                    f"--serviceaccount={NS}:spoke")
     cluster.apply(
         {"apiVersion": RBAC, "kind": "ClusterRole", "metadata": {"name": "nodes-read"},
          "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]},
@@ -83,7 +111,20 @@ def test_a_refused_node_list_is_reported_not_swallowed(fresh_plane: ControlPlane
         beat.beat()
     annotations = cluster.get_json("lease", LEASE_NAME, "-n", NS)["metadata"]["annotations"]
     assert PROBLEM_ANNOTATION not in annotations, annotations
+    load = {"gateways": 1, "unanswered": 0, "held": 2, "inFlight": 2, "coldDeployments": 1}
+    assert json.loads(annotations[GATEWAY_LOAD_ANNOTATION]) == load
     assert any("complete again" in r.getMessage() for r in caplog.records)
     degraded = _round_until(hub, cluster, "False")
+    status = cluster.get_json("fleetcluster", "self")["status"]
+    gateway.stop()
     hub.close()
     assert degraded["status"] == "False" and degraded["reason"] == "Healthy", degraded
+    assert status["gateway"] == load, status  # no spec.gatewayUrl: no url
+
+
+def _post(url: str, text: str) -> None:
+    """A request the gateway holds until the test stops it (its answer, an error then, is not the point)."""
+    try:
+        httpx.post(f"{url}/v1/embeddings", json={"model": "cold", "input": text}, timeout=120)
+    except httpx.HTTPError:
+        pass

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from embedfleet.gateway.spill import parse_annotation
 from embedfleet.operator.hub.convert import SPILL_ANNOTATION, spoke_manifest
 from embedfleet.operator.scheduling import Deployment, Intent, place
@@ -64,3 +67,26 @@ def test_the_spoke_copy_carries_the_targets_its_gateway_reads():
     assert [(t.region, t.url) for t in parse_annotation(raw)] == [(t["region"], t["url"]) for t in targets]
     bare = spoke_manifest(hub_obj, "eu-a", placement.clusters["eu-a"], [])
     assert SPILL_ANNOTATION not in bare["metadata"]["annotations"], "nowhere to spill: no annotation at all"
+
+
+def test_a_cluster_whose_copy_has_no_ready_replica_is_not_a_target():
+    """A spilled request is never spilled again: naming a cluster that is itself cold would only hold the
+    request there. Targets come back as soon as their copy reports a ready replica."""
+    placement = placed(Intent(mode="ActiveActive", regions=("eu-west-1", "us-east-1")))
+    others = [t["cluster"] for t in spill_targets(placement, "eu-a", GATEWAYS)]
+    assert len(others) >= 2
+    cold, warm = others[0], others[1:]
+    ready = {name: 1 for name in warm} | {cold: 0}
+    assert [t["cluster"] for t in spill_targets(placement, "eu-a", GATEWAYS, ready)] == warm
+    # a cluster the hub has no copy reading for is not known to serve: not named
+    assert [t["cluster"] for t in spill_targets(placement, "eu-a", GATEWAYS, {warm[0]: 2})] == [warm[0]]
+    assert spill_targets(placement, "eu-a", GATEWAYS, {}) == []
+    assert [t["cluster"] for t in spill_targets(placement, "eu-a", GATEWAYS, ready | {cold: 3})] == others
+
+
+@given(st.dictionaries(st.sampled_from([c.name for c in FLEET]), st.integers(0, 3)))
+def test_ready_only_ever_narrows_the_policys_targets(ready):
+    placement = placed(Intent(mode="ActiveActive", regions=("eu-west-1", "us-east-1")))
+    policy = [t["cluster"] for t in spill_targets(placement, "eu-a", GATEWAYS)]
+    narrowed = [t["cluster"] for t in spill_targets(placement, "eu-a", GATEWAYS, ready)]
+    assert narrowed == [c for c in policy if ready.get(c, 0) > 0]

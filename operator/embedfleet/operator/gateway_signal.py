@@ -14,6 +14,7 @@ answer makes the reading `unknown`: scale-to-zero then waits (a missing answer i
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +22,20 @@ from typing import Any
 import httpx
 import orjson
 
+from embedfleet.operator.crd import naming
 from embedfleet.operator.signals import Target
 
 LOAD_PATH = "/gateway/load"
 MAX_BODY_BYTES = 1 << 20  # a gateway's report is a few hundred bytes per deployment
 DEADLINE_S = 2.0
+#: The chart's gateway pods carry this label (the autoscaler's watch and the spoke's heartbeat find them by it).
+POD_LABELS = {naming.COMPONENT_LABEL: "gateway"}
+#: The gateways' HTTP port (the chart sets it from gateway.port).
+ENV_GATEWAY_PORT = "EMBEDFLEET_GATEWAY_PORT"
+
+
+def gateway_port() -> int:
+    return int(os.environ.get(ENV_GATEWAY_PORT, "8000"))
 
 
 @dataclass(frozen=True)
@@ -58,9 +68,10 @@ def combine(reports: Iterable[Mapping[str, Any] | str], key: str) -> GatewayRead
     return GatewayReading(held, min(ages) if ages else None, answered, tuple(errors))
 
 
-async def _report(client: httpx.AsyncClient, target: Target) -> Mapping[str, Any] | str:
+async def _report(client: httpx.AsyncClient, target: Target, deadline_s: float = DEADLINE_S
+                  ) -> Mapping[str, Any] | str:
     try:
-        async with asyncio.timeout(DEADLINE_S):
+        async with asyncio.timeout(deadline_s):
             async with client.stream("GET", target.url) as response:
                 response.raise_for_status()
                 body = b""
@@ -73,18 +84,25 @@ async def _report(client: httpx.AsyncClient, target: Target) -> Mapping[str, Any
             return f"{target.pod}: report is not a JSON object"
         return report
     except TimeoutError:
-        return f"{target.pod}: no answer within {DEADLINE_S:g}s"
+        return f"{target.pod}: no answer within {deadline_s:g}s"
     except (httpx.HTTPError, orjson.JSONDecodeError) as exc:
         return f"{target.pod}: {type(exc).__name__}: {exc}"
+
+
+async def ask_gateways(targets: list[Target], deadline_s: float = DEADLINE_S) -> list[Mapping[str, Any] | str]:
+    """Every gateway pod's report (or why it gave none), asked all at once: bounded by `deadline_s`
+    whatever they do."""
+    if not targets:
+        return []
+    async with httpx.AsyncClient(timeout=deadline_s) as client:
+        return list(await asyncio.gather(*(_report(client, t, deadline_s) for t in targets)))
 
 
 async def read_gateways(targets: list[Target], key: str) -> GatewayReading:
     """Ask every gateway pod at once; bounded by DEADLINE_S whatever they do."""
     if not targets:
         return GatewayReading()
-    async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
-        reports = await asyncio.gather(*(_report(client, t) for t in targets))
-    return combine(reports, key)
+    return combine(await ask_gateways(targets), key)
 
 
 def gateway_targets(pods: Iterable[Mapping[str, Any]], port: int) -> list[Target]:

@@ -90,6 +90,22 @@ class FleetClusterSpec(CamelModel):
         "the standby). Unset: nothing spills to this cluster.")
 
 
+class ClusterGatewayStatus(CamelModel):
+    """This cluster's gateway as other regions see it: where it is, and its load as the spoke's heartbeat
+    last reported it (its gateway pods' GET /gateway/load, summed). The hub copies every change it reads, so
+    the numbers are current while Available=True; after that they are the last reported."""
+
+    url: str | None = Field(default=None, description="spec.gatewayUrl: where other regions' gateways spill to.")
+    gateways: int | None = Field(default=None, ge=0, description="Gateway pods that answered the spoke.")
+    unanswered: int | None = Field(
+        default=None, ge=0, description="Gateway pods that did not answer within the heartbeat's time-out.")
+    held: int | None = Field(default=None, ge=0, description="Requests held while their deployment has no ready "
+                             "replica, summed over the gateways.")
+    in_flight: int | None = Field(default=None, ge=0, description="Requests the gateways are handling, held included.")
+    cold_deployments: int | None = Field(
+        default=None, ge=0, description="Deployments with held requests and no ready replica (cold starts).")
+
+
 class FleetClusterStatus(CamelModel):
     conditions: list[Condition] = Field(default_factory=list)
     last_heartbeat: str | None = Field(default=None, description="Hub time the spoke's lease was last seen renewed.")
@@ -98,6 +114,9 @@ class FleetClusterStatus(CamelModel):
     allocatable: CapacitySpec | None = None
     cached_models: list[str] = Field(default_factory=list, description="Digest keys cached on the spoke's nodes.")
     spoke_version: str | None = None
+    gateway: ClusterGatewayStatus | None = Field(
+        default=None, description="Empty: no spec.gatewayUrl and no load reported (a spoke older than this "
+        "field, or one that cannot list its gateway pods: then Degraded says so). gateways 0: no gateway pod runs.")
 
 
 class NamespaceSelector(CamelModel):
@@ -158,6 +177,9 @@ def fleet_crds() -> list[dict[str, Any]]:
                 _condition_column("Joined", 0),
                 _condition_column("Available", 0),
                 _condition_column("CredentialsValid", 1),
+                {"name": "Held", "type": "integer", "jsonPath": ".status.gateway.held", "priority": 1},
+                {"name": "In-Flight", "type": "integer", "jsonPath": ".status.gateway.inFlight", "priority": 1},
+                {"name": "Cold", "type": "integer", "jsonPath": ".status.gateway.coldDeployments", "priority": 1},
                 {"name": "Heartbeat", "type": "date", "jsonPath": ".status.lastHeartbeat"},
                 {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
             ],

@@ -50,7 +50,8 @@ from embedfleet.operator.autoscale import (
 )
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
-from embedfleet.operator.gateway_signal import GatewayReading, gateway_targets, read_gateways
+from embedfleet.operator.gateway_signal import POD_LABELS as GATEWAY_POD_LABELS
+from embedfleet.operator.gateway_signal import GatewayReading, gateway_port, gateway_targets, read_gateways
 from embedfleet.operator.handlers.embedding import refresh_status
 from embedfleet.operator.kube import Kube, KubeError
 from embedfleet.operator.render import runtime_name
@@ -78,8 +79,6 @@ ENV_PROMETHEUS_URL = "EMBEDFLEET_PROMETHEUS_URL"
 IDLE_RECHECK_S = 5.0
 #: A pod whose /metrics keeps failing is named in a Warning Event (and the log) at most this often.
 UNREACHABLE_WARN_EVERY_S = 300.0
-#: The gateways' HTTP port (the chart sets it from gateway.port).
-ENV_GATEWAY_PORT = "EMBEDFLEET_GATEWAY_PORT"
 #: Between ticks the daemon looks this often at its in-memory view for a change of spec.replicas (a
 #: gateway waking the fleet from zero through the scale subresource, or `kubectl scale`): acted on at
 #: once, not after the rest of the interval.
@@ -159,15 +158,14 @@ def runtime_deployments(namespace: str, labels: kopf.Labels, body: kopf.Body, **
     return {(namespace, labels.get(naming.INSTANCE_LABEL, "")): dict(body)}
 
 
-@kopf.index("", "v1", "pods", labels={naming.COMPONENT_LABEL: "gateway"})
+@kopf.index("", "v1", "pods", labels=GATEWAY_POD_LABELS)
 def gateway_pods(body: kopf.Body, **_: Any) -> dict[str, Any]:
     """The cluster's gateway pods (chart, gateway.enabled): asked for held requests and last traffic."""
     return {"gateways": dict(body)}
 
 
 def read_gateway_activity(name: str, namespace: str, gateways: Sequence[Mapping[str, Any]]) -> GatewayReading:
-    port = int(os.environ.get(ENV_GATEWAY_PORT, "8000"))
-    return asyncio.run(read_gateways(gateway_targets(gateways, port), f"{namespace}/{name}"))
+    return asyncio.run(read_gateways(gateway_targets(gateways, gateway_port()), f"{namespace}/{name}"))
 
 
 def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: int,

@@ -67,8 +67,10 @@ from embedfleet.operator.platform import PlatformPolicy
 from embedfleet.operator.rollout import waves
 from embedfleet.operator.scheduling import Cluster, ClusterPlacement, Deployment, Placement, place
 from embedfleet.operator.scheduling.spill import spill_targets
+from embedfleet.operator.spoke import gateway_load
 from embedfleet.operator.spoke.heartbeat import (
     CACHED_ANNOTATION,
+    GATEWAY_LOAD_ANNOTATION,
     LEASE_NAME,
     POLICY_ANNOTATION,
     PROBLEM_ANNOTATION,
@@ -138,6 +140,17 @@ def _age(stamp: str | None) -> float | None:
 
 def _key(obj: Mapping[str, Any]) -> str:
     return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+
+
+def _ready(copy: Mapping[str, Any] | None) -> int:
+    """Ready replicas a spoke's copy reports (0: no copy, no status yet, or being deleted)."""
+    if copy is None or (copy.get("metadata") or {}).get("deletionTimestamp"):
+        return 0
+    replicas = ((copy.get("status") or {}).get("replicas") or {})
+    try:
+        return int(replicas.get("ready") or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any]:
@@ -374,6 +387,7 @@ class HubLoop:
         renew: str | None = None
         cached: list[str] = []
         problem: str | None = None
+        load: dict[str, int] | None = None
         error: str | None = None
         credentials: tuple[str, str] | None = None
         published = self.state.policies.get(name)
@@ -398,6 +412,7 @@ class HubLoop:
                     renew = (lease.get("spec") or {}).get("renewTime")
                     cached = [c for c in (annotations.get(CACHED_ANNOTATION) or "").split(",") if c]
                     problem = annotations.get(PROBLEM_ANNOTATION) or None
+                    load = gateway_load.parse_annotation(annotations.get(GATEWAY_LOAD_ANNOTATION))
                 published = self.state.policies[name] = annotations.get(POLICY_ANNOTATION)
             else:
                 error = "not listed yet"
@@ -413,6 +428,7 @@ class HubLoop:
             problem = f"{problem}; {policy}" if problem else policy
         if not lease_read:  # unknown this round: keep what the spoke last reported
             cached = list(live_status.get("cachedModels") or [])
+            load = gateway_load.from_mapping(live_status.get("gateway"))
         previous = self.state.health.get(name, Health())
         if credentials is not None:
             # The hub cannot see the spoke, which says nothing about whether it runs: keep what was known
@@ -464,6 +480,8 @@ class HubLoop:
             "availableSince": since,
             "cachedModels": sorted(cached),
             "allocatable": spec.capacity.model_dump(by_alias=True),
+            # written only when a number changes: an idle fleet's stay 0, and status stays unwritten
+            "gateway": gateway_load.cluster_status(spec.gateway_url, load),
         })
         cluster = convert.cluster_from(name, spec, health, cached, policy_key)
         view = SpokeView(name, spec.region, cluster, health, link, error, last_seen, policy=policy,
@@ -624,6 +642,7 @@ class HubLoop:
         """The writes that bring each judged spoke's copy of ``obj`` to its share (none when it already is)."""
         key = _key(obj)
         gateways = {n: v.gateway_url for n, v in views.items() if v.gateway_url}
+        ready = {n: _ready(v.copies.get(key)) for n, v in views.items() if v.copies is not None}
         for name, view in views.items():
             if view.copies is None:
                 continue
@@ -637,7 +656,7 @@ class HubLoop:
                 if live is not None:
                     plans[name].append(Write(key, None, None, live, Needs(key.split("/", 1)[0])))
                 continue
-            manifest = convert.spoke_manifest(obj, name, share, spill_targets(placement, name, gateways),
+            manifest = convert.spoke_manifest(obj, name, share, spill_targets(placement, name, gateways, ready),
                                               (pins or {}).get(name))
             needs = needs_of(obj, propagate_secrets)
             assert view.link is not None

@@ -9,6 +9,11 @@ A heartbeat that reports "nothing cached" must mean nothing is cached, never "I 
 It also publishes this spoke's platform allow-lists (``embedfleet.dev/platform-policy``, the compact JSON
 of `platform.load()`): this spoke's operator refuses any deployment outside them, so the hub reads them to
 place a deployment only where it would be accepted, and to say why not (docs/hub.md, "Spoke rules").
+
+And this cluster's gateway load (``embedfleet.dev/gateway-load``, gateway_load.py): its gateway pods asked
+every beat, each for at most a second, so the hub can show each region's load on its FleetCluster. A
+gateway that does not answer is counted ``unanswered``; a refused pod list is a heartbeat problem, like a
+refused node list. Neither ever stops the beat.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from typing import Any
 
 from embedfleet.operator import platform
 from embedfleet.operator.crd import naming
+from embedfleet.operator.gateway_signal import gateway_port
 from embedfleet.operator.kube import Kube, KubeError
+from embedfleet.operator.spoke import gateway_load
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,8 @@ PROBLEM_ANNOTATION = "embedfleet.dev/heartbeat-problem"
 REGION_ANNOTATION = "embedfleet.dev/region"
 #: This spoke's PlatformPolicy as compact camelCase JSON; absent on spokes older than the hub's reading of it.
 POLICY_ANNOTATION = "embedfleet.dev/platform-policy"
+#: This cluster's gateway load (gateway_load.py); absent while the gateway pods cannot be listed.
+GATEWAY_LOAD_ANNOTATION = "embedfleet.dev/gateway-load"
 ENV_NAMESPACE = "EMBEDFLEET_NAMESPACE"
 ENV_INTERVAL = "EMBEDFLEET_HEARTBEAT_INTERVAL"
 ENV_DURATION = "EMBEDFLEET_LEASE_DURATION"
@@ -48,7 +57,7 @@ def policy_json(policy: platform.PlatformPolicy) -> str:
 
 def lease_body(
     namespace: str, holder: str, duration: int, cached: list[str], region: str | None, problem: str | None = None,
-    policy: str | None = None,
+    policy: str | None = None, gateway: str | None = None,
 ) -> dict[str, Any]:
     """The Lease as the spoke writes it; a ``None`` annotation value removes that annotation (merge patch)."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -57,6 +66,7 @@ def lease_body(
         PROBLEM_ANNOTATION: problem,
         REGION_ANNOTATION: region or None,
         POLICY_ANNOTATION: policy,
+        GATEWAY_LOAD_ANNOTATION: gateway,
     }
     return {
         "apiVersion": "coordination.k8s.io/v1",
@@ -93,10 +103,24 @@ def cached_models(kube: Kube) -> tuple[list[str], str | None]:
     return sorted(found), None
 
 
-def renew(kube: Kube, namespace: str, holder: str, duration: int, policy: str | None = None) -> str | None:
-    """Create or renew the Lease; returns the problem it reported (None: a complete heartbeat)."""
+def gateway_summary(kube: Kube, namespace: str, port: int) -> tuple[str | None, str | None]:
+    """(the gateway-load annotation, why it is missing, or None). A gateway that does not answer is in the
+    summary as ``unanswered``; only a refused pod list leaves it out."""
+    try:
+        return gateway_load.annotation(gateway_load.read(kube, namespace, port)), None
+    except KubeError as exc:
+        return None, f"cannot list gateway pods, so gateway load is unknown: {_refusal(exc)}"
+
+
+def renew(kube: Kube, namespace: str, holder: str, duration: int, policy: str | None = None,
+          port: int | None = None) -> str | None:
+    """Create or renew the Lease; returns the problem it reported (None: a complete heartbeat).
+    ``port``: the gateways' (default: the chart's, EMBEDFLEET_GATEWAY_PORT)."""
     cached, problem = cached_models(kube)
-    body = lease_body(namespace, holder, duration, cached, os.environ.get("EMBEDFLEET_REGION"), problem, policy)
+    gateway, gateway_problem = gateway_summary(kube, namespace, gateway_port() if port is None else port)
+    problem = "; ".join(p for p in (problem, gateway_problem) if p) or None
+    body = lease_body(namespace, holder, duration, cached, os.environ.get("EMBEDFLEET_REGION"), problem, policy,
+                      gateway)
     if kube.get("Lease", LEASE_NAME, namespace) is None:
         meta = body["metadata"]
         meta["annotations"] = {k: v for k, v in meta["annotations"].items() if v is not None}
@@ -117,17 +141,18 @@ class Heartbeat:
         self.interval = float(os.environ.get(ENV_INTERVAL, "10"))
         self.duration = int(float(os.environ.get(ENV_DURATION, "30")))
         self.holder = f"{socket.gethostname()}-{os.getpid()}"
+        self.gateway_port = gateway_port()
         self.problem: str | None = None
         self.stop = threading.Event()
 
     def beat(self) -> None:
         """One renewal; a problem is logged when it appears or changes, not every beat."""
-        problem = renew(self.kube, self.namespace, self.holder, self.duration, self.policy)
+        problem = renew(self.kube, self.namespace, self.holder, self.duration, self.policy, self.gateway_port)
         if problem != self.problem:
             if problem:
                 log.warning("heartbeat incomplete (the hub sees this on the FleetCluster): %s", problem)
             else:
-                log.info("heartbeat complete again: cached models are reported")
+                log.info("heartbeat complete again: cached models and gateway load are reported")
             self.problem = problem
 
     def run_forever(self) -> None:
