@@ -10,7 +10,6 @@ is never spilled again.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import httpx
 import numpy as np
@@ -31,6 +30,7 @@ from embedfleet.gateway.spill import (
     should_spill_queue,
 )
 from tests.gateway.conftest import MODEL, start_gateway
+from tests.gateway.test_shed import R
 from tests.procs import free_port
 
 # -- pure
@@ -43,12 +43,6 @@ def test_spill_only_with_somewhere_to_go_nothing_here_and_a_long_wait(routable, 
     assert decision == (not routable and not spilled_in and n > 0 and remaining > after)
 
 
-@dataclass
-class R:
-    state: State = State.READY
-    reported_wait_s: float = 0.0
-    in_flight: int = 0
-    service_s: float = 0.01
 
 
 replica_sets = st.lists(st.builds(R, state=st.sampled_from(list(State)), reported_wait_s=st.floats(0, 120)),
