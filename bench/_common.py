@@ -39,16 +39,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """`embedfleet serve` as a user starts it."""
+def pinned_to(cpus: set[int] | None):
+    """A `preexec_fn` that confines the child (and every thread it starts) to `cpus`; None: no pinning.
+    Benchmarks use it to give processes that would run on separate machines their own cores."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
-    def __init__(self, *flags: str) -> None:
+
+class Server:
+    """`embedfleet serve` as a user starts it (on `cpus` only, when given: it then sizes its threads
+    to them, as it does to a container's CPU set)."""
+
+    def __init__(self, *flags: str, cpus: set[int] | None = None) -> None:
         self.port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(SOURCE_PATHS), HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port",
              str(self.port), "--log-level", "warning", *flags],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pinned_to(cpus))
         self.url = f"http://127.0.0.1:{self.port}"
         try:
             wait_ready(self.url, self.proc)

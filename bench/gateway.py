@@ -35,7 +35,7 @@ import aiohttp
 import httpx
 import numpy as np
 
-from _common import ROOT, SOURCE_PATHS, Server, corpus, free_port, wait_ready
+from _common import ROOT, SOURCE_PATHS, Server, corpus, free_port, pinned_to, wait_ready
 from embedfleet.runtime.settings import DEFAULT_MODEL_NAME
 
 QUERY = "how do I reset the password on my account from a phone"
@@ -52,7 +52,7 @@ def cpu_name() -> str:
 class Gateway:
     """`embedfleet gateway` in front of `upstream` (one replica URL, or several), as a user starts it."""
 
-    def __init__(self, upstream: str | list[str], *flags: str) -> None:
+    def __init__(self, upstream: str | list[str], *flags: str, cpus: set[int] | None = None) -> None:
         self.port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(SOURCE_PATHS))
         replicas = [upstream] if isinstance(upstream, str) else upstream
@@ -60,7 +60,7 @@ class Gateway:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "embedfleet.runtime.cli", "gateway", "--host", "127.0.0.1", "--port",
              str(self.port), "--log-level", "warning", *upstreams, *flags],
-            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pinned_to(cpus))
         self.url = f"http://127.0.0.1:{self.port}"
         try:
             wait_ready(self.url, self.proc, timeout=60)

@@ -8,12 +8,18 @@ sent straight to it from their own process (never through a gateway). Queries (o
 go through the gateways, taking turns query by query on one keep-alive connection each (http.client),
 so a neighbour's load shifts both alike; a 10 ms think time between queries.
 
-Prints one JSON line: the queries' p50/p90/p99 through each gateway, the ratio of the p99s
-(least-wait / round-robin; the issue's goal: <= 0.5), the share of least-wait's queries that went
-to the quiet replica, the queries each side got refused, the backfill's 429s, and the CPU. On a
-machine with fewer cores than the two replicas, the backfill's client, the gateways and the query
-client need, the quiet replica is slowed by the busy one's CPU use, and the ratio measures that
-contention as much as the routing.
+Two layouts, each a whole measurement in the same run:
+- `separate` (2+ cores): the busy replica alone on one core, as replicas run on machines of their own;
+  the quiet replica, both gateways, the query client and the backfill's client share the rest. The
+  ratio then measures the routing: what a query costs where the gateway sends it.
+- `shared`: every process on every core. On a machine with fewer cores than the two replicas, the
+  backfill's client, the gateways and the query client need, the quiet replica is slowed by the busy
+  one's CPU use, and the ratio measures that contention as much as the routing.
+
+Prints one JSON line: per layout, the queries' p50/p90/p99 through each gateway, the ratio of the
+p99s (least-wait / round-robin; the issue's goal: <= 0.5), the share of least-wait's queries that
+went to the quiet replica, the queries each side got refused and the backfill's 429s; the headline
+`p99_ratio` is the `separate` layout's (the `shared` one's where there is one core), and the CPU.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ from gateway import Gateway, cpu_name
 SIDES = ("least_wait", "round_robin")
 
 
-def backfill(url: str, texts: list[str], stop, concurrency: int, refused) -> None:
+def backfill(url: str, texts: list[str], stop, concurrency: int, refused, cpus: set[int] | None = None) -> None:
     """In its own process until `stop` is set: `concurrency` bulk requests of 32 passages in flight."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
     async def main() -> None:
         async with aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=300)) as http:
@@ -94,22 +102,38 @@ def queries(urls: dict[str, str], texts: list[str], n: int) -> tuple[dict[str, l
     return seconds, refused
 
 
-def measure(n: int, concurrency: int, warmup_s: float, server_flags: list[str]) -> dict:
+def layouts(cpus: set[int]) -> dict[str, tuple[set[int] | None, set[int] | None]]:
+    """Where the busy replica and everything else run. `separate` (with 2+ cores): the busy replica alone
+    on one core, as on a machine of its own; the quiet replica, both gateways, the query client and the
+    backfill's client share the other core(s). `shared`: every process on every core."""
+    out: dict[str, tuple[set[int] | None, set[int] | None]] = {}
+    if len(cpus) >= 2:
+        first = min(cpus)
+        out["separate"] = ({first}, cpus - {first})
+    out["shared"] = (None, None)
+    return out
+
+
+def measure(n: int, concurrency: int, warmup_s: float, server_flags: list[str],
+            busy_cpus: set[int] | None = None, rest_cpus: set[int] | None = None) -> dict:
     texts = corpus(4000)
     short = [t for t in texts if len(t.split()) <= 12][:300]
     flags = ("--num-threads", "1", "--tokenizer-workers", "1", *server_flags)
-    busy, quiet = Server(*flags), None
+    mine = os.sched_getaffinity(0)
+    if rest_cpus:
+        os.sched_setaffinity(0, rest_cpus)  # the query client
+    busy, quiet = Server(*flags, cpus=busy_cpus), None
     gateways: dict[str, Gateway] = {}
     proc = None
     ctx = multiprocessing.get_context("spawn")
     stop, backfill_429 = ctx.Event(), ctx.Value("i", 0)
     try:
-        quiet = Server(*flags)
+        quiet = Server(*flags, cpus=rest_cpus)
         for side in SIDES:
-            gateways[side] = Gateway([busy.url, quiet.url], "--balance", side.replace("_", "-"))
+            gateways[side] = Gateway([busy.url, quiet.url], "--balance", side.replace("_", "-"), cpus=rest_cpus)
         urls = {side: g.url for side, g in gateways.items()}
         queries(urls, short, 20)  # warm-up, before the backfill
-        proc = ctx.Process(target=backfill, args=(busy.url, texts, stop, concurrency, backfill_429))
+        proc = ctx.Process(target=backfill, args=(busy.url, texts, stop, concurrency, backfill_429, rest_cpus))
         proc.start()
         time.sleep(warmup_s)  # the backfill's process is up and its queue full before queries are timed
         before = requests_answered(quiet.url)
@@ -124,15 +148,14 @@ def measure(n: int, concurrency: int, warmup_s: float, server_flags: list[str]) 
         for srv in (busy, quiet):
             if srv is not None:
                 srv.stop()
+        os.sched_setaffinity(0, mine)
     lw, rr = percentiles(seconds["least_wait"]), percentiles(seconds["round_robin"])
-    return {"figure": "gateway_skew", "model": DEFAULT_MODEL_NAME, "queries_per_side": n,
-            "backfill_concurrency": concurrency, "server_flags": server_flags, "least_wait": lw, "round_robin": rr,
-            "p99_ratio": round(lw["p99_ms"] / rr["p99_ms"], 3), "goal": "<= 0.5",
+    return {"least_wait": lw, "round_robin": rr, "p99_ratio": round(lw["p99_ms"] / rr["p99_ms"], 3),
             # round-robin sends every other query to the quiet replica; the rest of its count is least-wait's
             "least_wait_share_on_quiet": round((on_quiet - n / 2) / n, 3),
             "query_not_200": refused, "backfill_429": backfill_429.value,
-            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "cpu": cpu_name()}
+            "busy_replica_cpus": sorted(busy_cpus) if busy_cpus else "all",
+            "other_processes_cpus": sorted(rest_cpus) if rest_cpus else "all"}
 
 
 def main() -> None:
@@ -143,7 +166,14 @@ def main() -> None:
     p.add_argument("--server-flag", action="append", default=[],
                    help="extra flag for both `embedfleet serve` (e.g. --server-flag=--shared-batch-seconds=0)")
     a = p.parse_args()
-    print(json.dumps(measure(a.queries, a.backfill_concurrency, a.warmup, a.server_flag)))
+    cpus = os.sched_getaffinity(0)
+    runs = {name: measure(a.queries, a.backfill_concurrency, a.warmup, a.server_flag, *where)
+            for name, where in layouts(cpus).items()}
+    headline = runs.get("separate", runs["shared"])
+    print(json.dumps({"figure": "gateway_skew", "model": DEFAULT_MODEL_NAME, "queries_per_side": a.queries,
+                      "backfill_concurrency": a.backfill_concurrency, "server_flags": a.server_flag,
+                      "p99_ratio": headline["p99_ratio"], "p99_ratio_layout": "separate" if "separate" in runs
+                      else "shared", "goal": "<= 0.5", **runs, "cpus": len(cpus), "cpu": cpu_name()}))
 
 
 if __name__ == "__main__":
