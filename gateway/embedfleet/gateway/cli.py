@@ -36,6 +36,7 @@ from embedfleet.gateway.fleet import Fleet
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
 from embedfleet.gateway.tracing import GatewayTracing, TracingConfigError, exporters, provider_from_env
+from embedfleet.gateway.wire import WireClient
 
 log = logging.getLogger("embedfleet.gateway")
 KEEPALIVE_S = 4.0  # under uvicorn's 5 s keep-alive, so the gateway closes an idle connection before a replica does
@@ -167,7 +168,10 @@ async def serve(config: GatewayConfig) -> int:
     polls = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
     rng = random.Random()
     fleet = Fleet(config, polls, rng)
-    gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng)
+    # the lean client for work to plain-http replicas (wire.py); with tracing on, aiohttp's client makes
+    # the client spans and carries the trace, so all work goes through it
+    wire = WireClient(config.max_connections_per_replica, KEEPALIVE_S) if tracing is None else None
+    gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng, wire)
     app = gateway.app()
     if tracing is not None:  # off, no tracing code runs on the proxy path at all
         app.middlewares.append(tracing.middleware())
@@ -198,6 +202,8 @@ async def serve(config: GatewayConfig) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await poller
         await runner.cleanup()
+        if wire is not None:
+            wire.close()
         await work.close()
         await polls.close()
         if tracing is not None:

@@ -41,6 +41,7 @@ from embedfleet.gateway.pick import State, pick
 from embedfleet.gateway.pinning import HEADER_VECTOR_SPACE, is_mismatch
 from embedfleet.gateway.spill import SPILLED_FROM
 from embedfleet.gateway.upstreams import Replica
+from embedfleet.gateway.wire import Answer, BadAnswer, ConnectFailed, Disconnected, WireClient, WireError
 
 log = logging.getLogger("embedfleet.gateway.proxy")
 
@@ -74,11 +75,13 @@ def _timeout(value: object) -> float | None:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, fleet: Fleet, metrics: GatewayMetrics,
-                 session: aiohttp.ClientSession, rng: random.Random | None = None) -> None:
+                 session: aiohttp.ClientSession, rng: random.Random | None = None,
+                 wire: WireClient | None = None) -> None:
         self.config = config
         self.fleet = fleet
         self.metrics = metrics
-        self.session = session  # keep-alive pool to the replicas, for work
+        self.session = session  # keep-alive pool for work where `wire` does not go (https, traced requests)
+        self.wire = wire  # the lean client to plain-http replicas (wire.py); None: aiohttp for all work
         self.rng = rng or random.Random()
         self.draining = False
         self.synced: Callable[[], bool] = lambda: True  # Kubernetes mode: the first lists are in
@@ -280,8 +283,22 @@ class Gateway:
         upstreams = self.fleet.upstreams
         sent = self.fleet.now()
         try:
-            upstream = await self.session.request(request.method, URL(replica.url + request.raw_path, encoded=True),
-                                                  data=body or None, headers=headers, timeout=timeout)
+            if self.wire is not None and request.method != "HEAD" and self.wire.speaks(replica.url):
+                upstream: aiohttp.ClientResponse | Answer = await self.wire.request(
+                    replica.url, request.method, request.raw_path, headers, body, total_s=timeout.total,
+                    connect_timeout=CONNECT_TIMEOUT_S)
+            else:
+                upstream = await self.session.request(request.method, URL(replica.url + request.raw_path, encoded=True),
+                                                      data=body or None, headers=headers, timeout=timeout)
+        except ConnectFailed as exc:  # refused, unreachable, or not accepted in time: the replica never saw it
+            return self._not_taken(deployment, replica, State.DOWN, "connect", str(exc))
+        except Disconnected as exc:  # as aiohttp's ServerDisconnectedError below
+            if request.path.startswith(NOT_RESENT_ON_DISCONNECT):
+                raise Refused(502, f"a replica of {deployment.name} closed the connection before answering; the "
+                              "job may or may not have been stored", "upstream_disconnected") from None
+            return self._not_taken(deployment, replica, None, "disconnected", str(exc))
+        except (BadAnswer, WireError) as exc:
+            raise Refused(502, f"bad answer from a replica of {deployment.name}: {exc}", "bad_gateway") from None
         except aiohttp.ConnectionTimeoutError as exc:
             return self._not_taken(deployment, replica, State.DOWN, "connect", f"connect timed out: {exc}")
         except TimeoutError:
@@ -308,7 +325,7 @@ class Gateway:
                 # request's vector space; a short answer to pass on in one write
                 try:
                     raw = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                except (aiohttp.ClientError, WireError, TimeoutError) as exc:
                     raise Refused(502, f"the answer from a replica of {deployment.name} broke off: {exc}",
                                   "upstream_broke_off") from None
                 if upstream.status == 503 and _draining(raw):
@@ -328,10 +345,11 @@ class Gateway:
             if length is not None:
                 response.content_length = length
             await response.prepare(request)
+            chunks = upstream.iter_any() if isinstance(upstream, Answer) else upstream.content.iter_any()
             try:
-                async for chunk in upstream.content.iter_any():
+                async for chunk in chunks:
                     await response.write(chunk)
-            except (aiohttp.ClientError, TimeoutError) as exc:  # the answer broke off after we began ours
+            except (aiohttp.ClientError, WireError, TimeoutError) as exc:  # the answer broke off after we began ours
                 log.warning("%s: answer from %s broke off: %s", deployment.name, replica.url, exc)
                 if request.transport is not None:
                     request.transport.close()
@@ -368,7 +386,7 @@ class Gateway:
             self.metrics.ejections.labels(deployment.name).inc()
 
     @staticmethod
-    def _response_headers(upstream: aiohttp.ClientResponse) -> list[tuple[str, str]]:
+    def _response_headers(upstream: aiohttp.ClientResponse | Answer) -> list[tuple[str, str]]:
         return [(k, v) for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS]
 
 

@@ -1,0 +1,374 @@
+"""The gateway's lean HTTP/1.1 client to the replicas: keep-alive connections, httptools to parse.
+
+Why not aiohttp's client, which the gateway uses for everything else: on the hop to a replica it was
+most of the gateway's cost. At concurrency 1 on two shared cores (bench/gateway.py), a request through
+an aiohttp-to-aiohttp proxy took 1.2 ms more than the same request sent straight to the runtime; the
+same aiohttp server with this client, 0.55 ms. The hop runs once per request after the gateway has
+slept through the replica's forward pass, on cold caches, where every layer of a general client
+(timers, tracing hooks, cookie jar, header normalisation, streams) costs many times its warm price.
+
+So this client does only what the hop needs: one request at a time per connection (no pipelining),
+bodies sent whole with a Content-Length, answers parsed by httptools (the C parser uvicorn uses),
+passed on whole when short or streamed chunk by chunk (with back-pressure) when long or chunked.
+It speaks plain HTTP only (replica pod IPs); https URLs (another region's gateway behind TLS) and
+traced requests (client spans) go through aiohttp as before (proxy.py).
+
+Failures are told apart the way the proxy needs them (a replica that never saw the request is tried
+again; one that may have run it never is): `ConnectFailed` (refused, unreachable, or not accepted
+within the connect timeout), `Disconnected` (closed or reset before any byte of an answer: most often
+a kept-alive connection the replica had just closed), `BadAnswer` (not HTTP), `BrokeOff` (the answer
+stopped part way), TimeoutError (no answer within the request's total time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from urllib.parse import urlsplit
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+PAUSE_ABOVE = 1 << 20  # bytes of a streamed answer buffered before reading from the replica pauses
+MAX_IDLE_PER_HOST = 128  # idle keep-alive connections kept per replica; more are closed when released
+
+
+class WireError(Exception):
+    """Base of the client's own failures."""
+
+
+class ConnectFailed(WireError):
+    """No connection: the replica never saw the request."""
+
+
+class Disconnected(WireError):
+    """The connection closed before any byte of an answer."""
+
+
+class BadAnswer(WireError):
+    """The replica's bytes are not an HTTP answer."""
+
+
+class BrokeOff(WireError):
+    """The answer stopped before its end."""
+
+
+class Answer:
+    """One answer: status, reason and headers at once; the body by `read()` (whole) or `iter_any()`.
+    Use as an async context manager: leaving it returns the connection for reuse when the answer was
+    read to its end and the replica keeps the connection alive, and closes it otherwise."""
+
+    def __init__(self, conn: _Connection, deadline: float | None) -> None:
+        self._conn = conn
+        self._deadline = deadline  # loop time; None: no limit
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.content_length: int | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._complete = False
+        self._error: BaseException | None = None
+        self._wake: asyncio.Future[None] | None = None
+
+    async def __aenter__(self) -> Answer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._conn.finished(self, reusable=self._complete and self._error is None)
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = [chunk async for chunk in self.iter_any()]
+        return b"".join(parts)
+
+    async def iter_any(self):
+        """The body's bytes as they come (chunked transfer coding already removed)."""
+        while True:
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                self._buffered -= len(chunk)
+                if self._buffered <= PAUSE_ABOVE:
+                    self._conn.resume()
+                yield chunk
+                continue
+            if self._error is not None:
+                raise self._error
+            if self._complete:
+                return
+            self._wake = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout_at(self._deadline):
+                    await self._wake
+            finally:
+                self._wake = None
+
+    # -- fed by the connection
+
+    def _body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > PAUSE_ABOVE:
+            self._conn.pause()
+        self._poke()
+
+    def _end(self, error: BaseException | None) -> None:
+        if error is None:
+            self._complete = True
+        elif not self._complete:
+            self._error = error
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to one replica, carrying one request at a time."""
+
+    def __init__(self, pool: _HostPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.answer: Answer | None = None
+        self.head: asyncio.Future[None] | None = None
+        self._headers: list[tuple[str, str]] = []
+        self._reason = ""
+        self._got_bytes = False
+        self._paused = False
+        self.keep_alive = False  # the answer's head allows reuse (known only while the head is parsed)
+
+    def start(self, answer: Answer, data: bytes) -> asyncio.Future[None]:
+        self.answer, self._headers, self._reason, self._got_bytes, self.keep_alive = answer, [], "", False, False
+        self.head = asyncio.get_running_loop().create_future()
+        assert self.transport is not None
+        self.transport.write(data)
+        return self.head
+
+    def finished(self, answer: Answer, reusable: bool) -> None:
+        if self.answer is not answer:
+            return
+        self.answer, self.head = None, None
+        if reusable and not self.closed and self.keep_alive:
+            self.pool.release(self)
+        else:
+            self.close()
+            self.pool.release(self)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.answer is None:  # bytes nobody asked for: the connection cannot be trusted
+            self.close()
+            return
+        self._got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(BadAnswer(f"not an HTTP answer: {exc}"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # close; connection_lost reports it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        answer = self.answer
+        if answer is not None:
+            if not self._got_bytes:
+                self._fail(Disconnected(f"closed before answering{f': {exc}' if exc else ''}"))
+            elif (exc is None and self.head is not None and self.head.done() and answer.content_length is None
+                  and "chunked" not in answer.headers.get("transfer-encoding", "")):
+                answer._end(None)  # a body without a length ends where the connection does
+            else:
+                self._fail(BrokeOff(f"the answer broke off{f': {exc}' if exc else ''}"))
+        self.pool.forget(self)
+
+    def _fail(self, error: WireError) -> None:
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(error)
+        elif self.answer is not None:
+            self.answer._end(error)
+
+    # -- httptools callbacks
+
+    def on_status(self, status: bytes) -> None:
+        self._reason += status.decode("latin-1")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        answer = self.answer
+        if answer is None or self.head is None:
+            return
+        self.keep_alive = self.parser.should_keep_alive()
+        answer.status = self.parser.get_status_code()
+        answer.reason = self._reason
+        answer.headers = CIMultiDictProxy(CIMultiDict(self._headers))
+        raw = answer.headers.get("content-length")
+        if raw is not None and raw.isdigit() and "chunked" not in answer.headers.get("transfer-encoding", ""):
+            answer.content_length = int(raw)
+        if not self.head.done():
+            self.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self.answer is not None:
+            self.answer._body(bytes(body))
+
+    def on_message_complete(self) -> None:
+        if self.answer is not None:
+            self.answer._end(None)
+
+
+class _HostPool:
+    """Connections to one replica: idle ones reused newest first, at most `limit` open (0: no limit)."""
+
+    def __init__(self, host: str, port: int, limit: int, keepalive_s: float) -> None:
+        self.host, self.port = host, port
+        self.limit = limit
+        self.keepalive_s = keepalive_s
+        self.idle: list[_Connection] = []
+        self.open = 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.host_header = f"{host}:{port}".encode("latin-1") if ":" not in host else f"[{host}]:{port}".encode()
+
+    async def acquire(self, connect_timeout: float) -> _Connection:
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.close()  # stale: the replica may be about to close it (its keep-alive is longer)
+            self.forget(conn)
+        while self.limit and self.open >= self.limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self.waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self.waiters:
+                    self.waiters.remove(waiter)
+            if self.idle:
+                return await self.acquire(connect_timeout)
+        self.open += 1
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, conn = await asyncio.get_running_loop().create_connection(
+                    lambda: _Connection(self), self.host, self.port)
+        except TimeoutError:
+            self._closed_one()
+            raise ConnectFailed(f"connect to {self.host}:{self.port} timed out after {connect_timeout:g}s") from None
+        except OSError as exc:
+            self._closed_one()
+            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc}") from None
+        except BaseException:
+            self._closed_one()
+            raise
+        return conn
+
+    def release(self, conn: _Connection) -> None:
+        if conn.closed:
+            self.forget(conn)
+            return
+        if len(self.idle) >= MAX_IDLE_PER_HOST:
+            conn.close()
+            return  # connection_lost forgets it
+        conn.idle_since = time.monotonic()
+        self.idle.append(conn)
+        self._wake_one()
+
+    def forget(self, conn: _Connection) -> None:
+        """A connection closed: it no longer counts (once)."""
+        if getattr(conn, "_forgotten", False):
+            return
+        conn._forgotten = True  # type: ignore[attr-defined]
+        if conn in self.idle:
+            self.idle.remove(conn)
+        self._closed_one()
+
+    def _closed_one(self) -> None:
+        self.open = max(0, self.open - 1)
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.close()
+        self.idle.clear()
+
+
+class WireClient:
+    """Keep-alive pools to the replicas, by (host, port)."""
+
+    def __init__(self, limit_per_host: int = 0, keepalive_s: float = 4.0) -> None:
+        self.limit_per_host = limit_per_host
+        self.keepalive_s = keepalive_s
+        self.pools: dict[tuple[str, int], _HostPool] = {}
+
+    @staticmethod
+    def speaks(url: str) -> bool:
+        """Can this client reach `url` (plain http)?"""
+        return url.startswith("http://")
+
+    async def request(self, base_url: str, method: str, raw_path: str, headers: dict[str, str], body: bytes,
+                      *, total_s: float | None, connect_timeout: float) -> Answer:
+        """Send the request and wait for the answer's head; `total_s` (seconds) bounds the whole
+        exchange, the body's reading included."""
+        parts = urlsplit(base_url)
+        host, port = parts.hostname or "", parts.port or 80
+        pool = self.pools.get((host, port))
+        if pool is None:
+            pool = self.pools[(host, port)] = _HostPool(host, port, self.limit_per_host, self.keepalive_s)
+        loop = asyncio.get_running_loop()
+        deadline = None if total_s is None else loop.time() + total_s
+        conn = await pool.acquire(connect_timeout)
+        head = [f"{method} {parts.path.rstrip('/')}{raw_path} HTTP/1.1".encode("latin-1"), b"host: " + pool.host_header]
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value:
+                raise ValueError(f"header {name} carries a line break")
+            head.append(f"{name}: {value}".encode("latin-1"))
+        if body or method in ("POST", "PUT", "PATCH"):
+            head.append(b"content-length: %d" % len(body))
+        answer = Answer(conn, deadline)
+        try:
+            future = conn.start(answer, b"\r\n".join(head) + b"\r\n\r\n" + body)
+            async with asyncio.timeout_at(deadline):
+                await future
+        except BaseException:
+            conn.finished(answer, reusable=False)
+            raise
+        return answer
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()

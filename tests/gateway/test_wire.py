@@ -1,0 +1,244 @@
+"""The gateway's lean client to replicas (gateway/wire.py), over real sockets to small asyncio servers.
+
+What the proxy relies on: a kept-alive connection is reused; a connection the replica closed while
+idle is not handed out, and one closed after the request was sent fails as `Disconnected` (so the
+request goes elsewhere); refused connections fail as `ConnectFailed`; long and chunked answers stream
+whole; the total time bounds the exchange; `connection: close` is honoured; the per-replica limit
+holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from embedfleet.gateway.wire import BadAnswer, ConnectFailed, Disconnected, WireClient
+
+
+class Replica:
+    """An HTTP/1.1 server on loopback that answers each request by `respond(request_bytes) -> bytes | None`
+    (None: close without answering), and counts its connections."""
+
+    def __init__(self, respond) -> None:
+        self.respond = respond
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                answer = await self.respond(head + body)
+                if answer is None:
+                    break
+                writer.write(answer)
+                await writer.drain()
+                if b"connection: close" in answer.lower():
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+def ok(body: bytes = b'{"ok":true}', extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        len(body), extra, body)
+
+
+async def fetch(client: WireClient, url: str, body: bytes = b'{"input":"x"}', total_s: float | None = 5.0):
+    answer = await client.request(url, "POST", "/v1/embeddings", {"content-type": "application/json"}, body,
+                                  total_s=total_s, connect_timeout=2.0)
+    async with answer:
+        return answer.status, answer.reason, answer.headers, await answer.read()
+
+
+def test_keep_alive_reuses_one_connection_and_sends_the_request_as_given():
+    async def main():
+        async def respond(_req):
+            return ok(extra=b"x-embedfleet-expected-wait: 0.25\r\n")
+
+        replica = Replica(respond)
+        url = await replica.start()
+        client = WireClient()
+        try:
+            for _ in range(5):
+                status, reason, headers, body = await fetch(client, url)
+                assert (status, reason, body) == (200, "OK", b'{"ok":true}')
+                assert headers["X-Embedfleet-Expected-Wait"] == "0.25"
+        finally:
+            client.close()
+            await replica.stop()
+        assert replica.connections == 1
+        first = replica.requests[0]
+        assert first.startswith(b"POST /v1/embeddings HTTP/1.1\r\n")
+        assert b"content-type: application/json\r\n" in first and first.endswith(b'{"input":"x"}')
+        assert b"content-length: 13\r\n" in first and b"host: 127.0.0.1:" in first
+
+    asyncio.run(main())
+
+
+def test_a_connection_closed_while_idle_is_not_handed_out():
+    async def main():
+        async def respond(_req):
+            return ok(extra=b"connection: close\r\n")
+
+        replica = Replica(respond)
+        url = await replica.start()
+        client = WireClient()
+        try:
+            for _ in range(3):
+                assert (await fetch(client, url))[0] == 200
+        finally:
+            client.close()
+            await replica.stop()
+        assert replica.connections == 3  # each answer said close: never reused
+
+    asyncio.run(main())
+
+
+def test_closed_before_answering_is_disconnected_and_refused_is_connect_failed():
+    async def main():
+        async def respond(_req):
+            return None  # read the request, then close
+
+        replica = Replica(respond)
+        url = await replica.start()
+        client = WireClient()
+        try:
+            with pytest.raises(Disconnected):
+                await fetch(client, url)
+            await replica.stop()
+            with pytest.raises(ConnectFailed):
+                await fetch(client, url)
+        finally:
+            client.close()
+
+    asyncio.run(main())
+
+
+def test_a_stale_kept_alive_connection_fails_as_disconnected_then_a_fresh_one_works():
+    async def main():
+        served = 0
+
+        async def respond(_req):
+            nonlocal served
+            served += 1
+            return ok() if served != 2 else None  # the second request finds the connection closing
+
+        replica = Replica(respond)
+        url = await replica.start()
+        client = WireClient()
+        try:
+            assert (await fetch(client, url))[0] == 200
+            with pytest.raises(Disconnected):
+                await fetch(client, url)
+            assert (await fetch(client, url))[0] == 200
+        finally:
+            client.close()
+            await replica.stop()
+        assert replica.connections == 2
+
+    asyncio.run(main())
+
+
+def test_long_and_chunked_answers_stream_whole():
+    big = bytes(range(256)) * 8192  # 2 MiB: past the pause threshold, so back-pressure is exercised
+
+    async def main():
+        async def respond(req):
+            if b"chunked" in req:
+                parts = [b"%x\r\n%s\r\n" % (len(p), p) for p in (b"hello ", b"chunked ", b"world")]
+                return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"".join(parts) + b"0\r\n\r\n"
+            return ok(big)
+
+        replica = Replica(respond)
+        url = await replica.start()
+        client = WireClient()
+        try:
+            status, _, _, body = await fetch(client, url)
+            assert status == 200 and body == big
+            answer = await client.request(url, "POST", "/x", {}, b"chunked", total_s=5, connect_timeout=2)
+            async with answer:
+                assert answer.content_length is None
+                pieces = [p async for p in answer.iter_any()]
+            assert b"".join(pieces) == b"hello chunked world"
+            assert (await fetch(client, url))[3] == big  # the same connection, still in step
+        finally:
+            client.close()
+            await replica.stop()
+        assert replica.connections == 1
+
+    asyncio.run(main())
+
+
+def test_the_total_time_bounds_the_exchange_and_garbage_is_a_bad_answer():
+    async def main():
+        async def respond(req):
+            if b"slow" in req:
+                await asyncio.sleep(5)
+                return ok()
+            return b"SSH-2.0-OpenSSH\r\n\r\n"
+
+        replica = Replica(respond)
+        url = await replica.start()
+        client = WireClient()
+        try:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError):
+                await fetch(client, url, b"slow", total_s=0.3)
+            assert asyncio.get_running_loop().time() - started < 3
+            with pytest.raises(BadAnswer):
+                await fetch(client, url)
+        finally:
+            client.close()
+            await replica.stop()
+
+    asyncio.run(main())
+
+
+def test_the_per_replica_limit_holds_and_waiters_get_the_released_connection():
+    async def main():
+        gate = asyncio.Event()
+
+        async def respond(_req):
+            await gate.wait()
+            return ok()
+
+        replica = Replica(respond)
+        url = await replica.start()
+        client = WireClient(limit_per_host=2)
+        try:
+            tasks = [asyncio.create_task(fetch(client, url)) for _ in range(5)]
+            await asyncio.sleep(0.3)
+            assert replica.connections == 2  # the other three wait for one of these
+            gate.set()
+            results = await asyncio.gather(*tasks)
+            assert [r[0] for r in results] == [200] * 5
+        finally:
+            client.close()
+            await replica.stop()
+        assert replica.connections == 2
+
+    asyncio.run(main())
+
+
+def test_only_plain_http_is_spoken():
+    assert WireClient.speaks("http://10.0.0.1:8080")
+    assert not WireClient.speaks("https://embed.eu.example")
