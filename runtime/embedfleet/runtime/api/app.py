@@ -8,6 +8,7 @@ re-exported below so `from embedfleet.runtime.api.app import ...` keeps working.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 
 from fastapi import FastAPI
@@ -52,6 +53,14 @@ WORK_ROUTES = frozenset({"/v1/embeddings", "/embed", "/tokenize", "/rerank", "/v
                          "/v2/embed", "/v2/rerank", "/"})
 
 
+# FastAPI (0.16x) opens its own OpenTelemetry spans and metrics for every request once a global tracer or
+# meter provider is configured (opentelemetry-instrument does that), and looks the providers up on every
+# request to know. The runtime traces itself with its own provider (--otel, tracing.py: one span per
+# request, the engine's batch linked), so FastAPI's would double every span; off, the check is cheap.
+NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                       if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
+
 def create_app(models: Models, gate_state: GateState,
                on_load_failed: Callable[[], None] | None = None) -> FastAPI:
     """The server over `models`: the models load in the background (so /health answers at once and
@@ -79,7 +88,7 @@ def create_app(models: Models, gate_state: GateState,
 
     app = FastAPI(title="embedfleet runtime", version="0.1.0", lifespan=lifespan, default_response_class=JSON,
                   description="OpenAI-, TEI- and Cohere-compatible embedding, rerank and classification server "
-                  "with token-budget batching.")
+                  "with token-budget batching.", **NO_NATIVE_TELEMETRY)
     def count_error(status: int) -> None:
         metrics.errors.labels(str(status)).inc()
 
