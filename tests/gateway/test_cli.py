@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from embedfleet.gateway.config import ConfigError, GatewayConfig, parse_upstreams
+from embedfleet.gateway.config import ConfigError, GatewayConfig, parse_bounds, parse_upstreams
 from tests.procs import ROOT, child_env
 
 
@@ -60,3 +60,25 @@ def test_help_documents_every_flag_with_its_default():
 def test_round_robin_says_it_is_a_benchmark_baseline():
     out = " ".join(gateway("--help").stdout.split())
     assert "round-robin: in turn, blind to load; only a baseline for benchmarks" in out
+
+
+def test_bounds_are_parsed_by_the_spec_field_names():
+    got = parse_bounds(["a=maxQueueSeconds=2,spillAfterSeconds=0", "b=maxQueueSecondsBulk=60",
+                        "a=maxQueueSecondsBulk=45.5"])
+    assert got == {"a": {"maxQueueSeconds": 2.0, "spillAfterSeconds": 0.0, "maxQueueSecondsBulk": 45.5},
+                   "b": {"maxQueueSecondsBulk": 60.0}}
+
+
+@pytest.mark.parametrize("value", ["a", "a=", "=maxQueueSeconds=2", "a=maxQueueSeconds", "a=maxQueueSeconds=0",
+                                   "a=maxQueueSecondsBulk=-1", "a=spillAfterSeconds=nan", "a=maxQueue=2",
+                                   "a=maxQueueSeconds=inf", "a=maxQueueSeconds=two"])
+def test_bad_bounds_are_refused_naming_the_flag(value):
+    with pytest.raises(ConfigError, match="--bounds"):
+        parse_bounds([value])
+
+
+def test_bounds_need_an_upstream_of_that_name_and_are_not_for_kubernetes_mode():
+    done = gateway("--upstream", "m=http://127.0.0.1:9", "--bounds", "other=maxQueueSeconds=2")
+    assert done.returncode == 2 and "--bounds names deployments with no --upstream: other" in done.stderr
+    done = gateway("--kubernetes", "--bounds", "m=maxQueueSeconds=2")
+    assert done.returncode == 2 and "drop --bounds" in done.stderr

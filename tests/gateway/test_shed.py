@@ -106,6 +106,35 @@ def test_the_gateway_sheds_when_every_replica_is_over_the_bound(gateway_factory,
                                 timeout=30).status_code == 200, "b to take queries again")
 
 
+def test_static_bounds_shed_one_deployment_where_the_flag_would_not(gateway_factory, stub_factory):
+    """`--bounds tight=maxQueueSeconds=2`: a replica of `tight` reporting 3.5 s sheds queries (the message
+    names the flag that set the bound), while `loose`, with the same load and no bound of its own, goes by
+    --max-queue-seconds 5 and takes them."""
+    tight = stub_factory("--model", "tight", "--name", "t")
+    loose = stub_factory("--model", "loose", "--name", "l")
+    gateway = gateway_factory("--upstream", f"tight={tight.url}", "--upstream", f"loose={loose.url}",
+                              "--poll-interval", "0.1", "--max-queue-seconds", "5",
+                              "--bounds", "tight=maxQueueSeconds=2,maxQueueSecondsBulk=60")
+    wait_for(lambda: gateway.load()["tight"]["ready_replicas"] == gateway.load()["loose"]["ready_replicas"] == 1,
+             "both replicas ready")
+    for stub in (tight, loose):
+        stub.control(status="saturated", expected_wait=3.5)
+    wait_for(lambda: all(gateway.count("embedfleet_gateway_replica_expected_wait_seconds", deployment=name,
+                                       replica=stub.url) == 3.5 for name, stub in (("tight", tight), ("loose", loose))),
+             "the gateway to see both waits")
+    r = httpx.post(f"{gateway.url}/v1/embeddings", json={"model": "tight", "input": "q"}, timeout=30)
+    assert r.status_code == 429, r.text
+    assert "--bounds tight=maxQueueSeconds" in r.json()["error"]["message"]
+    assert r.headers["retry-after"] == "2"  # ceil(3.5 - 2)
+    assert tight.received() == []
+    bulk = httpx.post(f"{gateway.url}/v1/embeddings", json={"model": "tight", "input": ["p"] * 32}, timeout=30)
+    assert bulk.status_code == 200, bulk.text  # 3.5 s is under its own bulk bound of 60 s
+    assert httpx.post(f"{gateway.url}/v1/embeddings", json={"model": "loose", "input": "q"},
+                      timeout=30).status_code == 200
+    assert gateway.count("embedfleet_gateway_shed_total", deployment="tight", reason="expected_wait") == 1
+    assert gateway.count("embedfleet_gateway_shed_total", deployment="loose", reason="expected_wait") == 0
+
+
 def test_a_backfilling_fleet_takes_queries_and_sheds_bulk_work(gateway_factory, stub_factory):
     a = stub_factory("--model", "m", "--name", "a", "--expected-wait", "40")
     b = stub_factory("--model", "m", "--name", "b", "--expected-wait", "45")

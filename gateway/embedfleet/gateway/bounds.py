@@ -2,8 +2,9 @@
 
 On Kubernetes each EmbeddingDeployment may set `spec.runtime.maxQueueSeconds`,
 `spec.runtime.maxQueueSecondsBulk` (the same bounds its runtime pods are given, so the gateway says no
-where the runtime would) and `spec.placement.spillAfterSeconds`; kube.py reads them. Unset, or in
-static mode, the gateway's `--max-queue-seconds`, `--max-queue-seconds-bulk` and `--spill-after` apply.
+where the runtime would) and `spec.placement.spillAfterSeconds`; kube.py reads them. In static mode
+`--bounds NAME=maxQueueSeconds=...` sets the same three by name (`from_flag`). Unset, the gateway's
+`--max-queue-seconds`, `--max-queue-seconds-bulk` and `--spill-after` apply.
 Each answer names where its value came from, so a refusal's message points at what to change.
 
 Pure.
@@ -26,6 +27,7 @@ class Bounds:
     max_queue_s: float | None = None
     max_queue_bulk_s: float | None = None
     spill_after_s: float | None = None
+    origin: str = ""  # where they were set, for messages: "" the EmbeddingDeployment's spec, else the flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,19 +52,29 @@ def from_object(obj: Mapping[str, Any]) -> Bounds:
                   _seconds(placement.get("spillAfterSeconds")))
 
 
+def from_flag(name: str, fields: Mapping[str, float]) -> Bounds:
+    """`--bounds NAME=...` (config.parse_bounds, already checked) -> NAME's own bounds."""
+    return Bounds(_seconds(fields.get("maxQueueSeconds")), _seconds(fields.get("maxQueueSecondsBulk")),
+                  _seconds(fields.get("spillAfterSeconds")), origin=f"--bounds {name}=")
+
+
+def _source(bounds: Bounds, spec_field: str) -> str:
+    return f"{bounds.origin}{spec_field.rsplit('.', 1)[1]}" if bounds.origin else spec_field
+
+
 def shed_bound(bounds: Bounds, config: GatewayConfig, bulk: bool) -> Bound:
     """The expected wait over which a request of this class is refused (0: never)."""
     if bulk:
         if bounds.max_queue_bulk_s is not None:
-            return Bound(bounds.max_queue_bulk_s, "spec.runtime.maxQueueSecondsBulk")
+            return Bound(bounds.max_queue_bulk_s, _source(bounds, "spec.runtime.maxQueueSecondsBulk"))
         return Bound(config.max_queue_seconds_bulk, "--max-queue-seconds-bulk")
     if bounds.max_queue_s is not None:
-        return Bound(bounds.max_queue_s, "spec.runtime.maxQueueSeconds")
+        return Bound(bounds.max_queue_s, _source(bounds, "spec.runtime.maxQueueSeconds"))
     return Bound(config.max_queue_seconds, "--max-queue-seconds")
 
 
 def spill_after(bounds: Bounds, config: GatewayConfig) -> Bound:
     """The expected wait here over which a request goes to another region (spill.py)."""
     if bounds.spill_after_s is not None:
-        return Bound(bounds.spill_after_s, "spec.placement.spillAfterSeconds")
+        return Bound(bounds.spill_after_s, _source(bounds, "spec.placement.spillAfterSeconds"))
     return Bound(config.spill_after, "--spill-after")

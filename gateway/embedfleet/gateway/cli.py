@@ -28,6 +28,7 @@ from embedfleet.gateway.config import (
     BALANCES,
     ConfigError,
     GatewayConfig,
+    parse_bounds,
     parse_spill,
     parse_upstreams,
     parse_vector_spaces,
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pin requests for NAME to this vector space (replicas of another are never sent them); "
                              "default: the space of the first routable --upstream listed, from its GET /v1/models. "
                              "On Kubernetes the EmbeddingDeployment's status says it (docs/rollouts.md)")
+    parser.add_argument("--bounds", action="append", default=[], metavar="NAME=FIELD=SECONDS[,...]",
+                        help="deployment NAME's own shed and spill bounds instead of the flags', named as the "
+                             "EmbeddingDeployment fields that set them on Kubernetes: maxQueueSeconds, "
+                             "maxQueueSecondsBulk, spillAfterSeconds (e.g. bge=maxQueueSeconds=2,spillAfterSeconds=1)")
     parser.add_argument("--spill-after", type=float, default=D.spill_after,
                         help="spill only when the expected wait here (a cold start, or every saturated replica's "
                              "queue; bulk work only past --max-queue-seconds-bulk) is longer than this many seconds; "
@@ -139,6 +144,13 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     unknown = sorted(set(spaces) - set(upstreams))
     if unknown:
         raise ConfigError(f"--vector-space names deployments with no --upstream: {', '.join(unknown)}")
+    bounds = parse_bounds(args.bounds)
+    if args.kubernetes and bounds:
+        raise ConfigError("--kubernetes takes each deployment's bounds from its spec (spec.runtime.maxQueueSeconds, "
+                          "maxQueueSecondsBulk, spec.placement.spillAfterSeconds): drop --bounds")
+    unknown = sorted(set(bounds) - set(upstreams))
+    if unknown:
+        raise ConfigError(f"--bounds names deployments with no --upstream: {', '.join(unknown)}")
     if not upstreams and not args.kubernetes:
         raise ConfigError("no upstreams: give --upstream NAME=URL (once per replica), or --kubernetes")
     try:
@@ -152,7 +164,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout=args.request_timeout, payload_limit=args.payload_limit,
         max_connections_per_replica=args.max_connections_per_replica, drain_timeout=args.drain_timeout,
         kubernetes=args.kubernetes, namespaces=tuple(args.namespace), region=args.region, spill=spill,
-        vector_spaces=spaces,
+        vector_spaces=spaces, bounds=bounds,
         spill_after=args.spill_after, balance=args.balance, max_queue_seconds=args.max_queue_seconds,
         max_queue_seconds_bulk=args.max_queue_seconds_bulk, urgent_max_inputs=args.urgent_max_inputs,
         eject_after=args.eject_after, eject_base=args.eject_base, eject_max=args.eject_max, tracing=tracing)

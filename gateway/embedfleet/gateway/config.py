@@ -33,6 +33,8 @@ class GatewayConfig:
     region: str = ""  # this gateway's region: named on the requests it spills, and in metrics
     spill: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # deployment -> [(region, gateway URL)]
     vector_spaces: dict[str, str] = field(default_factory=dict)  # deployment -> the space it pins (pinning.py)
+    # static mode: deployment -> its own bounds by spec field name (--bounds; bounds.py), as on Kubernetes
+    bounds: dict[str, dict[str, float]] = field(default_factory=dict)
     spill_after: float = 2.0  # spill when the expected wait here (cold start or queue) is longer (seconds)
     balance: str = "least-wait"  # or "round-robin": a baseline for benchmarks only
     max_queue_seconds: float = 5.0  # shed (429) a query when every replica's expected wait is over it; 0: never
@@ -87,6 +89,35 @@ def parse_spill(values: list[str]) -> dict[str, list[tuple[str, str]]]:
             raise ConfigError(f"--spill {value!r}: expected NAME=REGION=URL (another region's gateway, "
                               "http(s)://HOST[:PORT])")
         out.setdefault(name.strip(), []).append((region.strip(), url.strip().rstrip("/")))
+    return out
+
+
+BOUND_FIELDS = {"maxQueueSeconds": False, "maxQueueSecondsBulk": False, "spillAfterSeconds": True}  # -> 0 allowed
+
+
+def parse_bounds(values: list[str]) -> dict[str, dict[str, float]]:
+    """["NAME=FIELD=SECONDS[,FIELD=SECONDS...]", ...] -> {NAME: {FIELD: SECONDS}}: a deployment's own shed
+    and spill bounds in static mode, named as the EmbeddingDeployment fields that set them on Kubernetes
+    (maxQueueSeconds and maxQueueSecondsBulk > 0, spillAfterSeconds >= 0, as the CRD allows)."""
+    out: dict[str, dict[str, float]] = {}
+    for value in values:
+        name, _, rest = (part.strip() for part in value.partition("="))
+        fields: dict[str, float] = {}
+        for item in rest.split(",") if rest else []:
+            key, sep, raw = (part.strip() for part in item.partition("="))
+            try:
+                seconds = float(raw)
+            except ValueError:
+                seconds = math.nan
+            if not sep or key not in BOUND_FIELDS or not math.isfinite(seconds) or seconds < 0 \
+                    or (seconds == 0 and not BOUND_FIELDS[key]):
+                raise ConfigError(f"--bounds {value!r}: {item!r} is not FIELD=SECONDS with FIELD one of "
+                                  f"{', '.join(BOUND_FIELDS)} (maxQueueSeconds* > 0, spillAfterSeconds >= 0)")
+            fields[key] = seconds
+        if not name or not fields:
+            raise ConfigError(f"--bounds {value!r}: expected NAME=FIELD=SECONDS[,FIELD=SECONDS...], e.g. "
+                              "bge=maxQueueSeconds=2,spillAfterSeconds=1")
+        out.setdefault(name, {}).update(fields)
     return out
 
 

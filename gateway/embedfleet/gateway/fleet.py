@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from embedfleet.compat.names import split_model
-from embedfleet.gateway.bounds import Bounds, shed_bound, spill_after
+from embedfleet.gateway.bounds import Bounds, from_flag, shed_bound, spill_after
 from embedfleet.gateway.coldstart import ColdStart
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.eject import admitted
@@ -100,6 +100,8 @@ class Fleet:
         for name, urls in config.upstreams.items():
             self.set_replicas(name, urls)
             self.deployments[name].vector_space = config.vector_spaces.get(name)
+            if name in config.bounds:
+                self.deployments[name].bounds = from_flag(name, config.bounds[name])
         for name, targets in config.spill.items():
             self.set_spill(name, [Target(region, url) for region, url in targets])
 
