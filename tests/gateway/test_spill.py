@@ -26,6 +26,7 @@ from embedfleet.gateway.spill import (
     choose,
     parse_annotation,
     queue_bound,
+    refused_there,
     should_spill,
     should_spill_queue,
 )
@@ -152,3 +153,20 @@ def test_a_spilled_request_is_never_spilled_again(regions):
                         headers={SPILLED_FROM: "ap"}, timeout=60)
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "cold_start"
     assert eu.count("embedfleet_gateway_spilled_total", deployment=MODEL, to="us") == before
+
+
+@pytest.mark.parametrize(("status", "raw", "expected"), [
+    (429, b'{"error":{"code":"overloaded","message":"m"}}', True),
+    (503, b'{"error":{"code":"cold_start","message":"m"}}', True),
+    (503, b'{"error":{"code":"hold_full","message":"m"}}', True),
+    (503, b'{"error":{"code":"draining","message":"m"}}', True),
+    (429, b'{"error":{"code":"quota_exceeded","message":"m"}}', False),  # the tenant's quota: the answer
+    (503, b'{"error":{"code":"upstream_unavailable"}}', False),
+    (500, b'{"error":{"code":"overloaded"}}', False),
+    (200, b'{"data":[]}', False),
+    (429, b"not json", False),
+    (429, b"[1, 2]", False),
+    (429, b'{"error":"overloaded"}', False),
+])
+def test_refused_there_only_for_answers_that_ran_nothing(status, raw, expected):
+    assert refused_there(status, raw) is expected

@@ -137,3 +137,46 @@ def test_a_deployments_own_spill_after_sets_when_its_queries_leave():
             return out
 
     assert asyncio.run(run()) == {"team/eager": (target, "queue"), "team/patient": ("http://198.18.0.6:8080", "")}
+
+
+def test_a_region_that_cannot_take_a_spilled_request_passes_it_to_the_next_and_is_skipped_for_a_while():
+    """`home` (replica h, saturated) may spill to `ap` first, then `eu` (the hub's order). ap's only replica
+    is saturated far past ap's bound, so ap's gateway sheds what home spills to it (429 overloaded): the
+    request ran nowhere, and goes on to eu, which answers. The next request skips ap (marked down) and goes
+    straight to eu. With neither left (eu's replica saturated too, ap still skipped), home sheds as it would
+    with no target."""
+    h, c, e = (start_stub("--model", "m", "--name", name) for name in ("h", "c", "e"))
+    procs = [h, c, e]
+    try:
+        ap = start_gateway("--region", "ap", "--upstream", f"m={c.url}", "--poll-interval", "0.1")
+        procs.append(ap)
+        eu = start_gateway("--region", "eu", "--upstream", f"m={e.url}", "--poll-interval", "0.1")
+        procs.append(eu)
+        home = start_gateway("--region", "home", "--upstream", f"m={h.url}", "--poll-interval", "0.1",
+                             "--spill", f"m=ap={ap.url}", "--spill", f"m=eu={eu.url}")
+        procs.append(home)
+        load(h, (home,), "saturated", 12.0)
+        load(c, (ap,), "saturated", 20.0)
+
+        first = embed(home, "first")
+        assert (first.status_code, first.json()["served_by"]) == (200, "e"), first.text
+        assert ap.count("embedfleet_gateway_shed_total", deployment="m", reason="expected_wait") == 1
+        assert home.count("embedfleet_gateway_retries_total", deployment="m", reason="spill_refused") == 1
+        assert home.count(SPILLED, deployment="m", to="eu", reason="queue") == 1
+        assert home.count(SPILLED, deployment="m", to="ap") == 0  # refused there: not counted as spilled
+        assert "first" in tags(e) and "first" not in tags(c) + tags(h)
+
+        second = embed(home, "second")
+        assert (second.status_code, second.json()["served_by"]) == (200, "e")
+        assert ap.count("embedfleet_gateway_shed_total", deployment="m", reason="expected_wait") == 1  # skipped
+        assert home.count("embedfleet_gateway_retries_total", deployment="m", reason="spill_refused") == 1
+
+        load(e, (eu,), "saturated", 20.0)
+        third = embed(home, "third")
+        assert third.status_code == 429 and third.json()["error"]["code"] == "overloaded", third.text
+        assert "--max-queue-seconds" in third.json()["error"]["message"]  # home's own refusal, not eu's
+        assert "third" not in tags(c) + tags(e) + tags(h)
+        assert home.count("embedfleet_gateway_shed_total", deployment="m", reason="expected_wait") == 1
+    finally:
+        for proc in reversed(procs):
+            proc.stop()

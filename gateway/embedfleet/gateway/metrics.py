@@ -72,7 +72,8 @@ class GatewayMetrics:
         self.requests = Counter("embedfleet_gateway_requests", "Requests answered, by HTTP status",
                                 ["deployment", "code"], registry=r)
         self.retries = Counter("embedfleet_gateway_retries", "Requests sent again to another replica because the "
-                               "first did not take them (draining, connection refused or reset)",
+                               "first did not take them (draining, connection refused or reset, another "
+                               "vector space, or another region that could not take them either: spill_refused)",
                                ["deployment", "reason"], registry=r)
         self.upstream_seconds = Histogram("embedfleet_gateway_upstream_seconds", "Time from sending a request to a "
                                           "replica to the end of its answer", ["deployment"],

@@ -39,7 +39,7 @@ from embedfleet.gateway.fleet import Deployment, Fleet, Ticket
 from embedfleet.gateway.metrics import UNKNOWN, GatewayMetrics
 from embedfleet.gateway.pick import State, pick
 from embedfleet.gateway.pinning import HEADER_VECTOR_SPACE, is_mismatch
-from embedfleet.gateway.spill import SPILLED_FROM
+from embedfleet.gateway.spill import SPILLED_FROM, refused_there
 from embedfleet.gateway.upstreams import Replica
 from embedfleet.gateway.wire import Answer, BadAnswer, ConnectFailed, Disconnected, WireClient, WireError
 
@@ -336,6 +336,12 @@ class Gateway:
                     log.info("%s: %s refused the request for vector space %s", deployment.name,
                              replica.url if target is None else f"region {target.region}", ticket.space)
                     return self._not_taken(deployment, replica, None, "vector_space", "answered 409 vector space")
+                if ticket.spilled_to is not None and refused_there(upstream.status, raw):
+                    # that region could not take it either (spill.py): the next target, or back here
+                    log.info("%s: region %s answered %d; trying elsewhere", deployment.name,
+                             ticket.spilled_to.region, upstream.status)
+                    return self._not_taken(deployment, replica, None, "spill_refused",
+                                           f"region {ticket.spilled_to.region} answered {upstream.status}")
                 self._answered(deployment, replica, ticket, upstream.status, first_byte, sent)
                 return web.Response(body=raw, status=upstream.status, reason=upstream.reason,
                                     headers=self._response_headers(upstream))

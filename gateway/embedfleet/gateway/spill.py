@@ -16,7 +16,11 @@ When (the threshold: the deployment's `spec.placement.spillAfterSeconds`, else `
 A request that was itself spilled (`x-embedfleet-spilled-from`) is never spilled again, so two regions
 cannot bounce a request.
 Where: the first target not marked down in the last DOWN_FOR_S (targets are in the hub's order:
-best-scored region first).
+best-scored region first). A target whose gateway answers that it cannot take the request either
+(`refused_there`: 429 `overloaded`, its replicas past their bounds; 503 `cold_start` / `hold_full` /
+`draining`) ran nothing, so the request goes on to the next target, or back to this region's own
+hold or shedding when none is left, and that target is skipped for DOWN_FOR_S: a busy region is
+learned from its own refusals, with no polling.
 """
 
 from __future__ import annotations
@@ -94,6 +98,23 @@ def should_spill_queue(replicas: Iterable[Load], bound_s: float, bulk: bool, spi
         return False
     routable = [r for r in replicas if r.state in ROUTABLE]
     return bool(routable) and all(over(r, bound_s, bulk) for r in routable)
+
+
+REFUSED_THERE = {429: frozenset({"overloaded"}), 503: frozenset({"cold_start", "hold_full", "draining"})}
+
+
+def refused_there(status: int, raw: bytes) -> bool:
+    """Pure: did another region's gateway answer that it could not take the request (its replicas over
+    their bounds, none ready, or draining)? Such a request ran nowhere and may go elsewhere. Any other
+    answer, a tenant's `quota_exceeded` included, is the answer."""
+    codes = REFUSED_THERE.get(status)
+    if codes is None:
+        return False
+    try:
+        error = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") in codes
 
 
 def choose(targets: Sequence[Target], now: float) -> Target | None:
