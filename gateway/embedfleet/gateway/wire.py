@@ -268,6 +268,10 @@ class _HostPool:
             self.waiters.append(waiter)
             try:
                 await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken, then cancelled: the turn passes to the next waiter
+                raise
             finally:
                 if waiter in self.waiters:
                     self.waiters.remove(waiter)
