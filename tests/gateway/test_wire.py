@@ -10,6 +10,7 @@ holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -53,8 +54,22 @@ class Replica:
 
     async def stop(self) -> None:
         assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
+        if self.server.is_serving():
+            self.server.close()
+            await self.server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def serving(respond, **client_args):
+    """A Replica answering by `respond`, its URL and a WireClient; both stopped on leaving."""
+    replica = Replica(respond)
+    url = await replica.start()
+    client = WireClient(**client_args)
+    try:
+        yield replica, url, client
+    finally:
+        client.close()
+        await replica.stop()
 
 
 def ok(body: bytes = b'{"ok":true}', extra: bytes = b"") -> bytes:
@@ -74,17 +89,11 @@ def test_keep_alive_reuses_one_connection_and_sends_the_request_as_given():
         async def respond(_req):
             return ok(extra=b"x-embedfleet-expected-wait: 0.25\r\n")
 
-        replica = Replica(respond)
-        url = await replica.start()
-        client = WireClient()
-        try:
+        async with serving(respond) as (replica, url, client):
             for _ in range(5):
                 status, reason, headers, body = await fetch(client, url)
                 assert (status, reason, body) == (200, "OK", b'{"ok":true}')
                 assert headers["X-Embedfleet-Expected-Wait"] == "0.25"
-        finally:
-            client.close()
-            await replica.stop()
         assert replica.connections == 1
         first = replica.requests[0]
         assert first.startswith(b"POST /v1/embeddings HTTP/1.1\r\n")
@@ -99,15 +108,9 @@ def test_a_connection_closed_while_idle_is_not_handed_out():
         async def respond(_req):
             return ok(extra=b"connection: close\r\n")
 
-        replica = Replica(respond)
-        url = await replica.start()
-        client = WireClient()
-        try:
+        async with serving(respond) as (replica, url, client):
             for _ in range(3):
                 assert (await fetch(client, url))[0] == 200
-        finally:
-            client.close()
-            await replica.stop()
         assert replica.connections == 3  # each answer said close: never reused
 
     asyncio.run(main())
@@ -118,17 +121,12 @@ def test_closed_before_answering_is_disconnected_and_refused_is_connect_failed()
         async def respond(_req):
             return None  # read the request, then close
 
-        replica = Replica(respond)
-        url = await replica.start()
-        client = WireClient()
-        try:
+        async with serving(respond) as (replica, url, client):
             with pytest.raises(Disconnected):
                 await fetch(client, url)
             await replica.stop()
             with pytest.raises(ConnectFailed):
                 await fetch(client, url)
-        finally:
-            client.close()
 
     asyncio.run(main())
 
@@ -142,17 +140,11 @@ def test_a_stale_kept_alive_connection_fails_as_disconnected_then_a_fresh_one_wo
             served += 1
             return ok() if served != 2 else None  # the second request finds the connection closing
 
-        replica = Replica(respond)
-        url = await replica.start()
-        client = WireClient()
-        try:
+        async with serving(respond) as (replica, url, client):
             assert (await fetch(client, url))[0] == 200
             with pytest.raises(Disconnected):
                 await fetch(client, url)
             assert (await fetch(client, url))[0] == 200
-        finally:
-            client.close()
-            await replica.stop()
         assert replica.connections == 2
 
     asyncio.run(main())
@@ -168,10 +160,7 @@ def test_long_and_chunked_answers_stream_whole():
                 return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"".join(parts) + b"0\r\n\r\n"
             return ok(big)
 
-        replica = Replica(respond)
-        url = await replica.start()
-        client = WireClient()
-        try:
+        async with serving(respond) as (replica, url, client):
             status, _, _, body = await fetch(client, url)
             assert status == 200 and body == big
             answer = await client.request(url, "POST", "/x", {}, b"chunked", total_s=5, connect_timeout=2)
@@ -180,9 +169,6 @@ def test_long_and_chunked_answers_stream_whole():
                 pieces = [p async for p in answer.iter_any()]
             assert b"".join(pieces) == b"hello chunked world"
             assert (await fetch(client, url))[3] == big  # the same connection, still in step
-        finally:
-            client.close()
-            await replica.stop()
         assert replica.connections == 1
 
     asyncio.run(main())
@@ -196,19 +182,13 @@ def test_the_total_time_bounds_the_exchange_and_garbage_is_a_bad_answer():
                 return ok()
             return b"SSH-2.0-OpenSSH\r\n\r\n"
 
-        replica = Replica(respond)
-        url = await replica.start()
-        client = WireClient()
-        try:
+        async with serving(respond) as (_replica, url, client):
             started = asyncio.get_running_loop().time()
             with pytest.raises(TimeoutError):
                 await fetch(client, url, b"slow", total_s=0.3)
             assert asyncio.get_running_loop().time() - started < 3
             with pytest.raises(BadAnswer):
                 await fetch(client, url)
-        finally:
-            client.close()
-            await replica.stop()
 
     asyncio.run(main())
 
@@ -221,19 +201,13 @@ def test_the_per_replica_limit_holds_and_waiters_get_the_released_connection():
             await gate.wait()
             return ok()
 
-        replica = Replica(respond)
-        url = await replica.start()
-        client = WireClient(limit_per_host=2)
-        try:
+        async with serving(respond, limit_per_host=2) as (replica, url, client):
             tasks = [asyncio.create_task(fetch(client, url)) for _ in range(5)]
             await asyncio.sleep(0.3)
             assert replica.connections == 2  # the other three wait for one of these
             gate.set()
             results = await asyncio.gather(*tasks)
             assert [r[0] for r in results] == [200] * 5
-        finally:
-            client.close()
-            await replica.stop()
         assert replica.connections == 2
 
     asyncio.run(main())
@@ -242,3 +216,18 @@ def test_the_per_replica_limit_holds_and_waiters_get_the_released_connection():
 def test_only_plain_http_is_spoken():
     assert WireClient.speaks("http://10.0.0.1:8080")
     assert not WireClient.speaks("https://embed.eu.example")
+
+
+def test_a_refused_header_takes_no_connection():
+    """A header value with a line break is refused before a connection is taken: with one connection
+    allowed, the next request still gets it."""
+    async def main():
+        async def respond(_req):
+            return ok()
+
+        async with serving(respond, limit_per_host=1) as (_replica, url, client):
+            with pytest.raises(ValueError, match="line break"):
+                await client.request(url, "POST", "/x", {"x-bad": "a\r\nb: c"}, b"{}", total_s=5, connect_timeout=2)
+            assert (await asyncio.wait_for(fetch(client, url), 3))[0] == 200
+
+    asyncio.run(main())

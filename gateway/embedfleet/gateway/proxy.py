@@ -41,7 +41,7 @@ from embedfleet.gateway.pick import State, pick
 from embedfleet.gateway.pinning import HEADER_VECTOR_SPACE, is_mismatch
 from embedfleet.gateway.spill import SPILLED_FROM, refused_there
 from embedfleet.gateway.upstreams import Replica
-from embedfleet.gateway.wire import Answer, BadAnswer, ConnectFailed, Disconnected, WireClient, WireError
+from embedfleet.gateway.wire import Answer, ConnectFailed, Disconnected, WireClient, WireError
 
 log = logging.getLogger("embedfleet.gateway.proxy")
 
@@ -297,7 +297,7 @@ class Gateway:
                 raise Refused(502, f"a replica of {deployment.name} closed the connection before answering; the "
                               "job may or may not have been stored", "upstream_disconnected") from None
             return self._not_taken(deployment, replica, None, "disconnected", str(exc))
-        except (BadAnswer, WireError) as exc:
+        except WireError as exc:  # BadAnswer, or an answer that broke off before its head
             raise Refused(502, f"bad answer from a replica of {deployment.name}: {exc}", "bad_gateway") from None
         except aiohttp.ConnectionTimeoutError as exc:
             return self._not_taken(deployment, replica, State.DOWN, "connect", f"connect timed out: {exc}")

@@ -141,6 +141,7 @@ class _Connection(asyncio.Protocol):
         self._got_bytes = False
         self._paused = False
         self.keep_alive = False  # the answer's head allows reuse (known only while the head is parsed)
+        self.forgotten = False  # no longer counted among its pool's open connections
 
     def start(self, answer: Answer, data: bytes) -> asyncio.Future[None]:
         self.answer, self._headers, self._reason, self._got_bytes, self.keep_alive = answer, [], "", False, False
@@ -157,7 +158,7 @@ class _Connection(asyncio.Protocol):
             self.pool.release(self)
         else:
             self.close()
-            self.pool.release(self)
+            self.pool.forget(self)
 
     def close(self) -> None:
         self.closed = True
@@ -306,9 +307,9 @@ class _HostPool:
 
     def forget(self, conn: _Connection) -> None:
         """A connection closed: it no longer counts (once)."""
-        if getattr(conn, "_forgotten", False):
+        if conn.forgotten:
             return
-        conn._forgotten = True  # type: ignore[attr-defined]
+        conn.forgotten = True
         if conn in self.idle:
             self.idle.remove(conn)
         self._closed_one()
@@ -352,9 +353,7 @@ class WireClient:
         pool = self.pools.get((host, port))
         if pool is None:
             pool = self.pools[(host, port)] = _HostPool(host, port, self.limit_per_host, self.keepalive_s)
-        loop = asyncio.get_running_loop()
-        deadline = None if total_s is None else loop.time() + total_s
-        conn = await pool.acquire(connect_timeout)
+        deadline = None if total_s is None else asyncio.get_running_loop().time() + total_s
         head = [f"{method} {parts.path.rstrip('/')}{raw_path} HTTP/1.1".encode("latin-1"), b"host: " + pool.host_header]
         for name, value in headers.items():
             if "\r" in value or "\n" in value:
@@ -362,9 +361,11 @@ class WireClient:
             head.append(f"{name}: {value}".encode("latin-1"))
         if body or method in ("POST", "PUT", "PATCH"):
             head.append(b"content-length: %d" % len(body))
+        data = b"\r\n".join(head) + b"\r\n\r\n" + body  # built before a connection is taken, so a refusal leaks none
+        conn = await pool.acquire(connect_timeout)
         answer = Answer(conn, deadline)
         try:
-            future = conn.start(answer, b"\r\n".join(head) + b"\r\n\r\n" + body)
+            future = conn.start(answer, data)
             async with asyncio.timeout_at(deadline):
                 await future
         except BaseException:
