@@ -46,7 +46,7 @@ from tests.kube.controlplane import Cluster, ControlPlane, wait_until
 from tests.kube.kubelet import RUNTIME_PORT, FakeKubelet
 from tests.kube.netns import PodNetwork, pod_ip_on_host
 from tests.kube.operator_proc import CHART, OperatorProcess, start_operator
-from tests.operator.real import FAST_ELECTION, release, small
+from tests.operator.real import FAST_ELECTION, release, remove_deployments, small
 from tests.procs import free_port
 
 TAG = "gww"
@@ -141,8 +141,7 @@ def scenario(_session_plane: ControlPlane, pod_network: PodNetwork,
                 if scene is not None and scene.operator is not operator:
                     # release() stops the operator it started; the one started since must remove the
                     # deployment's finalizer, then stop.
-                    cluster.kubectl("delete", "embeddingdeployments", "--all", "-A", "--wait=true",
-                                    "--timeout=60s", check=False)
+                    remove_deployments(cluster)
                     scene.operator.stop()
 
 

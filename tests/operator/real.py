@@ -60,6 +60,19 @@ def operator_writes(proc: OperatorProcess) -> list[str]:
     return [str(e) for e in proc.writes() if e.resource not in HEARTBEATS]
 
 
+def remove_deployments(cluster: Cluster) -> None:
+    """Every EmbeddingDeployment goes, even with no operator left to run its finalizer (a test that
+    failed because the operator died): what is still there after the wait loses its finalizers, so that
+    the next test on this control plane does not inherit it."""
+    cluster.kubectl("delete", "embeddingdeployments", "--all", "-A", "--wait=true", "--timeout=60s",
+                    check=False, timeout=90)
+    left = (cluster.get_json("embeddingdeployments", "-A") or {}).get("items") or []
+    for obj in left:
+        meta = obj["metadata"]
+        cluster.kubectl("patch", "embeddingdeployment", meta["name"], "-n", meta["namespace"], "--type=merge",
+                        "-p", '{"metadata": {"finalizers": null}}', check=False)
+
+
 @contextmanager
 def release(cluster: Cluster, workdir: Path, tag: str, role: str = "standalone",
             sets: dict[str, str] | None = None, env: dict[str, str] | None = None,
@@ -95,8 +108,14 @@ def release(cluster: Cluster, workdir: Path, tag: str, role: str = "standalone",
             # SIGTERM ends it promptly and cleanly: no backlog run while stopping, no orphaned timers.
             assert code == 0, f"the operator did not exit cleanly on SIGTERM (code {code}):\n{proc.log()[-2000:]}"
     finally:
-        cluster.kubectl("delete", "embeddingdeployments", "--all", "-A", "--wait=true", "--timeout=60s",
-                        check=False)
-        if proc is not None:
-            proc.stop()
-        cluster.helm("uninstall", name, "-n", namespace, "--wait=false", check=False)
+        # Each step runs even if the one before raised: a release left installed keeps its admission
+        # policy in force for every later test on this control plane (seen in CI: one test's dead
+        # operator made two tenant tests fail).
+        try:
+            remove_deployments(cluster)
+        finally:
+            try:
+                if proc is not None:
+                    proc.stop()
+            finally:
+                cluster.helm("uninstall", name, "-n", namespace, "--wait=false", check=False)

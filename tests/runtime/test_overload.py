@@ -139,9 +139,13 @@ def test_a_deadline_that_cannot_be_met_is_504_at_once(runtime_factory):
 
 def test_queued_work_past_its_deadline_is_dropped_unrun(runtime_factory):
     """A bulk request admitted in time, then starved by a steady stream of queries (which go first),
-    is answered 504 when its deadline passes, and none of its inputs ever reaches the engine."""
+    is answered 504 when its deadline passes, and none of its inputs ever reaches the engine.
+
+    The stream must never leave the queue without a query, or the bulk request runs in the gap: 32
+    closed-loop clients against batches of 2 keep about 30 queued, so a gap needs every one of them in
+    flight at once (a client process stalled for some 15 batches), not just a fast engine."""
     srv = runtime_factory("--max-batch-requests", "2")
-    passage = " ".join(f"item{i}" for i in range(40))
+    passage = " ".join(f"item{i}" for i in range(40))  # 128 tokens, the model's truncation length
     stop = time.monotonic() + 12
     answers: list[int] = []
 
@@ -153,7 +157,7 @@ def test_queued_work_past_its_deadline_is_dropped_unrun(runtime_factory):
 
     async def scenario() -> httpx.Response:
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
-            load = [asyncio.create_task(queries(http, i)) for i in range(12)]
+            load = [asyncio.create_task(queries(http, i)) for i in range(32)]
             await asyncio.sleep(1.5)  # the query stream is steady: the queue always holds urgent work
             bulk = await http.post("/v1/embeddings", json={"input": [f"bulk {k}" for k in range(7)]},
                                    headers={"x-priority": "bulk", "x-request-timeout": "6"})

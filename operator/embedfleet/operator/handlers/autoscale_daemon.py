@@ -418,7 +418,7 @@ async def autoscale(
             if parsed is not None and time.monotonic() - state.drift_checked_at >= drift_every_s(parsed):
                 state.drift_checked_at = time.monotonic()
                 await _drift_only(name, namespace, body, parsed, state, runtime_pods, logger)
-            await stopped.wait(IDLE_RECHECK_S)
+            await asyncio.sleep(IDLE_RECHECK_S)  # kopf cancels it on stop (see wait_for_tick)
             continue
         autoscaling = parsed.autoscaling.model_dump(by_alias=True, exclude_none=True)
         config = from_spec(autoscaling, parsed.runtime.max_batch_requests)

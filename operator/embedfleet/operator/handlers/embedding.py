@@ -451,7 +451,9 @@ async def gate_poll(stopped: kopf.DaemonStopped, body: kopf.Body, logger: kopf.L
     the event loop, with no worker thread and no log line (sixty idle deployments with a timer each kept
     the executor and the log busy)."""
     while not stopped:
-        await stopped.wait(GATE_POLL_SECONDS)
+        # A plain sleep: kopf cancels an async daemon when it stops it, and `stopped.wait(n)` can leave a
+        # timed-out task behind that kopf re-raises on exit (see autoscale_daemon.wait_for_tick).
+        await asyncio.sleep(GATE_POLL_SECONDS)
         if stopped:
             return
         spec = body.get("spec") or {}
