@@ -22,7 +22,6 @@ import signal
 import sys
 
 import aiohttp
-from aiohttp import web
 
 from embedfleet.gateway.config import (
     BALANCES,
@@ -34,6 +33,7 @@ from embedfleet.gateway.config import (
     parse_vector_spaces,
 )
 from embedfleet.gateway.fleet import Fleet
+from embedfleet.gateway.front import Front
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
 from embedfleet.gateway.tracing import GatewayTracing, TracingConfigError, exporters, provider_from_env
@@ -184,10 +184,8 @@ async def serve(config: GatewayConfig) -> int:
     # the client spans and carries the trace, so all work goes through it
     wire = WireClient(config.max_connections_per_replica, KEEPALIVE_S) if tracing is None else None
     gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng, wire)
-    app = gateway.app()
-    if tracing is not None:  # off, no tracing code runs on the proxy path at all
-        app.middlewares.append(tracing.middleware())
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # off, no tracing code runs on the proxy path at all
+    front = Front(gateway.handle if tracing is None else tracing.wrap(gateway.handle), config.payload_limit)
     poller = asyncio.create_task(fleet.upstreams.run(), name="poll")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -195,8 +193,7 @@ async def serve(config: GatewayConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await runner.setup()
-        await web.TCPSite(runner, config.host, config.port, backlog=1024).start()
+        await front.start(config.host, config.port, backlog=1024)
         log.info("gateway on %s:%d for %s", config.host, config.port,
                  ", ".join(f"{name} ({len(urls)} replicas)" for name, urls in config.upstreams.items())
                  or f"the EmbeddingDeployments of {', '.join(config.namespaces) or 'every namespace'}")
@@ -213,7 +210,7 @@ async def serve(config: GatewayConfig) -> int:
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
-        await runner.cleanup()
+        await front.close()
         if wire is not None:
             wire.close()
         await work.close()

@@ -7,7 +7,8 @@ stack; the shape is the contract (the types mirror runtime/api/errors.py).
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
+
+from embedfleet.gateway.front import JSON, Reply
 
 TYPES = {
     400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -28,7 +29,8 @@ def error_body(status: int, message: str, code: str) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": TYPES.get(status, "error"), "code": code}})
 
 
-def error_response(refused: Refused) -> web.Response:
-    headers = {"retry-after": str(refused.retry_after)} if refused.retry_after is not None else None
-    return web.Response(body=error_body(refused.status, refused.message, refused.code), status=refused.status,
-                        content_type="application/json", headers=headers)
+def error_reply(refused: Refused) -> Reply:
+    headers = [("content-type", JSON)]
+    if refused.retry_after is not None:
+        headers.append(("retry-after", str(refused.retry_after)))
+    return Reply(refused.status, error_body(refused.status, refused.message, refused.code), headers)

@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 import aiohttp
 import orjson
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
@@ -34,8 +33,9 @@ from embedfleet.compat.names import split_model
 from embedfleet.gateway.classes import input_count, is_bulk
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.eject import is_failure
-from embedfleet.gateway.errors import Refused, error_response
+from embedfleet.gateway.errors import Refused, error_reply
 from embedfleet.gateway.fleet import Deployment, Fleet, Ticket
+from embedfleet.gateway.front import JSON, Call, Reply, Stream, json_reply
 from embedfleet.gateway.metrics import UNKNOWN, GatewayMetrics
 from embedfleet.gateway.pick import State, pick
 from embedfleet.gateway.pinning import HEADER_VECTOR_SPACE, is_mismatch
@@ -52,7 +52,6 @@ DROP_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-encodin
 CONNECT_TIMEOUT_S = 3.0  # a replica that does not accept a connection in this long did not get the request
 DEADLINE_GRACE_S = 2.0  # past the deadline sent down, the gateway stops waiting (the runtime answers 504 itself)
 EXTRA_ATTEMPTS = 3  # beyond one per replica: replicas can come back between attempts
-JSON_TYPE = "application/json"
 WHOLE_BELOW = 256 * 1024  # answers up to this size are passed on in one write; longer ones stream as they come
 NOT_RESENT_ON_DISCONNECT = ("/async/",)  # creates a job: not idempotent
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # work: a JSON body naming its model
@@ -86,39 +85,39 @@ class Gateway:
         self.draining = False
         self.synced: Callable[[], bool] = lambda: True  # Kubernetes mode: the first lists are in
         self._no_deadline = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        self._own = {"/health": self.health, "/ready": self.ready, "/metrics": self.prometheus,
+                     "/gateway/load": self.load, "/v1/models": self.models}
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.payload_limit)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/gateway/load", self.load)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_route("*", "/{tail:.*}", self.forward)
-        return app
+    async def handle(self, call: Call) -> Reply | Stream:
+        """The server's handler (front.py): the gateway's own routes by GET or HEAD, all else is work."""
+        if call.method in ("GET", "HEAD"):
+            own = self._own.get(call.path)
+            if own is not None:
+                return await own(call)
+        return await self.forward(call)
 
     # -- the gateway's own routes
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"}, dumps=_dumps)
+    async def health(self, call: Call) -> Reply:
+        return json_reply({"status": "ok"})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, call: Call) -> Reply:
         if self.draining:
-            return web.json_response({"status": "draining"}, status=503, dumps=_dumps)
+            return json_reply({"status": "draining"}, 503)
         if not self.synced():  # it would answer 404 for every model it has not yet seen
-            return web.json_response({"status": "syncing"}, status=503, dumps=_dumps)
-        return web.json_response({"status": "ready"}, dumps=_dumps)
+            return json_reply({"status": "syncing"}, 503)
+        return json_reply({"status": "ready"})
 
-    async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
+    async def prometheus(self, call: Call) -> Reply:
+        return Reply(200, generate_latest(self.metrics.registry), [("content-type", CONTENT_TYPE_LATEST)])
 
-    async def load(self, request: web.Request) -> web.Response:
-        return web.json_response({"deployments": self.fleet.snapshot(), "draining": self.draining}, dumps=_dumps)
+    async def load(self, call: Call) -> Reply:
+        return json_reply({"deployments": self.fleet.snapshot(), "draining": self.draining})
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
+    async def models(self, call: Call) -> Reply:
         """Every deployment's models, asked of one replica each; a deployment with none ready is listed by
         name. A replica's refusal (a wrong API key) is the answer."""
-        headers = self._headers(request, None)
+        headers = self._headers(call, None)
 
         async def ask(name: str) -> tuple[str, int | None, bytes]:
             replica = pick(self.fleet.upstreams.replicas(name), self.rng)
@@ -137,7 +136,7 @@ class Gateway:
         for name, status, raw in answers:
             if status is not None and status != 200:
                 self.metrics.requests.labels(UNKNOWN, str(status)).inc()
-                return web.Response(body=raw, status=status, content_type=JSON_TYPE)
+                return Reply(status, raw, [("content-type", JSON)])
             try:
                 cards = orjson.loads(raw)["data"] if status == 200 else None
             except (orjson.JSONDecodeError, KeyError, TypeError):
@@ -153,14 +152,14 @@ class Gateway:
                     seen.add(card.get("id"))
                     data.append(card)
         self.metrics.requests.labels(UNKNOWN, "200").inc()
-        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+        return json_reply({"object": "list", "data": data})
 
     # -- work
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
+    async def forward(self, request: Call) -> Reply | Stream:
         arrived = self.fleet.now()
         try:
-            body = await self._read_body(request)
+            body = self._body(request)
             model, body_timeout, inputs = self._model_of(request, body)
             pin = request.headers.get(HEADER_VECTOR_SPACE, "").strip() or None  # spilled in: keep its space
             deployment = self.fleet.resolve(model, pin)
@@ -181,29 +180,21 @@ class Gateway:
         finally:
             self.fleet.end(deployment)
 
-    def _refuse(self, refused: Refused, deployment: str) -> web.Response:
+    def _refuse(self, refused: Refused, deployment: str) -> Reply:
         self.metrics.requests.labels(deployment, str(refused.status)).inc()
-        response = error_response(refused)
-        if refused.status == 413:
-            response.force_close()  # the body was left unread
-        return response
+        return error_reply(refused)  # (after a 413 the front closes the connection: the body was left unread)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        if not request.body_exists:
-            return b""
-        limit = self.config.payload_limit
-        length = request.content_length
-        if length is not None and length > limit:
-            raise Refused(413, f"request body of {length} bytes is over the payload limit of {limit} bytes "
-                          "(--payload-limit)", "payload_too_large")
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise Refused(413, f"request body is over the payload limit of {limit} bytes (--payload-limit)",
-                          "payload_too_large") from None
+    def _body(self, request: Call) -> bytes:
+        """The request's body, read whole by the front up to --payload-limit (an oversized one is not)."""
+        if request.oversized is not None:
+            limit = self.config.payload_limit
+            size = f" of {request.oversized} bytes" if request.oversized >= 0 else ""
+            raise Refused(413, f"request body{size} is over the payload limit of {limit} bytes (--payload-limit)",
+                          "payload_too_large")
+        return request.body
 
     @staticmethod
-    def _model_of(request: web.Request, body: bytes) -> tuple[str | None, float | None, int]:
+    def _model_of(request: Call, body: bytes) -> tuple[str | None, float | None, int]:
         """The served model the request names (body `model`, or `?model=` on a GET or DELETE), the
         body's `timeout`, if any, and how many inputs it carries (classes.py)."""
         if request.method not in BODY_METHODS:
@@ -220,7 +211,7 @@ class Gateway:
                           "invalid_request")
         return model, _timeout(doc.get("timeout")), input_count(doc)
 
-    def _deadline(self, request: web.Request, arrived: float, body_timeout: float | None) -> float | None:
+    def _deadline(self, request: Call, arrived: float, body_timeout: float | None) -> float | None:
         """When the request must be answered (time.monotonic()): the soonest of the client's
         X-Request-Timeout, its body's `timeout` and --request-timeout; None without any."""
         timeouts = [t for t in (body_timeout, self.config.request_timeout) if t is not None]
@@ -236,7 +227,7 @@ class Gateway:
             timeouts.append(value)
         return arrived + min(timeouts) if timeouts else None
 
-    def _headers(self, request: web.Request, deadline: float | None) -> dict[str, str]:
+    def _headers(self, request: Call, deadline: float | None) -> dict[str, str]:
         headers = {name: value for name in PASS_REQUEST_HEADERS if (value := request.headers.get(name)) is not None}
         if deadline is not None:
             left = deadline - self.fleet.now()
@@ -246,8 +237,8 @@ class Gateway:
             headers["x-request-timeout"] = f"{left:.3f}"
         return headers
 
-    async def _send(self, request: web.Request, deployment: Deployment, ticket: Ticket, body: bytes,
-                    deadline: float | None) -> web.StreamResponse:
+    async def _send(self, request: Call, deployment: Deployment, ticket: Ticket, body: bytes,
+                    deadline: float | None) -> Reply | Stream:
         attempts = 0
         while True:
             replica = await self.fleet.acquire(deployment, ticket, deadline)
@@ -269,8 +260,8 @@ class Gateway:
                 raise Refused(502, f"no replica of {deployment.name} took the request after {attempts} attempts",
                               "upstream_unavailable")
 
-    async def _exchange(self, request: web.Request, deployment: Deployment, replica: Replica, ticket: Ticket,
-                        body: bytes, deadline: float | None) -> web.StreamResponse | None:
+    async def _exchange(self, request: Call, deployment: Deployment, replica: Replica, ticket: Ticket,
+                        body: bytes, deadline: float | None) -> Reply | Stream | None:
         """One attempt on `replica`: its answer streamed back, or None when it did not take the request
         (marked so; the caller tries again)."""
         headers = self._headers(request, deadline)
@@ -343,24 +334,18 @@ class Gateway:
                     return self._not_taken(deployment, replica, None, "spill_refused",
                                            f"region {ticket.spilled_to.region} answered {upstream.status}")
                 self._answered(deployment, replica, ticket, upstream.status, first_byte, sent)
-                return web.Response(body=raw, status=upstream.status, reason=upstream.reason,
-                                    headers=self._response_headers(upstream))
+                return Reply(upstream.status, raw, self._response_headers(upstream), upstream.reason)
             self._answered(deployment, replica, ticket, upstream.status, first_byte, None)
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                          headers=self._response_headers(upstream))
-            if length is not None:
-                response.content_length = length
-            await response.prepare(request)
+            response = request.stream(upstream.status, upstream.reason, self._response_headers(upstream), length)
             chunks = upstream.iter_any() if isinstance(upstream, Answer) else upstream.content.iter_any()
             try:
                 async for chunk in chunks:
                     await response.write(chunk)
             except (aiohttp.ClientError, WireError, TimeoutError) as exc:  # the answer broke off after we began ours
                 log.warning("%s: answer from %s broke off: %s", deployment.name, replica.url, exc)
-                if request.transport is not None:
-                    request.transport.close()
+                request.abort()
                 return response
-            await response.write_eof()
+            await response.end()
         self.metrics.upstream_seconds.labels(deployment.name).observe(self.fleet.now() - sent)
         return response
 
@@ -395,6 +380,3 @@ class Gateway:
     def _response_headers(upstream: aiohttp.ClientResponse | Answer) -> list[tuple[str, str]]:
         return [(k, v) for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS]
 
-
-def _dumps(obj) -> str:
-    return orjson.dumps(obj).decode()

@@ -6,7 +6,7 @@ it to a replica a CLIENT span `upstream` below it, whose context goes down in th
 `traceparent` (replacing the client's): the runtime's spans are its children. Retries on another
 replica are further `upstream` spans; time held for a cold start is the gap before the first.
 
-Both hooks are installed only when tracing is on: an aiohttp middleware (`middleware`) and a
+Both hooks are installed only when tracing is on: a wrapper of the server's handler (`wrap`) and a
 TraceConfig on the work session (`client_trace_config`), so off, the proxy path runs no tracing code at
 all. The setup (which exporters, the OTEL_* variables) is shared with the runtime (`embedfleet.otel`),
 one home for both processes.
@@ -17,11 +17,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import aiohttp
-from aiohttp import web
 from opentelemetry import context, propagate
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span, set_span_in_context
 
+from embedfleet.gateway.front import Call, Handler, Reply, Stream
 from embedfleet.otel import TracingConfigError, exporters, provider_from_env
 
 __all__ = ["OWN_PATHS", "GatewayTracing", "TracingConfigError", "exporters", "provider_from_env"]
@@ -34,30 +34,26 @@ class GatewayTracing:
         self.provider = provider
         self.tracer = provider.get_tracer("embedfleet.gateway")
 
-    def middleware(self):
-        """The SERVER span of every request but the gateway's own polled routes, current while the
-        request is handled, so that `client_trace_config` finds it."""
+    def wrap(self, handler: Handler) -> Handler:
+        """The handler with the SERVER span of every request but the gateway's own polled routes, current
+        while the request is handled, so that `client_trace_config` finds it."""
         tracer = self.tracer
 
-        @web.middleware
-        async def trace_request(request: web.Request, handler):
-            if request.path in OWN_PATHS:
-                return await handler(request)
-            span = tracer.start_span(request.method, context=propagate.extract(request.headers),
-                                     kind=SpanKind.SERVER, attributes={"http.request.method": request.method,
-                                                                       "url.path": request.path})
+        async def traced(call: Call) -> Reply | Stream:
+            if call.path in OWN_PATHS:
+                return await handler(call)
+            span = tracer.start_span(call.method, context=propagate.extract(call.headers),
+                                     kind=SpanKind.SERVER, attributes={"http.request.method": call.method,
+                                                                       "url.path": call.path})
             if not span.is_recording():  # not sampled: the client's traceparent passes through as it came
                 span.end()
-                return await handler(request)
+                return await handler(call)
             token = context.attach(set_span_in_context(span))
             status = 500
             try:
-                response = await handler(request)
-                status = response.status
-                return response
-            except web.HTTPException as exc:
-                status = exc.status
-                raise
+                answer = await handler(call)
+                status = answer.status
+                return answer
             finally:
                 span.set_attribute("http.response.status_code", status)
                 if status >= 500:
@@ -65,7 +61,7 @@ class GatewayTracing:
                 span.end()
                 context.detach(token)
 
-        return trace_request
+        return traced
 
     def client_trace_config(self) -> aiohttp.TraceConfig:
         """An `upstream` CLIENT span per request sent to a replica while a traced request is handled,
