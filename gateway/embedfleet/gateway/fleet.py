@@ -149,23 +149,26 @@ class Fleet:
         request pinned to a vector space (`pin`) that the name's own deployment does not serve goes to the
         deployment of the same model in that space, if there is one here (`bge` pinned to r2's space ->
         `bge@r2`): a region a flip behind still answers from the right index."""
-        names = sorted(self.aliases) if self.aliases else sorted(self.deployments)
         if model is None:
             if len(self.deployments) == 1:
                 return next(iter(self.deployments.values()))
             raise Refused(400, "the request names no model and this gateway serves several: set `model` to one of "
-                          f"{names}", "model_required")
+                          f"{self._names()}", "model_required")
         deployment = self.deployments.get(self.aliases.get(model, "") if self.aliases else model)
         if deployment is None:
-            raise Refused(404, f"the model {model!r} does not exist here; this gateway serves {names}",
+            raise Refused(404, f"the model {model!r} does not exist here; this gateway serves {self._names()}",
                           "model_not_found")
         if pin is not None and self.space_of(deployment) != pin:
             base = split_model(model)[0]
-            for name in names:
+            for name in self._names():
                 sibling = self.deployments.get(self.aliases.get(name, "") if self.aliases else name)
                 if sibling is not None and split_model(name)[0] == base and self.space_of(sibling) == pin:
                     return sibling
         return deployment
+
+    def _names(self) -> list[str]:
+        """The names requests may ask for."""
+        return sorted(self.aliases) if self.aliases else sorted(self.deployments)
 
     def space_of(self, deployment: Deployment) -> str | None:
         """The vector space `deployment`'s requests are pinned to (pinning.effective_space); warns once per
@@ -196,8 +199,9 @@ class Fleet:
         target = self._queue_spill_target(deployment, ticket, self.now())
         if target is not None:  # every replica here is over the bound: another region, before shedding
             return self._spill_to(deployment, ticket, target, QUEUE)
-        self._shed(deployment, ticket)
-        replica = self._pick(deployment, ticket)
+        candidates = admitted(self._eligible(deployment, ticket), self.now())  # (once for both)
+        self._shed(deployment, ticket, candidates)
+        replica = self._pick(deployment, ticket, candidates)
         if replica is not None:
             replica.in_flight += 1
             return replica
@@ -317,19 +321,22 @@ class Fleet:
                        f"on the replicas that can answer{spill}; retry later, or ask for a revision by name "
                        "(<model>@rN)", UNAVAILABLE, self._retry_after(deployment, self.now()))
 
-    def _pick(self, deployment: Deployment, ticket: Ticket | None = None) -> Replica | None:
-        """The replica for the next request, of those not ejected and of its vector space: the least-wait
-        one, or the next in turn with --balance round-robin (a baseline for benchmarks)."""
-        replicas = admitted(self._eligible(deployment, ticket), self.now())
+    def _pick(self, deployment: Deployment, ticket: Ticket | None = None,
+              candidates: list[Replica] | None = None) -> Replica | None:
+        """The replica for the next request, of those not ejected and of its vector space (`candidates`,
+        when the caller has them): the least-wait one, or the next in turn with --balance round-robin (a
+        baseline for benchmarks)."""
+        replicas = admitted(self._eligible(deployment, ticket), self.now()) if candidates is None else candidates
         if self.config.balance == "round-robin":
             deployment.turn += 1
             return pick_in_turn(replicas, deployment.turn)
         return pick(replicas, self.rng)
 
-    def _shed(self, deployment: Deployment, ticket: Ticket) -> None:
-        """429 `overloaded` now when every replica would refuse the request for its expected wait."""
+    def _shed(self, deployment: Deployment, ticket: Ticket, candidates: list[Replica]) -> None:
+        """429 `overloaded` now when every replica that may take the request (`candidates`) would refuse
+        it for its expected wait."""
         bound = shed_bound(deployment.bounds, self.config, ticket.bulk)
-        shed = decide(admitted(self._eligible(deployment, ticket), self.now()), bound.seconds, ticket.bulk)
+        shed = decide(candidates, bound.seconds, ticket.bulk)
         if shed is not None:
             raise Refused(429, f"every replica of {deployment.name} is overloaded: the least loaded expects "
                           f"{shed.least_wait_s:.1f}s of queued work, over the bound of {bound.seconds:g}s "

@@ -44,6 +44,7 @@ log = logging.getLogger("embedfleet.gateway.front")
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers together; 431 beyond
 IDLE_TIMEOUT_S = 75.0  # an idle keep-alive connection is closed after this long (aiohttp's default)
+IDLE_SWEEP_S = 5.0  # how often idle connections are looked for
 LINGER_S = 2.0  # after refusing a request whose body was left unread, its bytes are dropped this long at most
 MAX_QUEUED = 16  # parsed requests waiting on one connection (pipelining) before reading from it pauses
 NO_BODY_STATUS = frozenset({204, 304})
@@ -52,13 +53,16 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 JSON = "application/json"
 
 
+Headers = Iterable[tuple[str, str]] | bytes
+
+
 class Reply:
-    """An answer given whole: status, headers (name, value) and body."""
+    """An answer given whole: status, headers (name, value), or already rendered as header lines (bytes,
+    each ending in CRLF: passed on as they came from a replica), and body."""
 
     __slots__ = ("body", "headers", "reason", "status")
 
-    def __init__(self, status: int, body: bytes = b"", headers: Iterable[tuple[str, str]] = (),
-                 reason: str | None = None) -> None:
+    def __init__(self, status: int, body: bytes = b"", headers: Headers = (), reason: str | None = None) -> None:
         self.status, self.body, self.headers, self.reason = status, body, headers, reason
 
 
@@ -70,7 +74,7 @@ class Call:
     """One request: what the proxy reads of it, and the way to stream an answer back."""
 
     __slots__ = ("_conn", "_query", "body", "headers", "keep_alive", "method", "oversized", "path", "query_string",
-                 "raw_path", "version")
+                 "raw_path", "sent", "version")
 
     def __init__(self, conn: _Connection, method: str, raw_path: str, path: str, query_string: str,
                  headers: CIMultiDict[str], version: str, keep_alive: bool) -> None:
@@ -79,6 +83,7 @@ class Call:
         self.headers, self.version, self.keep_alive = headers, version, keep_alive
         self.body = b""
         self.oversized: int | None = None  # over --payload-limit: its declared length, or -1 (chunked)
+        self.sent: Reply | None = None  # answered by `send` before the handler returned
         self._query: MultiDict[str] | None = None
 
     @property
@@ -87,8 +92,14 @@ class Call:
             self._query = MultiDict(parse_qsl(self.query_string, keep_blank_values=True))
         return self._query
 
-    def stream(self, status: int, reason: str | None, headers: Iterable[tuple[str, str]],
-               length: int | None) -> Stream:
+    def send(self, reply: Reply) -> Reply:
+        """Answer now, before the handler returns (which it then does with this reply): what the handler
+        still does after (its bookkeeping) is no longer between the client and its answer."""
+        self._conn.answer(self, reply)
+        self.sent = reply
+        return reply
+
+    def stream(self, status: int, reason: str | None, headers: Headers, length: int | None) -> Stream:
         """Begin an answer whose body is written part by part; return it from the handler once ended."""
         return Stream(self._conn, self, status, reason, headers, length)
 
@@ -103,8 +114,8 @@ Handler = Callable[[Call], Awaitable["Reply | Stream"]]
 class Stream:
     """An answer sent as it comes: the head at once, then `write` each part, then `end`."""
 
-    def __init__(self, conn: _Connection, call: Call, status: int, reason: str | None,
-                 headers: Iterable[tuple[str, str]], length: int | None) -> None:
+    def __init__(self, conn: _Connection, call: Call, status: int, reason: str | None, headers: Headers,
+                 length: int | None) -> None:
         self.status = status
         self.ended = False
         self._conn = conn
@@ -139,11 +150,22 @@ class Front:
         self.connections: set[_Connection] = set()
         self.closing = False
         self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=backlog,
                                                 reuse_address=True)
+        self._sweeper = loop.call_later(IDLE_SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections idle for IDLE_TIMEOUT_S: one timer for all, rather than one per request."""
+        cutoff = time.monotonic() - IDLE_TIMEOUT_S
+        for conn in list(self.connections):
+            if conn.idle() and conn.last_active < cutoff:
+                conn.close()
+        if not self.closing:
+            self._sweeper = asyncio.get_running_loop().call_later(IDLE_SWEEP_S, self._sweep)
 
     @property
     def port(self) -> int:
@@ -155,6 +177,8 @@ class Front:
         """Stop listening; close idle connections now and busy ones once their answer is out (at most
         `grace_s` seconds, then at once)."""
         self.closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
@@ -182,7 +206,7 @@ class _Connection(asyncio.Protocol):
         self.streaming = False  # the current answer's head is out (Stream)
         self._paused_reading = False
         self._writable: asyncio.Future[None] | None = None
-        self._idle: asyncio.TimerHandle | None = None
+        self.last_active = time.monotonic()
         # the request being parsed
         self._call: Call | None = None
         self._url = b""
@@ -220,14 +244,10 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.front.connections.add(self)
-        self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
         if self.stop_reading:
             return
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -246,8 +266,6 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.front.connections.discard(self)
-        if self._idle is not None:
-            self._idle.cancel()
         if self.task is not None:
             self.task.cancel()  # the client left: its request stops (and stops counting) now
         if self._writable is not None and not self._writable.done():
@@ -288,12 +306,18 @@ class _Connection(asyncio.Protocol):
         if self.stop_reading:  # pipelined after a request that ends the connection: never answered
             return
         parser = self.parser
-        url = httptools.parse_url(self._url)
-        path = url.path.decode("latin-1")
-        query = url.query.decode("latin-1") if url.query is not None else ""
+        raw = self._url
+        if raw[:1] == b"/" and b"?" not in raw and b"%" not in raw:  # the usual target: nothing to split or unquote
+            query = ""
+            call_path = raw_path = raw.decode("latin-1")
+        else:
+            url = httptools.parse_url(raw)
+            path = url.path.decode("latin-1")
+            query = url.query.decode("latin-1") if url.query is not None else ""
+            call_path, raw_path = unquote(path), path + ("?" + query if query else "")
         headers = CIMultiDict(self._headers)
-        call = Call(self, parser.get_method().decode("latin-1"), path + ("?" + query if query else ""),
-                    unquote(path), query, headers, parser.get_http_version(), parser.should_keep_alive())
+        call = Call(self, parser.get_method().decode("latin-1"), raw_path, call_path, query, headers,
+                    parser.get_http_version(), parser.should_keep_alive())
         self._call = call
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.front.payload_limit:
@@ -381,10 +405,11 @@ class _Connection(asyncio.Protocol):
                     if self.streaming:  # its head is out: the client must see it end
                         self.close()
                         return
-                    answer = json_reply({"error": {"message": "internal error in the gateway",
+                    answer = call.sent or json_reply({"error": {"message": "internal error in the gateway",
                                                    "type": "server_error", "code": "internal_error"}}, 500)
                 if isinstance(answer, Reply):
-                    self._answer(call, answer)
+                    if call.sent is None:
+                        self.answer(call, answer)
                 elif not answer.ended:  # a streamed answer that broke off: the client must see it end
                     self.close()
                     return
@@ -396,19 +421,14 @@ class _Connection(asyncio.Protocol):
                     return
         finally:
             self.task = None
-            if not self.closed and not self.queue:
-                self._arm_idle()
+            self.last_active = time.monotonic()
 
-    def _answer(self, call: Call, reply: Reply) -> None:
+    def answer(self, call: Call, reply: Reply) -> None:
         no_body = call.method == "HEAD" or reply.status in NO_BODY_STATUS
         framing = None if reply.status in NO_BODY_STATUS else ("content-length", str(len(reply.body)))
         head = _head(reply.status, reply.reason, reply.headers, framing, self.closes_after(call))
         self.write(head if no_body else head + reply.body)
 
-    def _arm_idle(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-        self._idle = self.loop.call_later(IDLE_TIMEOUT_S, self.close)
 
 
 _date: tuple[int, bytes] = (0, b"")
@@ -423,14 +443,16 @@ def _date_header() -> bytes:
     return _date[1]
 
 
-def _head(status: int, reason: str | None, headers: Iterable[tuple[str, str]], framing: tuple[str, str] | None,
-          close: bool) -> bytes:
+def _head(status: int, reason: str | None, headers: Headers, framing: tuple[str, str] | None, close: bool) -> bytes:
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, (reason or REASONS.get(status, "")).encode("latin-1")),
              _date_header()]
-    for name, value in headers:
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise ValueError(f"header {name!r} carries a line break")
-        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    if isinstance(headers, bytes):  # rendered already (a replica's, as parsed: no line breaks inside)
+        lines.append(headers)
+    else:
+        for name, value in headers:
+            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+                raise ValueError(f"header {name!r} carries a line break")
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
     if framing is not None:
         lines.append(f"{framing[0]}: {framing[1]}\r\n".encode("latin-1"))
     if close:

@@ -49,6 +49,7 @@ PASS_REQUEST_HEADERS = ("authorization", "content-type", "accept", "accept-encod
                         "traceparent", "tracestate", "user-agent")
 DROP_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                                    "proxy-authenticate", "proxy-connection", "content-length", "date", "server"})
+DROP_RESPONSE_HEADERS_RAW = frozenset(name.encode() for name in DROP_RESPONSE_HEADERS)
 CONNECT_TIMEOUT_S = 3.0  # a replica that does not accept a connection in this long did not get the request
 DEADLINE_GRACE_S = 2.0  # past the deadline sent down, the gateway stops waiting (the runtime answers 504 itself)
 EXTRA_ATTEMPTS = 3  # beyond one per replica: replicas can come back between attempts
@@ -309,7 +310,6 @@ class Gateway:
             raise Refused(502, f"bad answer from a replica of {deployment.name}: {exc}", "bad_gateway") from None
         async with upstream:
             first_byte = self.fleet.now()
-            upstreams.answered(replica, upstream.headers)
             length = upstream.content_length
             if upstream.status in (409, 503) or (length is not None and length <= WHOLE_BELOW):
                 # read whole: a 503 to see whether it is `draining`, a 409 whether it is a refusal for the
@@ -319,6 +319,8 @@ class Gateway:
                 except (aiohttp.ClientError, WireError, TimeoutError) as exc:
                     raise Refused(502, f"the answer from a replica of {deployment.name} broke off: {exc}",
                                   "upstream_broke_off") from None
+                if upstream.status != 200 or ticket.spilled_to is not None:  # perhaps a refusal: see which
+                    upstreams.answered(replica, upstream.headers)
                 if upstream.status == 503 and _draining(raw):
                     return self._not_taken(deployment, replica, State.DRAINING, "draining", "answered 503 draining")
                 if is_mismatch(upstream.status, raw):  # another space's replica, or a region a flip apart
@@ -333,8 +335,13 @@ class Gateway:
                              ticket.spilled_to.region, upstream.status)
                     return self._not_taken(deployment, replica, None, "spill_refused",
                                            f"region {ticket.spilled_to.region} answered {upstream.status}")
+                # the client has its answer before the bookkeeping, which is then off its path
+                reply = request.send(Reply(upstream.status, raw, self._response_headers(upstream), upstream.reason))
+                if upstream.status == 200 and ticket.spilled_to is None:
+                    upstreams.answered(replica, upstream.headers)
                 self._answered(deployment, replica, ticket, upstream.status, first_byte, sent)
-                return Reply(upstream.status, raw, self._response_headers(upstream), upstream.reason)
+                return reply
+            upstreams.answered(replica, upstream.headers)
             self._answered(deployment, replica, ticket, upstream.status, first_byte, None)
             response = request.stream(upstream.status, upstream.reason, self._response_headers(upstream), length)
             chunks = upstream.iter_any() if isinstance(upstream, Answer) else upstream.content.iter_any()
@@ -377,6 +384,11 @@ class Gateway:
             self.metrics.ejections.labels(deployment.name).inc()
 
     @staticmethod
-    def _response_headers(upstream: aiohttp.ClientResponse | Answer) -> list[tuple[str, str]]:
+    def _response_headers(upstream: aiohttp.ClientResponse | Answer) -> bytes | list[tuple[str, str]]:
+        """The answer's headers to pass on: those of the hop to the replica dropped; from the lean client,
+        as the bytes they came in (never decoded and encoded again)."""
+        if isinstance(upstream, Answer):
+            return b"".join([b"%s: %s\r\n" % (k, v) for k, v in upstream.raw_headers
+                             if k.lower() not in DROP_RESPONSE_HEADERS_RAW])
         return [(k, v) for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS]
 

@@ -28,7 +28,7 @@ import time
 from urllib.parse import urlsplit
 
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 PAUSE_ABOVE = 1 << 20  # bytes of a streamed answer buffered before reading from the replica pauses
 MAX_IDLE_PER_HOST = 128  # idle keep-alive connections kept per replica; more are closed when released
@@ -64,13 +64,22 @@ class Answer:
         self._deadline = deadline  # loop time; None: no limit
         self.status = 0
         self.reason = ""
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.raw_headers: list[tuple[bytes, bytes]] = []  # as they came, for passing on without decoding
+        self._headers: CIMultiDict[str] | None = None
+        self._chunked = False
         self.content_length: int | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._complete = False
         self._error: BaseException | None = None
         self._wake: asyncio.Future[None] | None = None
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        """The head's headers, decoded when first asked for."""
+        if self._headers is None:
+            self._headers = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers)
+        return self._headers
 
     async def __aenter__(self) -> Answer:
         return self
@@ -80,7 +89,11 @@ class Answer:
 
     async def read(self) -> bytes:
         """The whole body."""
-        parts = [chunk async for chunk in self.iter_any()]
+        if self._complete and self._error is None:  # the usual short answer: all here with its head
+            parts, self._chunks, self._buffered = list(self._chunks), collections.deque(), 0
+            self._conn.resume()
+        else:
+            parts = [chunk async for chunk in self.iter_any()]
         return b"".join(parts)
 
     async def iter_any(self):
@@ -99,8 +112,7 @@ class Answer:
                 return
             self._wake = asyncio.get_running_loop().create_future()
             try:
-                async with asyncio.timeout_at(self._deadline):
-                    await self._wake
+                await _within(self._wake, self._deadline)
             finally:
                 self._wake = None
 
@@ -125,6 +137,15 @@ class Answer:
             self._wake.set_result(None)
 
 
+async def _within(future: asyncio.Future[None], deadline: float | None) -> None:
+    """Wait for `future` until `deadline` (loop time; None: no limit, and no timer made for it)."""
+    if deadline is None:
+        await future
+        return
+    async with asyncio.timeout_at(deadline):
+        await future
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to one replica, carrying one request at a time."""
 
@@ -136,7 +157,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.answer: Answer | None = None
         self.head: asyncio.Future[None] | None = None
-        self._headers: list[tuple[str, str]] = []
+        self._headers: list[tuple[bytes, bytes]] = []
         self._reason = ""
         self._got_bytes = False
         self._paused = False
@@ -201,7 +222,7 @@ class _Connection(asyncio.Protocol):
             if not self._got_bytes:
                 self._fail(Disconnected(f"closed before answering{f': {exc}' if exc else ''}"))
             elif (exc is None and self.head is not None and self.head.done() and answer.content_length is None
-                  and "chunked" not in answer.headers.get("transfer-encoding", "")):
+                  and not answer._chunked):
                 answer._end(None)  # a body without a length ends where the connection does
             else:
                 self._fail(BrokeOff(f"the answer broke off{f': {exc}' if exc else ''}"))
@@ -219,7 +240,7 @@ class _Connection(asyncio.Protocol):
         self._reason += status.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         answer = self.answer
@@ -228,10 +249,17 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = self.parser.should_keep_alive()
         answer.status = self.parser.get_status_code()
         answer.reason = self._reason
-        answer.headers = CIMultiDictProxy(CIMultiDict(self._headers))
-        raw = answer.headers.get("content-length")
-        if raw is not None and raw.isdigit() and "chunked" not in answer.headers.get("transfer-encoding", ""):
-            answer.content_length = int(raw)
+        answer.raw_headers = self._headers
+        length = None
+        for name, value in self._headers:
+            lower = name.lower()
+            if lower == b"content-length":
+                length = value
+            elif lower == b"transfer-encoding":
+                answer._chunked = b"chunked" in value.lower()
+                length = None if answer._chunked else length
+        if length is not None and length.isdigit() and not answer._chunked:
+            answer.content_length = int(length)
         if not self.head.done():
             self.head.set_result(None)
 
@@ -254,7 +282,7 @@ class _HostPool:
         self.idle: list[_Connection] = []
         self.open = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self.host_header = f"{host}:{port}".encode("latin-1") if ":" not in host else f"[{host}]:{port}".encode()
+        self.host_header = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
 
     async def acquire(self, connect_timeout: float) -> _Connection:
         now = time.monotonic()
@@ -338,6 +366,7 @@ class WireClient:
         self.limit_per_host = limit_per_host
         self.keepalive_s = keepalive_s
         self.pools: dict[tuple[str, int], _HostPool] = {}
+        self._targets: dict[str, tuple[_HostPool, str]] = {}  # base URL -> its pool and path prefix
 
     @staticmethod
     def speaks(url: str) -> bool:
@@ -348,26 +377,31 @@ class WireClient:
                       *, total_s: float | None, connect_timeout: float) -> Answer:
         """Send the request and wait for the answer's head; `total_s` (seconds) bounds the whole
         exchange, the body's reading included."""
-        parts = urlsplit(base_url)
-        host, port = parts.hostname or "", parts.port or 80
-        pool = self.pools.get((host, port))
-        if pool is None:
-            pool = self.pools[(host, port)] = _HostPool(host, port, self.limit_per_host, self.keepalive_s)
+        target = self._targets.get(base_url)
+        if target is None:
+            parts = urlsplit(base_url)
+            host, port = parts.hostname or "", parts.port or 80
+            pool = self.pools.get((host, port))
+            if pool is None:
+                pool = self.pools[(host, port)] = _HostPool(host, port, self.limit_per_host, self.keepalive_s)
+            target = self._targets[base_url] = (pool, parts.path.rstrip("/"))
+        pool, base_path = target
         deadline = None if total_s is None else asyncio.get_running_loop().time() + total_s
-        head = [f"{method} {parts.path.rstrip('/')}{raw_path} HTTP/1.1".encode("latin-1"), b"host: " + pool.host_header]
+        lines = [method, " ", base_path, raw_path, " HTTP/1.1\r\nhost: ", pool.host_header, "\r\n"]
         for name, value in headers.items():
             if "\r" in value or "\n" in value:
                 raise ValueError(f"header {name} carries a line break")
-            head.append(f"{name}: {value}".encode("latin-1"))
+            lines += (name, ": ", value, "\r\n")
         if body or method in ("POST", "PUT", "PATCH"):
-            head.append(b"content-length: %d" % len(body))
-        data = b"\r\n".join(head) + b"\r\n\r\n" + body  # built before a connection is taken, so a refusal leaks none
+            lines += ("content-length: ", str(len(body)), "\r\n")
+        lines.append("\r\n")
+        # built before a connection is taken, so a refusal leaks none
+        data = "".join(lines).encode("latin-1") + body
         conn = await pool.acquire(connect_timeout)
         answer = Answer(conn, deadline)
         try:
             future = conn.start(answer, data)
-            async with asyncio.timeout_at(deadline):
-                await future
+            await _within(future, deadline)
         except BaseException:
             conn.finished(answer, reusable=False)
             raise
@@ -377,3 +411,4 @@ class WireClient:
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
+        self._targets.clear()
