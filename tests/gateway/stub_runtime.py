@@ -2,7 +2,8 @@
 load a test sets and logs every work request it gets, so routing can be checked exactly.
 
 `GET /load` and every answer's `x-embedfleet-expected-wait` report `expected_wait`; work requests
-sleep `delay` seconds, then answer 200 with the stub's name, or 503 `draining` while `draining` is
+sleep `delay` seconds, then answer 200 with the stub's name (its head `head_first` seconds before its
+body, when that is set), or 503 `draining` while `draining` is
 set (without running them, like the runtime), or `fail_status` (e.g. 500) while that is set. POST
 /_control changes those settings; GET /_log lists the work requests received (path, model, the
 headers the gateway passed down, the body's `tag`).
@@ -21,7 +22,8 @@ LOGGED_HEADERS = ("authorization", "x-priority", "x-request-id", "x-request-time
 
 
 def make_app(name: str, model: str, expected_wait: float, delay: float) -> web.Application:
-    state = {"expected_wait": expected_wait, "delay": delay, "draining": False, "status": "ready", "fail_status": 0}
+    state = {"expected_wait": expected_wait, "delay": delay, "draining": False, "status": "ready", "fail_status": 0,
+             "head_first": 0.0}
     log: list[dict] = []
     in_flight = 0
 
@@ -71,8 +73,17 @@ def make_app(name: str, model: str, expected_wait: float, delay: float) -> web.A
         finally:
             in_flight -= 1
         took = (time.monotonic() - started) * 1000
-        return web.json_response({"served_by": name, "tag": doc.get("tag")},
-                                 headers={**load_headers(), "server-timing": f"total;dur={took:.2f}"})
+        headers = {**load_headers(), "server-timing": f"total;dur={took:.2f}"}
+        answer = orjson.dumps({"served_by": name, "tag": doc.get("tag")})
+        if state["head_first"]:  # the head, then the body this many seconds later: two packets
+            response = web.StreamResponse(headers={**headers, "content-type": "application/json"})
+            response.content_length = len(answer)
+            await response.prepare(request)
+            await asyncio.sleep(state["head_first"])
+            await response.write(answer)
+            await response.write_eof()
+            return response
+        return web.Response(body=answer, content_type="application/json", headers=headers)
 
     app = web.Application()
     app.router.add_get("/load", load)

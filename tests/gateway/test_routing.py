@@ -55,6 +55,22 @@ def test_embeddings_through_the_gateway_equal_direct_ones(gateway, server):
     assert "x-embedfleet-expected-wait" in via.headers and via.headers["server-timing"].startswith("total;dur=")
 
 
+@pytest.mark.parametrize("head_first", [0.0, 0.05], ids=["head-with-body", "head-before-body"])
+def test_each_answer_is_passed_on_once_however_it_arrives(gateway, stub, head_first):
+    """A short 200 goes to the client from the lean client's callback when it arrives whole, and through
+    the request's coroutine when its head comes first: either way exactly once, whole, on a kept-alive
+    connection (a second copy would be read as the next answer)."""
+    stub.control(head_first=head_first)
+    try:
+        with httpx.Client(timeout=30) as client:
+            for i in range(4):
+                answer = client.post(f"{gateway.url}/v1/embeddings", json={"model": "other", "tag": f"t{i}"})
+                assert answer.status_code == 200 and answer.json() == {"served_by": "stub", "tag": f"t{i}"}
+                assert answer.headers["x-embedfleet-expected-wait"] == "0.0000"
+    finally:
+        stub.control(head_first=0.0)
+
+
 def test_a_long_answer_is_streamed_through_unchanged(gateway, server):
     body = {"model": MODEL, "input": [f"short text {i}" for i in range(120)]}
     via = httpx.post(f"{gateway.url}/v1/embeddings", json=body, timeout=120)

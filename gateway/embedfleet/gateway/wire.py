@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
 from multidict import CIMultiDict
+
+log = logging.getLogger("embedfleet.gateway.wire")
 
 PAUSE_ABOVE = 1 << 20  # bytes of a streamed answer buffered before reading from the replica pauses
 MAX_IDLE_PER_HOST = 128  # idle keep-alive connections kept per replica; more are closed when released
@@ -73,6 +77,8 @@ class Answer:
         self._complete = False
         self._error: BaseException | None = None
         self._wake: asyncio.Future[None] | None = None
+        self.on_complete: Callable[[Answer], object] | None = None  # called once the whole answer is here
+        self.delivered: object = None  # what `on_complete` returned
 
     @property
     def headers(self) -> CIMultiDict[str]:
@@ -90,10 +96,13 @@ class Answer:
     async def read(self) -> bytes:
         """The whole body."""
         if self._complete and self._error is None:  # the usual short answer: all here with its head
-            parts, self._chunks, self._buffered = list(self._chunks), collections.deque(), 0
-            self._conn.resume()
-        else:
-            parts = [chunk async for chunk in self.iter_any()]
+            return self.body_now()
+        return b"".join([chunk async for chunk in self.iter_any()])
+
+    def body_now(self) -> bytes:
+        """The whole body of a complete answer, at once."""
+        parts, self._chunks, self._buffered = list(self._chunks), collections.deque(), 0
+        self._conn.resume()
         return b"".join(parts)
 
     async def iter_any(self):
@@ -268,8 +277,16 @@ class _Connection(asyncio.Protocol):
             self.answer._body(bytes(body))
 
     def on_message_complete(self) -> None:
-        if self.answer is not None:
-            self.answer._end(None)
+        answer = self.answer
+        if answer is None:
+            return
+        answer._end(None)
+        if answer.on_complete is not None:  # at once, before the waiting coroutine wakes
+            on_complete, answer.on_complete = answer.on_complete, None
+            try:
+                answer.delivered = on_complete(answer)
+            except Exception:
+                log.exception("the callback on a complete answer failed; the answer goes the usual way")
 
 
 class _HostPool:
@@ -374,9 +391,12 @@ class WireClient:
         return url.startswith("http://")
 
     async def request(self, base_url: str, method: str, raw_path: str, headers: dict[str, str], body: bytes,
-                      *, total_s: float | None, connect_timeout: float) -> Answer:
+                      *, total_s: float | None, connect_timeout: float,
+                      on_complete: Callable[[Answer], object] | None = None) -> Answer:
         """Send the request and wait for the answer's head; `total_s` (seconds) bounds the whole
-        exchange, the body's reading included."""
+        exchange, the body's reading included. `on_complete(answer)`, if given, is called from the
+        connection's callback the moment the whole answer is here (when that is before the caller has
+        woken up: a short answer), and what it returns is the answer's `delivered`."""
         target = self._targets.get(base_url)
         if target is None:
             parts = urlsplit(base_url)
@@ -399,6 +419,7 @@ class WireClient:
         data = "".join(lines).encode("latin-1") + body
         conn = await pool.acquire(connect_timeout)
         answer = Answer(conn, deadline)
+        answer.on_complete = on_complete
         try:
             future = conn.start(answer, data)
             await _within(future, deadline)
