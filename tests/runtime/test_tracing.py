@@ -3,7 +3,7 @@ nothing when off, and a real OTLP/HTTP export from `embedfleet serve` to a colle
 
 The span-structure test needs the SDK's in-memory exporter, which lives in this process, so there the
 runtime and the gateway are this checkout's real apps served in-process on real loopback sockets
-(uvicorn.Server on a thread; the gateway's aiohttp app on an event loop of its own thread), wired as
+(uvicorn.Server on a thread; the gateway's own server, front.py, on an event loop of its own thread), wired as
 `embedfleet serve` and `embedfleet gateway --otel` wire them, with a TracerProvider carrying the
 in-memory exporter. Requests go over real sockets, and the gateway reaches the runtime over one, so
 `traceparent` crosses a real HTTP hop. The export tests start real `embedfleet serve` processes.
@@ -27,7 +27,6 @@ import aiohttp
 import httpx
 import pytest
 import uvicorn
-from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -36,6 +35,7 @@ from opentelemetry.trace import SpanKind
 
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.fleet import Fleet
+from embedfleet.gateway.front import Front
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
 from embedfleet.gateway.tracing import GatewayTracing
@@ -117,16 +117,13 @@ class InProcessGateway:
         polls = aiohttp.ClientSession()
         rng = random.Random(0)
         fleet = Fleet(self.config, polls, rng)
-        app = Gateway(self.config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng).app()
-        if tracing is not None:
-            app.middlewares.append(tracing.middleware())
-        runner = web.AppRunner(app, access_log=None)
+        gateway = Gateway(self.config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng)
+        front = Front(gateway.handle if tracing is None else tracing.wrap(gateway.handle), self.config.payload_limit)
         poller = asyncio.create_task(fleet.upstreams.run())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        await front.start("127.0.0.1", self.port)
         await self.stopped.wait()
         poller.cancel()
-        await runner.cleanup()
+        await front.close()
         await work.close()
         await polls.close()
 
