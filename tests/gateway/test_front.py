@@ -21,6 +21,7 @@ import pytest
 from embedfleet.gateway.front import Call, Front, Reply, json_reply
 
 LIMIT = 1000
+PATIENCE_S = 20  # how long a test waits for what must happen: only so that a broken server cannot hang it
 
 
 class Echo:
@@ -95,7 +96,7 @@ class Client:
             if event is h11.PAUSED:
                 raise AssertionError(f"h11 paused: {self.h11.states}")
             if event is h11.NEED_DATA:
-                self.h11.receive_data(await asyncio.wait_for(self.reader.read(65536), 10))
+                self.h11.receive_data(await asyncio.wait_for(self.reader.read(65536), PATIENCE_S))
                 continue
             if isinstance(event, h11.Response):
                 response = event
@@ -110,14 +111,26 @@ class Client:
                 raise ConnectionError("closed before an answer")
 
     async def closed(self) -> bool:
-        """Does the server close the connection (EOF within 5 s)?"""
+        """Does the server close the connection (EOF, not more bytes)?"""
         try:
-            return await asyncio.wait_for(self.reader.read(1), 5) == b""
+            return await asyncio.wait_for(self.reader.read(1), PATIENCE_S) == b""
         except (ConnectionError, TimeoutError):
             return False
 
+    async def goes_on(self) -> None:
+        """The connection still serves: a plain request is answered on it."""
+        self.send("GET", "/after")
+        assert (await self.answer())[0].status_code == 200
+
     def close(self) -> None:
         self.writer.close()
+
+
+async def still_serving(front: Front) -> None:
+    """The server answers a new connection."""
+    other = await Client.open(front)
+    await other.goes_on()
+    other.close()
 
 
 def header(response: h11.Response, name: bytes) -> bytes | None:
@@ -125,7 +138,7 @@ def header(response: h11.Response, name: bytes) -> bytes | None:
 
 
 def run(coro) -> None:
-    asyncio.run(asyncio.wait_for(coro, 30))
+    asyncio.run(asyncio.wait_for(coro, 3 * PATIENCE_S))
 
 
 def test_keep_alive_requests_are_answered_on_one_connection() -> None:
@@ -198,10 +211,7 @@ def test_an_oversized_body_is_handed_on_marked_and_the_connection_ends_after_the
         assert header(response, b"connection") == b"close"
         assert await client.closed()
         client.close()
-        other = await Client.open(front)
-        other.send("GET", "/after")
-        assert (await other.answer())[0].status_code == 200, "still serving"
-        other.close()
+        await still_serving(front)
         await front.close()
 
     run(main())
@@ -212,7 +222,7 @@ def test_expect_100_continue_is_answered_before_the_body() -> None:
         front = await started(Echo())
         reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
         writer.write(b"POST /x HTTP/1.1\r\nhost: gw\r\ncontent-length: 5\r\nexpect: 100-continue\r\n\r\n")
-        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), PATIENCE_S)
         assert interim.startswith(b"HTTP/1.1 100 ")
         writer.write(b"hello")
         client = Client(reader, writer)
@@ -243,10 +253,7 @@ def test_bytes_that_are_no_request_are_refused_and_the_server_keeps_serving(data
         response, body = await client.answer()
         assert response.status_code == status and orjson.loads(body)["error"]["code"] == code
         assert await client.closed() and handler.calls == []
-        other = await Client.open(front)
-        other.send("GET", "/after")
-        assert (await other.answer())[0].status_code == 200
-        other.close()
+        await still_serving(front)
         await front.close()
 
     run(main())
@@ -260,7 +267,7 @@ def test_a_client_that_leaves_cancels_its_handler() -> None:
         client.send("GET", "/slow")
         await handler.entered.wait()
         client.writer.transport.abort()
-        await asyncio.wait_for(handler.cancelled.wait(), 5)
+        await asyncio.wait_for(handler.cancelled.wait(), PATIENCE_S)
         await front.close()
 
     run(main())
@@ -275,8 +282,7 @@ def test_a_streamed_answer_is_framed_for_http_1_1(length: int | None) -> None:
         response, body = await client.answer()
         assert body == b"one two three"
         assert header(response, b"transfer-encoding") == (b"chunked" if length is None else None)
-        client.send("GET", "/after")  # and the connection goes on
-        assert (await client.answer())[0].status_code == 200
+        await client.goes_on()
         client.close()
         await front.close()
 
@@ -288,7 +294,7 @@ def test_an_http_1_0_client_gets_a_streamed_answer_to_the_close() -> None:
         front = await started(Echo())
         reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
         writer.write(b"GET /stream HTTP/1.0\r\n\r\n")
-        data = await asyncio.wait_for(reader.read(), 5)  # to EOF
+        data = await asyncio.wait_for(reader.read(), PATIENCE_S)  # to EOF
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
         assert body == b"one two three"
@@ -320,8 +326,7 @@ def test_a_crashing_handler_is_a_500_and_the_connection_goes_on() -> None:
         client.send("GET", "/crash")
         response, body = await client.answer()
         assert response.status_code == 500 and orjson.loads(body)["error"]["code"] == "internal_error"
-        client.send("GET", "/after")
-        assert (await client.answer())[0].status_code == 200
+        await client.goes_on()
         client.close()
         await front.close()
 

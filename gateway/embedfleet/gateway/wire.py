@@ -266,7 +266,6 @@ class _Connection(asyncio.Protocol):
                 length = value
             elif lower == b"transfer-encoding":
                 answer._chunked = b"chunked" in value.lower()
-                length = None if answer._chunked else length
         if length is not None and length.isdigit() and not answer._chunked:
             answer.content_length = int(length)
         if not self.head.done():
