@@ -1,0 +1,150 @@
+"""The batch manager's scheduling (core/batcher.py): callbacks between the loop and one engine thread.
+
+A stand-in engine function on a real engine thread, the real event loop: what these check is what a
+request sees (its rows, in order; an error instead of a hang) and what the next request sees (the
+server still serving, the drain rate measured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from embedfleet.runtime.core.batcher import BatchManager
+from embedfleet.runtime.metrics import RuntimeMetrics
+
+
+def rows_of(batch: list) -> np.ndarray:
+    """One row per input: [its length, its first token], so a row says which input it came from."""
+    return np.array([[len(ids), ids[0]] for ids in batch], dtype=np.float32)
+
+
+class Engine:
+    """Records each batch and the thread it ran on; `fail` makes the next batch raise, `short` makes
+    it return one row too few."""
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+        self.threads: set[str] = set()
+        self.fail = False
+        self.short = False
+
+    def __call__(self, batch: list) -> np.ndarray:
+        self.batches.append(batch)
+        self.threads.add(threading.current_thread().name)
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("engine broke on this batch")
+        rows = rows_of(batch)
+        if self.short:
+            self.short = False
+            return rows[:-1]
+        return rows
+
+
+def manager(engine: Engine, pool: ThreadPoolExecutor, max_requests: int = 32) -> BatchManager:
+    return BatchManager(engine, 16384, max_requests, 10**6, RuntimeMetrics().for_model("m"), pool)
+
+
+def test_requests_get_their_own_rows_in_order_from_the_engine_thread():
+    engine = Engine()
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1, thread_name_prefix="engine") as pool:
+            bm = manager(engine, pool, max_requests=3)
+            bm.start()
+            jobs = [bm.submit([[k, 1] * (k + 1), [k + 10]], urgent=True) for k in range(4)]
+            results = await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), 10)
+            for k, rows in enumerate(results):
+                assert rows.tolist() == [[2.0 * (k + 1), k], [1.0, k + 10]], f"request {k} got another's rows"
+            assert all(len(b) <= 3 for b in engine.batches) and sum(map(len, engine.batches)) == 8
+            assert engine.threads == {"engine_0"}, "only the engine thread touches the model"
+            await bm.stop()
+
+    asyncio.run(scenario())
+
+
+def test_requests_queued_in_one_loop_turn_share_a_batch():
+    """Planning waits for the end of the loop turn: a burst tokenized together runs together."""
+    engine = Engine()
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            bm = manager(engine, pool)
+            bm.start()
+            await asyncio.sleep(0)  # start()'s own (empty) planning turn
+            jobs = [bm.submit([[k + 1] * 5], urgent=True) for k in range(6)]
+            await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), 10)
+            assert [len(b) for b in engine.batches] == [6]
+            await bm.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fault", ["raise", "short"])
+def test_a_failed_batch_fails_its_requests_and_the_next_one_is_served(fault):
+    """An engine error, or an engine that returns the wrong number of rows, reaches the batch's
+    requests as an exception (the route turns it into a 5xx or 503), never a request left waiting."""
+    engine = Engine()
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            bm = manager(engine, pool)
+            bm.start()
+            await asyncio.sleep(0)
+            setattr(engine, "fail" if fault == "raise" else "short", True)
+            broken = bm.submit([[1] * 4, [2] * 4], urgent=True)
+            with pytest.raises(RuntimeError, match=r"engine broke|returned 1 rows for a batch of 2"):
+                await asyncio.wait_for(broken.future, 10)
+            after = bm.submit([[7] * 3], urgent=True)
+            assert (await asyncio.wait_for(after.future, 10)).tolist() == [[3.0, 7.0]]
+            assert bm.queued_tokens == 0 and bm.ahead_of(urgent=True) == 0
+            await bm.stop()
+
+    asyncio.run(scenario())
+
+
+def test_bookkeeping_follows_each_batch():
+    """The drain rate, the engine-time counter and the queue-wait histogram are kept, though they are
+    updated off the request's path (while the engine computes, or after the answers)."""
+    engine = Engine()
+    metrics = RuntimeMetrics()
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            bm = BatchManager(engine, 16384, 32, 10**6, metrics.for_model("m"), pool)
+            bm.start()
+            assert bm.tokens_per_s == 0
+            job = bm.submit([[1] * 50, [2] * 30], urgent=True, tenant="search")
+            await asyncio.wait_for(job.future, 10)
+            for _ in range(3):  # the bookkeeping turn after the answer
+                await asyncio.sleep(0)
+            assert bm.tokens_per_s > 0, "the batch was timed into the drain rate"
+            await bm.stop()
+
+    asyncio.run(scenario())
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in metrics.registry.collect() for s in family.samples}
+    waits = [v for (name, labels), v in samples.items()
+             if name.endswith("queue_wait_seconds_count") and ("tenant", "search") in labels]
+    assert waits == [1.0], samples.keys()
+    assert samples[("embedfleet_tokens_total", (("model", "m"),))] == 80.0
+
+
+def test_stop_starts_no_further_batch():
+    engine = Engine()
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            bm = manager(engine, pool)
+            bm.start()
+            await bm.stop()
+            job = bm.submit([[1] * 3], urgent=True)
+            await asyncio.sleep(0.05)
+            assert not job.future.done() and engine.batches == []
+
+    asyncio.run(scenario())
