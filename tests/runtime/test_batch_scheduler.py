@@ -46,43 +46,55 @@ class Engine:
         return rows
 
 
-def manager(engine: Engine, pool: ThreadPoolExecutor, max_requests: int = 32) -> BatchManager:
-    return BatchManager(engine, 16384, max_requests, 10**6, RuntimeMetrics().for_model("m"), pool)
+PATIENCE_S = 10  # how long a test waits for an answer: only so that a broken scheduler cannot hang it
+
+
+def with_manager(engine: Engine, scenario, max_requests: int = 32, metrics: RuntimeMetrics | None = None) -> None:
+    """Run `scenario(bm, pool)` on a started manager over one engine thread, past start()'s own (empty)
+    planning turn, and stop the manager afterwards."""
+
+    async def main() -> None:
+        with ThreadPoolExecutor(1, thread_name_prefix="engine") as pool:
+            bm = BatchManager(engine, 16384, max_requests, 10**6, (metrics or RuntimeMetrics()).for_model("m"), pool)
+            bm.start()
+            await asyncio.sleep(0)
+            try:
+                await scenario(bm, pool)
+            finally:
+                await bm.stop()
+
+    asyncio.run(main())
+
+
+def answer(job):
+    return asyncio.wait_for(job.future, PATIENCE_S)
 
 
 def test_requests_get_their_own_rows_in_order_from_the_engine_thread():
     engine = Engine()
 
-    async def scenario() -> None:
-        with ThreadPoolExecutor(1, thread_name_prefix="engine") as pool:
-            bm = manager(engine, pool, max_requests=3)
-            bm.start()
-            jobs = [bm.submit([[k, 1] * (k + 1), [k + 10]], urgent=True) for k in range(4)]
-            results = await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), 10)
-            for k, rows in enumerate(results):
-                assert rows.tolist() == [[2.0 * (k + 1), k], [1.0, k + 10]], f"request {k} got another's rows"
-            assert all(len(b) <= 3 for b in engine.batches) and sum(map(len, engine.batches)) == 8
-            assert engine.threads == {"engine_0"}, "only the engine thread touches the model"
-            await bm.stop()
+    async def scenario(bm: BatchManager, _pool) -> None:
+        jobs = [bm.submit([[k, 1] * (k + 1), [k + 10]], urgent=True) for k in range(4)]
+        results = [await answer(job) for job in jobs]
+        for k, rows in enumerate(results):
+            assert rows.tolist() == [[2.0 * (k + 1), k], [1.0, k + 10]], f"request {k} got another's rows"
+        assert all(len(b) <= 3 for b in engine.batches) and sum(map(len, engine.batches)) == 8
+        assert engine.threads == {"engine_0"}, "only the engine thread touches the model"
 
-    asyncio.run(scenario())
+    with_manager(engine, scenario, max_requests=3)
 
 
 def test_requests_queued_in_one_loop_turn_share_a_batch():
     """Planning waits for the end of the loop turn: a burst tokenized together runs together."""
     engine = Engine()
 
-    async def scenario() -> None:
-        with ThreadPoolExecutor(1) as pool:
-            bm = manager(engine, pool)
-            bm.start()
-            await asyncio.sleep(0)  # start()'s own (empty) planning turn
-            jobs = [bm.submit([[k + 1] * 5], urgent=True) for k in range(6)]
-            await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), 10)
-            assert [len(b) for b in engine.batches] == [6]
-            await bm.stop()
+    async def scenario(bm: BatchManager, _pool) -> None:
+        jobs = [bm.submit([[k + 1] * 5], urgent=True) for k in range(6)]
+        for job in jobs:
+            await answer(job)
+        assert [len(b) for b in engine.batches] == [6]
 
-    asyncio.run(scenario())
+    with_manager(engine, scenario)
 
 
 @pytest.mark.parametrize("fault", ["raise", "short"])
@@ -91,42 +103,32 @@ def test_a_failed_batch_fails_its_requests_and_the_next_one_is_served(fault):
     requests as an exception (the route turns it into a 5xx or 503), never a request left waiting."""
     engine = Engine()
 
-    async def scenario() -> None:
-        with ThreadPoolExecutor(1) as pool:
-            bm = manager(engine, pool)
-            bm.start()
-            await asyncio.sleep(0)
-            setattr(engine, "fail" if fault == "raise" else "short", True)
-            broken = bm.submit([[1] * 4, [2] * 4], urgent=True)
-            with pytest.raises(RuntimeError, match=r"engine broke|returned 1 rows for a batch of 2"):
-                await asyncio.wait_for(broken.future, 10)
-            after = bm.submit([[7] * 3], urgent=True)
-            assert (await asyncio.wait_for(after.future, 10)).tolist() == [[3.0, 7.0]]
-            assert bm.queued_tokens == 0 and bm.ahead_of(urgent=True) == 0
-            await bm.stop()
+    async def scenario(bm: BatchManager, _pool) -> None:
+        setattr(engine, "fail" if fault == "raise" else "short", True)
+        broken = bm.submit([[1] * 4, [2] * 4], urgent=True)
+        with pytest.raises(RuntimeError, match=r"engine broke|returned 1 rows for a batch of 2"):
+            await answer(broken)
+        after = bm.submit([[7] * 3], urgent=True)
+        assert (await answer(after)).tolist() == [[3.0, 7.0]]
+        assert bm.queued_tokens == 0 and bm.ahead_of(urgent=True) == 0
 
-    asyncio.run(scenario())
+    with_manager(engine, scenario)
 
 
 def test_bookkeeping_follows_each_batch():
-    """The drain rate, the engine-time counter and the queue-wait histogram are kept, though they are
+    """The drain rate, the tokens counter and the queue-wait histogram are kept, though they are
     updated off the request's path (while the engine computes, or after the answers)."""
     engine = Engine()
     metrics = RuntimeMetrics()
 
-    async def scenario() -> None:
-        with ThreadPoolExecutor(1) as pool:
-            bm = BatchManager(engine, 16384, 32, 10**6, metrics.for_model("m"), pool)
-            bm.start()
-            assert bm.tokens_per_s == 0
-            job = bm.submit([[1] * 50, [2] * 30], urgent=True, tenant="search")
-            await asyncio.wait_for(job.future, 10)
-            for _ in range(3):  # the bookkeeping turn after the answer
-                await asyncio.sleep(0)
-            assert bm.tokens_per_s > 0, "the batch was timed into the drain rate"
-            await bm.stop()
+    async def scenario(bm: BatchManager, _pool) -> None:
+        assert bm.tokens_per_s == 0
+        await answer(bm.submit([[1] * 50, [2] * 30], urgent=True, tenant="search"))
+        for _ in range(3):  # the bookkeeping turn after the answer
+            await asyncio.sleep(0)
+        assert bm.tokens_per_s > 0, "the batch was timed into the drain rate"
 
-    asyncio.run(scenario())
+    with_manager(engine, scenario, metrics=metrics)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in metrics.registry.collect() for s in family.samples}
     waits = [v for (name, labels), v in samples.items()
@@ -138,13 +140,12 @@ def test_bookkeeping_follows_each_batch():
 def test_stop_starts_no_further_batch():
     engine = Engine()
 
-    async def scenario() -> None:
-        with ThreadPoolExecutor(1) as pool:
-            bm = manager(engine, pool)
-            bm.start()
-            await bm.stop()
-            job = bm.submit([[1] * 3], urgent=True)
-            await asyncio.sleep(0.05)
-            assert not job.future.done() and engine.batches == []
+    async def scenario(bm: BatchManager, pool: ThreadPoolExecutor) -> None:
+        await bm.stop()
+        job = bm.submit([[1] * 3], urgent=True)
+        for _ in range(3):  # the turns a planning callback would have run in
+            await asyncio.sleep(0)
+        await asyncio.wrap_future(pool.submit(lambda: None))  # and anything it gave the engine thread ran
+        assert not job.future.done() and engine.batches == []
 
-    asyncio.run(scenario())
+    with_manager(engine, scenario)
