@@ -11,6 +11,13 @@ machine shifts both alike; each sample is one query's wall time.
 Prints one JSON line: in-process p50, server p50 and p99 as the client saw them, their difference (the
 overhead of HTTP, validation, thread hops and encoding) and ratio, the server's own time for the
 request (`server-timing`, gate to answer) and the CPU.
+
+The difference between two processes also holds the difference between their forward passes, which
+on a small VM moves by a millisecond or more from one process start to the next: the same model,
+the same thread count, another placement of its weights and threads. So the server's own split of
+each query (server-timing: tokenize, queue, inference) gives a second figure, `overhead_same_process_ms`:
+each query's client time less the forward pass the server timed for it, less the in-process
+tokenization, as a median; the model's time then comes from the process that served the query.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from _common import Server
+from _common import Server, server_timing
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.engines.torch_engine import TorchEngine
 from embedfleet.runtime.models.spec import load_spec
@@ -57,18 +64,21 @@ class InProcess:
         self.thread.submit(self.engine.warmup).result()
         self.tokenizer = TokenizerPool(self.spec.path / "tokenizer.json", 1)
 
-    def _times(self, n: int, warmup: int) -> list[float]:
+    def _times(self, n: int, warmup: int, tokenizing: list[float]) -> list[float]:
         out = []
         for i in range(warmup + n):
             t0 = time.perf_counter()
             ids = self.tokenizer._encode_sync([QUERY], self.spec.max_length, True, "right")[0].ids
+            t1 = time.perf_counter()
             self.engine.embed([ids])
             if i >= warmup:
                 out.append(time.perf_counter() - t0)
+                tokenizing.append(t1 - t0)
         return out
 
-    def times(self, n: int, warmup: int) -> list[float]:
-        return self.thread.submit(self._times, n, warmup).result()
+    def times(self, n: int, warmup: int, tokenizing: list[float]) -> list[float]:
+        """Whole queries' times; each one's tokenization alone is appended to `tokenizing`."""
+        return self.thread.submit(self._times, n, warmup, tokenizing).result()
 
     def close(self) -> None:
         self.tokenizer.close()
@@ -76,7 +86,9 @@ class InProcess:
 
 
 def server_times(conn: http.client.HTTPConnection, n: int, warmup: int,
-                 own: list[float] | None = None) -> list[float]:
+                 own: list[dict[str, float]] | None = None) -> list[float]:
+    """Whole queries' times as the client saw them; the server's split of each (server-timing, in
+    seconds by part) is appended to `own`."""
     body = json.dumps({"input": QUERY}).encode()
     headers = {"content-type": "application/json"}
     out = []
@@ -91,7 +103,7 @@ def server_times(conn: http.client.HTTPConnection, n: int, warmup: int,
         if i >= warmup:
             out.append(elapsed)
             if own is not None:
-                own.append(float(r.getheader("server-timing", "total;dur=nan").split("dur=")[1]) / 1000)
+                own.append(server_timing(r.getheader("server-timing")))
     assert len(json.loads(data)["data"][0]["embedding"]) == 384
     return out
 
@@ -100,27 +112,41 @@ def measure(reps: int, rounds: int, warmup: int, flags: list[str]) -> dict:
     local = InProcess()
     server = Server(*flags)
     inproc: list[float] = []
+    tokenizing: list[float] = []
     served: list[float] = []
-    own: list[float] = []
+    own: list[dict[str, float]] = []
     per_round = max(1, reps // rounds)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         server_times(conn, 0, warmup)  # the connection, the server's first batches
         for _ in range(rounds):
-            inproc += local.times(per_round, warmup)
+            inproc += local.times(per_round, warmup, tokenizing)
             served += server_times(conn, per_round, warmup, own)
     finally:
         conn.close()
         server.stop()
         local.close()
     in_p50, srv_p50 = statistics.median(inproc) * 1000, statistics.median(served) * 1000
+    tok_p50 = statistics.median(tokenizing) * 1000
+    # Everything but the model, all in the server's process: each query's client time less the forward
+    # pass the server timed for it, less the tokenization the in-process query also does. Free of the
+    # forward pass's difference between two processes, which on this machine moves by a millisecond
+    # or more from one process start to the next (compare inprocess_embed_p50_ms, server_inference_p50_ms).
+    beside_model = statistics.median(c - o["inference"] for c, o in zip(served, own, strict=True)) * 1000
     tokens = len(local.tokenizer.tokenizer.encode(QUERY).ids)
     return {"figure": "fastpath", "model": local.spec.name, "query_tokens": tokens, "reps": len(served),
             "rounds": rounds,
             "inprocess_p50_ms": round(in_p50, 3), "inprocess_p99_ms": percentile(inproc, 99),
             "server_p50_ms": round(srv_p50, 3), "server_p99_ms": percentile(served, 99),
             "overhead_ms": round(srv_p50 - in_p50, 3), "ratio": round(srv_p50 / in_p50, 3),
-            "server_timing_p50_ms": round(statistics.median(own) * 1000, 3), "client": "http.client",
+            "overhead_same_process_ms": round(beside_model - tok_p50, 3),
+            "inprocess_tokenize_p50_ms": round(tok_p50, 3),
+            "inprocess_embed_p50_ms": round(statistics.median(a - t for a, t in zip(inproc, tokenizing, strict=True))
+                                            * 1000, 3),
+            "server_inference_p50_ms": round(statistics.median(o["inference"] for o in own) * 1000, 3),
+            "server_tokenize_p50_ms": round(statistics.median(o["tokenize"] for o in own) * 1000, 3),
+            "server_timing_p50_ms": round(statistics.median(o["total"] for o in own) * 1000, 3),
+            "client": "http.client",
             "cpu": cpu_name()}
 
 

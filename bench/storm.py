@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from _common import Server, corpus
+from _common import Server, corpus, server_timing
 
 
 def metric(url: str, name: str) -> float:
@@ -63,8 +63,7 @@ async def client(i: int, url: str, texts: list[str], until: float, client_timeou
                 out.append((kind, f"error:{type(exc).__name__}: {exc}"[:120], time.monotonic() - started, None, started,
                             len(inputs)))
                 continue
-            timing = headers.get("server-timing", "")
-            server_s = float(timing.split("dur=")[1]) / 1000 if "dur=" in timing else None
+            server_s = server_timing(headers.get("server-timing")).get("total")
             out.append((kind, status, time.monotonic() - started, server_s, started, len(inputs)))
             if status == 429:
                 wait = float(headers.get("retry-after", "1"))

@@ -9,7 +9,7 @@ The backfill runs in its own process (aiohttp, bodies read but not parsed) so th
 never delays the query client's event loop: on a shared machine that would be counted as the
 server's latency. Its tokens/s come from the server's `embedfleet_tenant_tokens_total`. Queries go
 one at a time over one keep-alive connection (http.client, the leanest client), with the server's own
-time for each (`server-timing`).
+time for each (`server-timing`), split into the wait for the engine and the query's own forward pass.
 
 Prints one JSON line: the query p50/p99 idle and under the backfill as the client saw them and as the
 server timed them, the ratios (the issue's goal: p99 under backfill <= 2x idle p99), the backfill's
@@ -31,14 +31,16 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from _common import Server, corpus, percentiles
+from _common import Server, corpus, percentiles, server_timing
 
 SEARCH_KEY = "sk-bench-search-000000000001"
 BACKFILL_KEY = "sk-bench-backfill-0000000001"
 
 
-def queries(port: int, texts: list[str], n: int, refused: list[str] | None = None) -> tuple[list[float], list[float]]:
-    """Client and server latencies of `n` lone queries answered 200; a 429 is recorded in `refused`."""
+def queries(port: int, texts: list[str], n: int, refused: list[str] | None = None,
+            parts: dict[str, list[float]] | None = None) -> tuple[list[float], list[float]]:
+    """Client and server latencies of `n` lone queries answered 200; a 429 is recorded in `refused`,
+    and the server's split of each answered query's time (queue, inference) in `parts`."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     headers = {"authorization": f"Bearer {SEARCH_KEY}", "content-type": "application/json"}
     client, server = [], []
@@ -52,7 +54,11 @@ def queries(port: int, texts: list[str], n: int, refused: list[str] | None = Non
             took = time.perf_counter() - started
             if resp.status == 200:
                 client.append(took)
-                server.append(float(resp.getheader("server-timing").split("dur=")[1]) / 1000)
+                timing = server_timing(resp.getheader("server-timing"))
+                server.append(timing["total"])
+                if parts is not None:
+                    for name in ("queue", "inference"):
+                        parts.setdefault(name, []).append(timing[name])
             else:
                 assert resp.status == 429, data
                 if refused is not None:
@@ -96,7 +102,9 @@ def scenario(srv: Server, n: int, concurrency: int) -> dict:
     texts = corpus(4000)
     short = [t for t in texts if len(t.split()) <= 12][:200]
     queries(srv.port, short, 20)  # warm-up
-    idle, idle_server = queries(srv.port, short, n)
+    idle_parts: dict[str, list[float]] = {}
+    loaded_parts: dict[str, list[float]] = {}
+    idle, idle_server = queries(srv.port, short, n, parts=idle_parts)
     ctx = multiprocessing.get_context("spawn")
     stop, refused = ctx.Event(), ctx.Value("i", 0)
     proc = ctx.Process(target=backfill, args=(srv.url, texts, stop, concurrency, refused))
@@ -105,7 +113,7 @@ def scenario(srv: Server, n: int, concurrency: int) -> dict:
         time.sleep(5.0)  # the backfill's process is up and its queue full before queries are timed
         started, tokens_before = time.perf_counter(), tenant_tokens(srv.url, "backfill")
         query_refused: list[str] = []
-        loaded, loaded_server = queries(srv.port, short, n, query_refused)
+        loaded, loaded_server = queries(srv.port, short, n, query_refused, loaded_parts)
         seconds = time.perf_counter() - started
         tokens = tenant_tokens(srv.url, "backfill") - tokens_before
     finally:
@@ -114,6 +122,10 @@ def scenario(srv: Server, n: int, concurrency: int) -> dict:
     assert tokens > 0, "the backfill ran nothing while the queries were timed"
     return {"idle": percentiles(idle), "loaded": percentiles(loaded),
             "idle_server": percentiles(idle_server), "loaded_server": percentiles(loaded_server),
+            # where a query's server time went: waiting for the batch in the engine, its own forward pass
+            "idle_queue": percentiles(idle_parts["queue"]), "loaded_queue": percentiles(loaded_parts["queue"]),
+            "idle_inference": percentiles(idle_parts["inference"]),
+            "loaded_inference": percentiles(loaded_parts["inference"]),
             "backfill_tokens_per_s": round(tokens / seconds, 1), "backfill_429": refused.value,
             "query_429": len(query_refused), "query_429_example": query_refused[:1]}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -149,3 +150,53 @@ def test_stop_starts_no_further_batch():
         assert not job.future.done() and engine.batches == []
 
     with_manager(engine, scenario)
+
+
+class SlowEngine(Engine):
+    """Each batch takes at least PAUSE_S (a lower bound that needs no clock to be fast)."""
+
+    PAUSE_S = 0.002
+
+    def __call__(self, batch: list) -> np.ndarray:
+        time.sleep(self.PAUSE_S)
+        return super().__call__(batch)
+
+
+def test_jobs_know_their_queue_wait_and_engine_time():
+    """What the server-timing and x-*-time headers report (timing.py): a job's inference time is the
+    engine time of every batch its inputs ran in, and its queue time covers the batches run before it."""
+    engine = SlowEngine()
+    metrics = RuntimeMetrics()
+
+    async def scenario(bm: BatchManager, _pool) -> None:
+        first = bm.submit([[1], [2], [3]], urgent=True)  # one input per batch: three batches
+        second = bm.submit([[4]], urgent=True)  # queued behind all three
+        await answer(first)
+        await answer(second)
+        for _ in range(3):
+            await asyncio.sleep(0)  # the bookkeeping turn that counts engine_busy
+        busy = metrics.registry.get_sample_value("embedfleet_engine_busy_seconds_total", {"model": "m"})
+        assert len(engine.batches) == 4
+        assert first.inference_s >= 3 * SlowEngine.PAUSE_S, "each of its three batches counts"
+        assert second.inference_s >= SlowEngine.PAUSE_S
+        assert first.inference_s + second.inference_s == pytest.approx(busy), "the engine time, each batch once"
+        assert second.queue_s >= 3 * SlowEngine.PAUSE_S, "it waited for the first job's three batches"
+        assert 0 <= first.queue_s < second.queue_s
+
+    with_manager(engine, scenario, max_requests=1, metrics=metrics)
+
+
+def test_inputs_sharing_a_batch_count_its_engine_time_once():
+    engine = SlowEngine()
+    metrics = RuntimeMetrics()
+
+    async def scenario(bm: BatchManager, _pool) -> None:
+        job = bm.submit([[1], [2], [3]], urgent=True)
+        await answer(job)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        busy = metrics.registry.get_sample_value("embedfleet_engine_busy_seconds_total", {"model": "m"})
+        assert len(engine.batches) == 1
+        assert job.inference_s == pytest.approx(busy)
+
+    with_manager(engine, scenario, metrics=metrics)

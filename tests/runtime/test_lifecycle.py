@@ -10,6 +10,7 @@ import time
 
 import httpx
 
+from embedfleet.gateway.upstreams import server_timing_s
 from tests.procs import child_env, free_port
 
 CONTRACT = [
@@ -20,6 +21,39 @@ CONTRACT = [
 ]
 
 
+def timing_parts(header: str) -> dict[str, float]:
+    """`server-timing: total;dur=1.2, tokenize;dur=0.1, ...` -> {"total": 1.2, "tokenize": 0.1, ...} (ms)."""
+    parts = {}
+    for metric in header.split(","):
+        name, _, params = metric.strip().partition(";")
+        key, _, value = params.partition("=")
+        assert key == "dur", header
+        parts[name] = float(value)
+    return parts
+
+
+def test_answers_say_where_their_time_went(runtime_factory):
+    """server-timing's parts and TEI's x-*-time headers: tokenization, queue and inference are parts of
+    the total the gate measured, and the engine's part is not zero."""
+    srv = runtime_factory()
+    with srv.client() as c:
+        for route, body in (("/v1/embeddings", {"input": ["one", "two three"]}), ("/embed", {"inputs": "four"})):
+            answer = c.post(route, json=body)
+            assert answer.status_code == 200, answer.text
+            parts = timing_parts(answer.headers["server-timing"])
+            assert set(parts) == {"total", "tokenize", "queue", "inference"}, parts
+            assert parts["inference"] > 0 and parts["tokenize"] > 0 and parts["queue"] >= 0
+            # disjoint parts of the total (the total is rounded to 0.01 ms, the parts to 0.001 ms)
+            assert parts["tokenize"] + parts["queue"] + parts["inference"] <= parts["total"] + 0.02, parts
+            for name, tei in (("total", "x-total-time"), ("tokenize", "x-tokenization-time"),
+                              ("queue", "x-queue-time"), ("inference", "x-inference-time")):
+                assert abs(int(answer.headers[tei]) - parts[name]) <= 0.51, (tei, answer.headers[tei], parts)
+        refused = c.post("/v1/embeddings", json={"input": "x", "model": "nope"})
+        assert refused.status_code == 404
+        assert timing_parts(refused.headers["server-timing"])["inference"] == 0  # no engine work was done
+        assert "server-timing" not in c.get("/health").headers  # not admitted work: no timing
+
+
 def test_metrics_contract_with_real_values(runtime_factory):
     srv = runtime_factory("--max-batch-requests", "16", "--max-batch-tokens", "4096")
     with srv.client() as c:
@@ -28,8 +62,7 @@ def test_metrics_contract_with_real_values(runtime_factory):
         load = c.get("/load").json()
     # the load a gateway picks replicas by, on every answer and from a cheap poll
     assert float(answer.headers["x-embedfleet-expected-wait"]) >= 0
-    assert answer.headers["server-timing"].startswith("total;dur=")
-    assert float(answer.headers["server-timing"].split("dur=")[1]) > 0
+    assert server_timing_s(answer.headers["server-timing"]) > 0
     assert load["ready"] is True and load["draining"] is False and load["in_flight"] == 0
     (model,) = load["models"].values()
     assert model["queue_tokens"] == 0 and model["expected_wait_s"] == 0

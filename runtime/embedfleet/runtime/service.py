@@ -30,6 +30,7 @@ from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.models.spec import ModelSpec, Task, load_spec
 from embedfleet.runtime.settings import ModelEntry, RuntimeSettings
 from embedfleet.runtime.tenants import DEFAULT_TENANT, RequestOverQuota, Tenant
+from embedfleet.runtime.timing import current_timing
 from embedfleet.runtime.tracing import current_trace
 
 log = logging.getLogger(__name__)
@@ -245,13 +246,16 @@ class ModelService:
     async def tokenize(self, inputs: Sequence[str] | Sequence[list[int]], truncate: bool,
                        direction: Direction) -> list[Tokenized]:
         assert self.tokenizer is not None
-        trace = current_trace()
+        trace, timing = current_trace(), current_timing()
         if trace is not None:
             trace.tokenizing(self.name, pairs=False)
+        started = time.perf_counter()
         if inputs and isinstance(inputs[0], str):
             out = await self.tokenizer.encode(list(inputs), self.input_limit, truncate, direction)
         else:
             out = TokenizerPool.from_ids(list(inputs), self.input_limit, truncate, direction)
+        if timing is not None:
+            timing.tokenized(time.perf_counter() - started)
         if trace is not None:
             trace.tokenized(out)
         return out
@@ -259,10 +263,13 @@ class ModelService:
     async def tokenize_pairs(self, pairs: list[tuple[str, str]], truncate: bool,
                              direction: Direction) -> list[Tokenized]:
         assert self.tokenizer is not None
-        trace = current_trace()
+        trace, timing = current_trace(), current_timing()
         if trace is not None:
             trace.tokenizing(self.name, pairs=True)
+        started = time.perf_counter()
         out = await self.tokenizer.encode_pairs(pairs, self.input_limit, truncate, direction)
+        if timing is not None:
+            timing.tokenized(time.perf_counter() - started)
         if trace is not None:
             trace.tokenized(out)
         return out
@@ -335,8 +342,12 @@ class ModelService:
             trace.queued(len(tokenized), sum(len(t) for t in tokenized), urgent)
         job = self.batcher.submit(tokenized, urgent=urgent, max_wait=max_wait, deadline=deadline, tenant=tenant,
                                   arrived=arrived, trace=trace)
+        timing = current_timing()
         if deadline is None and (disconnected is None or self.batcher.expected_wait(urgent) < WATCH_AFTER_S):
-            return await job.future
+            rows = await job.future
+            if timing is not None:
+                timing.ran(job.queue_s, job.inference_s)
+            return rows
         watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         waiting = {job.future} if watcher is None else {job.future, watcher}
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -346,6 +357,8 @@ class ModelService:
             if watcher is not None:
                 watcher.cancel()
         if job.future in done:
+            if timing is not None:
+                timing.ran(job.queue_s, job.inference_s)
             return job.future.result()
         if watcher is not None and watcher in done:
             self.batcher.cancel(job)

@@ -8,7 +8,8 @@ Every answer to admitted work carries the replica's load, so a gateway in front 
 picks the least loaded one from the answers it already reads, without scraping: the expected queue
 wait (`x-embedfleet-expected-wait`, seconds) and the server's own time for the request
 (`server-timing: total;dur=<ms>`, the standard header, which also tells a load test how much of its
-latency was the server's).
+latency was the server's), with the parts of that time (timing.py: tokenization, queue, inference, also
+as TEI's `x-*-time` headers).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from embedfleet.runtime.api.errors import error_body
 from embedfleet.runtime.api.pinning import MISMATCH, VECTOR_SPACE_HEADER, Pinning
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.tenants import Tenant, Tenants
+from embedfleet.runtime.timing import RequestTiming
 from embedfleet.runtime.tracing import RuntimeTracing
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/load"})
@@ -147,12 +149,13 @@ class Gate:
                 took = (time.monotonic() - arrived) * 1000
                 message["headers"] = [*message.get("headers", ()),
                                       (b"x-embedfleet-expected-wait", b"%.4f" % self.expected_wait()),
-                                      (b"server-timing", b"total;dur=%.2f" % took), *self.state.pinning.headers]
+                                      *timing.headers(took), *self.state.pinning.headers]
             await send(message)
 
         scope[ARRIVED] = arrived = time.monotonic()
         trace = None if self.state.tracing is None else self.state.tracing.begin(
             scope, scope["path"] if scope["path"] in self.known_paths else "other", scope[TENANT].name)
+        timing = RequestTiming().begin()
         self.state.in_flight += 1
         self.metrics.requests_in_flight.set(self.state.in_flight)
         start = time.perf_counter()
@@ -163,6 +166,7 @@ class Gate:
                 await self._refuse(send, 413, f"request body is over the payload limit of {self.payload_limit} "
                                    "bytes", "payload_too_large")
         finally:
+            timing.end()
             if trace is not None:
                 trace.end()
             self.state.in_flight -= 1

@@ -80,6 +80,14 @@ class Job:
     tenant: str = ""  # fairness across tenants of one class (core/batching.py) and per-tenant metrics
     admitted_at: float = 0.0  # time.monotonic() at admission (queue wait is measured from here)
     trace: RequestTrace | None = None  # its spans, when tracing is on and it is sampled (tracing.py)
+    dequeued_at: float | None = None  # time.monotonic() when its first input was taken into a batch
+    inference_s: float = 0.0  # engine time of the batches its inputs ran in, each batch counted once
+    _last_batch: float = 0.0  # the start (perf_counter) of the last batch counted in inference_s
+
+    @property
+    def queue_s(self) -> float:
+        """Seconds from admission until its first input went to the engine (0 while still queued)."""
+        return 0.0 if self.dequeued_at is None else self.dequeued_at - self.admitted_at
 
 
 @dataclass(eq=False, slots=True)
@@ -370,6 +378,8 @@ class BatchManager:
         for item in batch:
             job = item.job
             self._served[job.tenant] = self._served.get(job.tenant, 0.0) + item.length
+            if job.dequeued_at is None:
+                job.dequeued_at = now
             if job.trace is not None:
                 job.trace.dequeued()
         for job in {item.job: None for item in batch if item.job.queued_items == 0}:
@@ -430,6 +440,9 @@ class BatchManager:
             job = item.job
             if job.future.done():
                 continue
+            if job._last_batch != started:
+                job._last_batch = started
+                job.inference_s += ended - started
             job.results[item.index] = row
             job.remaining -= 1
             if job.remaining == 0:
