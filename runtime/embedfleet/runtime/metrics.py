@@ -60,6 +60,9 @@ class RuntimeMetrics:
         self.expired = Counter(
             "embedfleet_deadline_expired_total", "Requests answered 504 because their deadline passed while "
             "they waited; their queued inputs never reached the engine", ["model"], registry=r)
+        self.preempted = Counter(
+            "embedfleet_preempted_batches_total", "Batches of queries run while a bulk batch paused between layers "
+            "(--preempt-bulk): queries that waited for one layer of it, not all of it", ["model"], registry=r)
         # per tenant (tenants.py; `default` without --api-keys): bounded by the keys file, so safe as labels
         self.tenant_requests = Counter(
             "embedfleet_tenant_requests_total", "Requests answered by the engine, per tenant", ["tenant", "model"],
@@ -136,6 +139,7 @@ class ModelMetrics:
     truncated: Counter
     engine_busy: Counter
     expired: Counter
+    preempted: Counter
     shed_expected_wait: Counter
     shed_queue_tokens: Counter
     shed_deadline: Counter

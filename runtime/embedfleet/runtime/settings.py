@@ -83,6 +83,9 @@ class RuntimeSettings(BaseSettings):
     shared_batch_seconds: float = Field(
         0.02, ge=0, description="while urgent requests are arriving (one in the last second), cut bulk batches to "
         "about this long instead, so a query mid-backfill waits for a short batch only; 0: off")
+    preempt_bulk: bool = Field(
+        True, description="on CPU, pause a bulk batch between transformer layers to run the queries that arrive "
+        "meanwhile, so a query waits for one layer of a backfill's batch instead of all of it")
     max_client_batch_size: int = Field(2048, ge=1, description="most inputs in one client request")
     max_concurrent_requests: int = Field(
         512, ge=1, description="requests accepted and not yet answered; beyond it: 429 with Retry-After")

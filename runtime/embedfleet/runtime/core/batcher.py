@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +136,21 @@ class BatchManager:
         self._served_at = time.monotonic()
         self._urgent_arrivals = 0.0  # urgent tokens submitted, decayed over ARRIVALS_WINDOW_S
         self._arrivals_at = time.monotonic()
+        # Preemption (see `preempt_point`): shared with the engine thread under `_preempt_lock`.
+        self.preemptible = False  # the engine calls preempt_point between layers (ModelService.load wires it)
+        self._stretch = 1.0  # the share of a bulk batch's time between two pauses (1 / its layers)
+        self._preempt_lock = threading.Lock()
+        self._accepting = False  # a bulk batch is on the engine thread and may be paused for a query's batch
+        self._posted: tuple[list[Item], list] | None = None  # the batch to run at the next pause
+        # loop side
+        self._bulk_running = False  # the batch on the engine thread is bulk work on a preemptible engine
+        self._interrupting = False  # a posted batch is not answered yet (one at a time)
+        self._posted_tokens = 0  # its tokens (ahead of every new request, as the running batch's are)
+        self._preempt_pending = False  # a _preempt is scheduled on the loop
+        # engine thread side
+        self._in_interrupt = False
+        self._paused_s = 0.0  # of the running bulk batch, spent running posted batches
+        self._engine_loop: asyncio.AbstractEventLoop | None = None
         metrics.max_batch_requests.set(max_batch_requests)
         metrics.max_batch_tokens.set(max_batch_tokens)
 
@@ -164,8 +180,12 @@ class BatchManager:
 
     def ahead_of(self, urgent: bool) -> int:
         """Tokens the engine runs before a new request of this kind: urgent work only waits for urgent
-        work (the planner serves it first) and the batch in the engine; bulk work waits for everything."""
-        return self._running_tokens + (self._urgent_tokens if urgent else self._queued_tokens)
+        work (the planner serves it first) and the batch in the engine, of which only one layer when it is
+        a bulk batch that pauses for queries (preemption); bulk work waits for everything."""
+        running = self._running_tokens
+        if urgent and self._bulk_running:  # it runs at the bulk batch's next pause: at most one layer away
+            running = math.ceil(running * self._stretch)
+        return running + self._posted_tokens + (self._urgent_tokens if urgent else self._queued_tokens)
 
     def urgent_arrival_rate(self, now: float | None = None) -> float:
         """Urgent tokens submitted per second lately (a decayed sum over ARRIVALS_WINDOW_S)."""
@@ -359,14 +379,18 @@ class BatchManager:
                 self._urgent_tokens -= length
             if job.queued_items == 0:
                 self._queued_jobs -= 1
+        return batch
+
+    def _running(self, batch: list[Item]) -> None:
+        """`batch` is the engine's batch now (admission counts it as ahead of every request)."""
         self._running_tokens = sum(item.length for item in batch)
         self._running_since = time.perf_counter()
-        return batch
 
     def _take_batch(self) -> list[Item]:
         """Plan a batch and do its bookkeeping at once (the scheduler does the bookkeeping while the
         engine runs the batch)."""
         batch = self._plan()
+        self._running(batch)
         self._account(batch)
         return batch
 
@@ -387,10 +411,17 @@ class BatchManager:
         self._update_gauges()
 
     def _schedule_kick(self) -> None:
-        """Plan on the next loop turn, not now: requests tokenized in the same turn share the batch."""
-        if self._loop is not None and not self._busy and not self._kick_pending:
-            self._kick_pending = True
-            self._loop.call_soon(self._kick)
+        """Plan on the next loop turn, not now: requests tokenized in the same turn share the batch.
+        With the engine running bulk work and urgent work queued, plan a batch to run at its next pause."""
+        if self._loop is None:
+            return
+        if not self._busy:
+            if not self._kick_pending:
+                self._kick_pending = True
+                self._loop.call_soon(self._kick)
+        elif self._bulk_running and self._urgent_tokens and not self._interrupting and not self._preempt_pending:
+            self._preempt_pending = True
+            self._loop.call_soon(self._preempt)
 
     def _kick(self) -> None:
         """If the engine is free, hand it the next batch; the bookkeeping runs once it is computing."""
@@ -403,12 +434,93 @@ class BatchManager:
             self._account(batch)
             return
         inputs = [item.job.inputs[item.index] for item in batch]
+        bulk = self.preemptible and not any(item.job.urgent for item in batch)
+        if bulk:
+            with self._preempt_lock:
+                self._accepting = True  # the engine thread ends it, under the lock, when the batch is done
+        self._bulk_running = bulk
+        self._running(batch)
         self._engine.submit(self._compute, self._loop, batch, inputs)
         self._busy = True  # after submit: _finish runs on this loop, so never before this line
         self._account(batch)
+        if bulk and self._urgent_tokens:  # promoted work, or urgent work the planner left for a tenant's turn
+            self._schedule_kick()
+
+    # -- preemption ------------------------------------------------------------------------
+    # The engine cannot be interrupted mid-layer, but on CPU it can pause between layers: a query that
+    # arrives while a long bulk batch runs then waits one layer of it, not all of it (a 280-token passage
+    # is 40 ms of a 2-core CPU; one of its six layers, 7 ms). The loop plans the query's batch as soon as
+    # it is queued and posts it; the engine thread, at the next layer boundary of the bulk batch, runs it
+    # to the end, hands its rows to the loop and resumes the bulk batch, whose activations were kept.
+    # One posted batch at a time; a bulk batch that ends before taking it runs it before its own rows go
+    # back. Bulk batches' engine time excludes the pauses (drain rate, metrics, jobs' inference time).
+
+    def preemptible_in(self, stretches: int) -> None:
+        """The engine calls `preempt_point` between the `stretches` parts of every forward pass."""
+        self.preemptible = True
+        self._stretch = 1.0 / max(1, stretches)
+
+    def _preempt(self) -> None:
+        """On the loop: post the next urgent batch for the engine's next pause, if the bulk batch running
+        still takes one."""
+        self._preempt_pending = False
+        if self._loop is None or not self._bulk_running or self._interrupting or not self._urgent_tokens:
+            return
+        with self._preempt_lock:
+            if not self._accepting:  # the bulk batch is done: its _finish plans the queued work next
+                return
+            batch = self._plan()
+            if not batch:
+                return
+            self._posted = (batch, [item.job.inputs[item.index] for item in batch])
+        self._interrupting = True
+        self._posted_tokens = sum(item.length for item in batch)
+        self._account(batch)
+
+    def preempt_point(self) -> None:
+        """On the engine thread, between two layers of whatever batch runs: run the posted batch, if any.
+        Costs an attribute read when nothing is posted."""
+        if self._posted is None or self._in_interrupt:
+            return
+        with self._preempt_lock:
+            posted, self._posted = self._posted, None
+        if posted is not None:
+            self._run_posted(*posted)
+
+    def _run_posted(self, batch: list[Item], inputs: list) -> None:
+        self._in_interrupt = True  # its own layers' pauses do nothing
+        started = time.perf_counter()
+        try:
+            rows, error = self.engine_fn(inputs), None
+            if len(rows) != len(inputs):
+                raise RuntimeError(f"the engine returned {len(rows)} rows for a batch of {len(inputs)} inputs")
+        except BaseException as exc:  # handed to the loop, which fails only this batch's requests
+            rows, error = None, exc
+        finally:
+            self._in_interrupt = False
+        ended = time.perf_counter()
+        self._paused_s += ended - started
+        try:
+            assert self._engine_loop is not None
+            self._engine_loop.call_soon_threadsafe(self._finish_posted, batch, inputs, rows, error, started, ended)
+        except RuntimeError:  # the loop closed meanwhile (shutdown): nobody is waiting
+            pass
+
+    def _finish_posted(self, batch: list[Item], inputs: list, rows, error: BaseException | None, started: float,
+                       ended: float) -> None:
+        """On the loop: answer a batch run during a pause; the bulk batch is still on the engine."""
+        self._interrupting = False
+        self._posted_tokens = 0
+        self.metrics.preempted.inc()
+        self._deliver(batch, rows, error, started, ended)
+        if error is None and self._loop is not None:
+            self._loop.call_soon(self._after, batch, inputs, started, ended, 0.0, False)
+        else:
+            self._schedule_kick()
 
     def _compute(self, loop: asyncio.AbstractEventLoop, batch: list[Item], inputs: list) -> None:
         """On the engine thread: run the batch, time it, and hand the rows (or the error) to the loop."""
+        self._engine_loop, self._paused_s = loop, 0.0
         started = time.perf_counter()
         try:
             rows, error = self.engine_fn(inputs), None
@@ -417,24 +529,43 @@ class BatchManager:
         except BaseException as exc:  # handed to _finish, which fails the batch's requests: never lost here
             rows, error = None, exc
         ended = time.perf_counter()
+        paused = self._paused_s
+        if self.preemptible:
+            with self._preempt_lock:
+                self._accepting = False
+                posted, self._posted = self._posted, None
+            if posted is not None:  # posted after the last pause: it goes before this batch's answer
+                self._run_posted(*posted)
         try:
-            loop.call_soon_threadsafe(self._finish, batch, inputs, rows, error, started, ended)
+            loop.call_soon_threadsafe(self._finish, batch, inputs, rows, error, started, ended, paused)
         except RuntimeError:  # the loop closed while this batch ran (shutdown): nobody is waiting
             pass
 
     def _finish(self, batch: list[Item], inputs: list, rows, error: BaseException | None, started: float,
-                ended: float) -> None:
+                ended: float, paused: float = 0.0) -> None:
         """On the loop: complete the requests whose rows are all in, then (next turn, after their
-        answers) the bookkeeping and the next batch."""
+        answers) the bookkeeping and the next batch. `paused`: of ended - started, the time spent
+        running posted batches (preemption), which is not this batch's."""
         self._busy = False
+        self._bulk_running = False
         self._running_tokens = 0
-        if error is not None:  # the engine failed this batch: fail its requests, keep serving
-            log.error("engine failed a batch of %d inputs", len(batch), exc_info=error)
+        if error is not None:
             self._last_end = None
+        self._deliver(batch, rows, error, started + paused, ended)
+        if error is None and self._loop is not None:  # the answers go out first; the rest is bookkeeping
+            self._kick_pending = True
+            self._loop.call_soon(self._after, batch, inputs, started, ended, paused, True)
+        elif error is not None:
+            self._schedule_kick()
+
+    def _deliver(self, batch: list[Item], rows, error: BaseException | None, started: float, ended: float) -> None:
+        """Complete the futures of the batch's requests whose rows are all in; with `error` (the engine
+        failed this batch), fail its requests instead: the server keeps serving."""
+        if error is not None:
+            log.error("engine failed a batch of %d inputs", len(batch), exc_info=error)
             for item in batch:
                 if not item.job.future.done():
                     item.job.future.set_exception(error)
-            self._schedule_kick()
             return
         for item, row in zip(batch, rows, strict=True):
             job = item.job
@@ -447,15 +578,18 @@ class BatchManager:
             job.remaining -= 1
             if job.remaining == 0:
                 job.future.set_result(np.stack(job.results) if isinstance(rows, np.ndarray) else job.results)
-        if self._loop is not None:  # the answers go out first; metrics and the rate are bookkeeping
-            self._kick_pending = True
-            self._loop.call_soon(self._after, batch, inputs, started, ended)
 
-    def _after(self, batch: list[Item], inputs: list, started: float, ended: float) -> None:
-        self._record(batch, inputs, started, ended)
+    def _after(self, batch: list[Item], inputs: list, started: float, ended: float, paused: float,
+               scheduled: bool) -> None:
+        """Bookkeeping of a batch answered last turn; `scheduled`: it was the engine's batch (not one run
+        during a pause), so the next batch is planned now."""
+        self._record(batch, inputs, started, ended, paused, scheduled)
         if any(item.job.trace is not None for item in batch):  # tracing on (tracing.py); answers are out
-            trace_batch([(item.job.trace, item.length) for item in batch], started, ended)
-        self._kick()
+            trace_batch([(item.job.trace, item.length) for item in batch], started + paused, ended)
+        if scheduled:
+            self._kick()
+        else:
+            self._schedule_kick()
 
     def _decay_served(self, now: float) -> None:
         """Forget old service so that a tenant's turn depends on recent engine time only; tenants that
@@ -475,16 +609,21 @@ class BatchManager:
         self._sum_seconds = keep * self._sum_seconds + seconds
         self._tokens_per_s = self._sum_tokens / self._sum_seconds
 
-    def _record(self, batch: list[Item], inputs: list, started: float, ended: float) -> None:
+    def _record(self, batch: list[Item], inputs: list, started: float, ended: float, paused: float = 0.0,
+                scheduled: bool = True) -> None:
         tokens = sum(len(x) for x in inputs)
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_tokens.observe(max(len(x) for x in inputs) * len(inputs))
         self.metrics.inputs.inc(len(batch))
         self.metrics.tokens.inc(tokens)
-        self.metrics.engine_busy.inc(ended - started)
+        self.metrics.engine_busy.inc(ended - started - paused)
+        if not scheduled:  # run during a pause: its own time only (the pause is not the bulk batch's)
+            self._observe(tokens, ended - started)
+            self._update_gauges()
+            return
         # The drain rate counts the gap since the previous batch when work was already waiting then:
         # time the event loop spent before it could plan this batch drains nothing either.
         since = self._last_end if self._last_end is not None else started
-        self._observe(tokens, ended - since)
+        self._observe(tokens, ended - since - paused)
         self._last_end = ended if self._queued_tokens else None
         self._update_gauges()

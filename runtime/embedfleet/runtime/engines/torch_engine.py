@@ -81,6 +81,17 @@ def load_projection(projection: Projection, device: torch.device) -> torch.nn.Li
     return layer.to(device).eval()
 
 
+def repeated_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of transformer blocks: its longest ModuleList of two or more modules of one class
+    (BERT's encoder.layer, XLM-R's, ModernBERT's layers, a decoder's layers); None if it has none."""
+    best = None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= 2 and \
+                len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
+            best = module
+    return best
+
+
 class TorchEngine:
     def __init__(self, spec: ModelSpec, device: str = "cpu", dtype: str = "float32",
                  num_threads: int = 0, *, max_batch_tokens: int | None = None,
@@ -179,6 +190,29 @@ class TorchEngine:
             self._forward = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
             log.info("cuda graphs on: %d shapes (rows <= %d, width <= %d), captured at warm-up",
                      len(self.graph_shapes), *bucket_to)
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether `between_layers` can be served: on CPU, where a layer runs when Python calls it (on CUDA
+        the host only queues kernels, so a pause there would not free the device) and the model is not
+        compiled (a hook would break the graph)."""
+        return self.device.type == "cpu" and self._forward is self.model and repeated_layers(self.model) is not None
+
+    def between_layers(self, callback) -> int:
+        """Call `callback()` on this thread before each transformer layer but the first, during every
+        forward pass: the batch manager runs a query's batch there while a long bulk batch waits, its
+        activations kept (core/batcher.py, preemption). One Python call per layer when there is nothing
+        to run. Returns the number of stretches a forward pass is cut into (its layers)."""
+        layers = repeated_layers(self.model)
+        if layers is None or not self.preemptible:
+            raise EngineError("this engine cannot pause between layers (CUDA, compiled, or no layer stack)")
+
+        def pause(_module, _args) -> None:
+            callback()
+
+        for layer in list(layers)[1:]:
+            layer.register_forward_pre_hook(pause)
+        return len(layers)
 
     def warmup(self) -> None:
         """One small batch; with CUDA graphs, one batch of every served shape, so live traffic never
