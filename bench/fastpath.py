@@ -135,7 +135,7 @@ def measure(reps: int, rounds: int, warmup: int, flags: list[str]) -> dict:
     beside_model = statistics.median(c - o["inference"] for c, o in zip(served, own, strict=True)) * 1000
     tokens = len(local.tokenizer.tokenizer.encode(QUERY).ids)
     return {"figure": "fastpath", "model": local.spec.name, "query_tokens": tokens, "reps": len(served),
-            "rounds": rounds,
+            "rounds": rounds, "server_flags": flags,
             "inprocess_p50_ms": round(in_p50, 3), "inprocess_p99_ms": percentile(inproc, 99),
             "server_p50_ms": round(srv_p50, 3), "server_p99_ms": percentile(served, 99),
             "overhead_ms": round(srv_p50 - in_p50, 3), "ratio": round(srv_p50 / in_p50, 3),

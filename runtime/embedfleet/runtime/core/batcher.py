@@ -81,7 +81,7 @@ class Job:
     tenant: str = ""  # fairness across tenants of one class (core/batching.py) and per-tenant metrics
     admitted_at: float = 0.0  # time.monotonic() at admission (queue wait is measured from here)
     trace: RequestTrace | None = None  # its spans, when tracing is on and it is sampled (tracing.py)
-    dequeued_at: float | None = None  # time.monotonic() when its first input was taken into a batch
+    dequeued_at: float | None = None  # time.monotonic() when its first input was taken, then when it started
     inference_s: float = 0.0  # engine time of the batches its inputs ran in, each batch counted once
     _last_batch: float = 0.0  # the start (perf_counter) of the last batch counted in inference_s
 
@@ -551,29 +551,34 @@ class BatchManager:
         self._running_tokens = 0
         if error is not None:
             self._last_end = None
-        self._deliver(batch, rows, error, started + paused, ended)
+        self._deliver(batch, rows, error, started, ended, paused)
         if error is None and self._loop is not None:  # the answers go out first; the rest is bookkeeping
             self._kick_pending = True
             self._loop.call_soon(self._after, batch, inputs, started, ended, paused, True)
         elif error is not None:
             self._schedule_kick()
 
-    def _deliver(self, batch: list[Item], rows, error: BaseException | None, started: float, ended: float) -> None:
+    def _deliver(self, batch: list[Item], rows, error: BaseException | None, started: float, ended: float,
+                 paused: float = 0.0) -> None:
         """Complete the futures of the batch's requests whose rows are all in; with `error` (the engine
-        failed this batch), fail its requests instead: the server keeps serving."""
+        failed this batch), fail its requests instead: the server keeps serving. A job's queue time ends
+        when its first batch started on the engine (a query run in a pause waited for the pause too)."""
         if error is not None:
             log.error("engine failed a batch of %d inputs", len(batch), exc_info=error)
             for item in batch:
                 if not item.job.future.done():
                     item.job.future.set_exception(error)
             return
+        on_engine = started + (time.monotonic() - time.perf_counter())  # the start on the admission clock
         for item, row in zip(batch, rows, strict=True):
             job = item.job
             if job.future.done():
                 continue
             if job._last_batch != started:
+                if not job._last_batch:
+                    job.dequeued_at = on_engine
                 job._last_batch = started
-                job.inference_s += ended - started
+                job.inference_s += ended - started - paused
             job.results[item.index] = row
             job.remaining -= 1
             if job.remaining == 0:
