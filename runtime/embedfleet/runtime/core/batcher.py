@@ -491,11 +491,7 @@ class BatchManager:
         self._in_interrupt = True  # its own layers' pauses do nothing
         started = time.perf_counter()
         try:
-            rows, error = self.engine_fn(inputs), None
-            if len(rows) != len(inputs):
-                raise RuntimeError(f"the engine returned {len(rows)} rows for a batch of {len(inputs)} inputs")
-        except BaseException as exc:  # handed to the loop, which fails only this batch's requests
-            rows, error = None, exc
+            rows, error = self._run_engine(inputs)
         finally:
             self._in_interrupt = False
         ended = time.perf_counter()
@@ -518,16 +514,22 @@ class BatchManager:
         else:
             self._schedule_kick()
 
+    def _run_engine(self, inputs: list) -> tuple[np.ndarray | list[np.ndarray] | None, BaseException | None]:
+        """On the engine thread: the batch's rows, or the error that the loop fails the batch's requests with
+        (never lost here, never raised into the engine thread's executor)."""
+        try:
+            rows = self.engine_fn(inputs)
+            if len(rows) != len(inputs):
+                raise RuntimeError(f"the engine returned {len(rows)} rows for a batch of {len(inputs)} inputs")
+            return rows, None
+        except BaseException as exc:
+            return None, exc
+
     def _compute(self, loop: asyncio.AbstractEventLoop, batch: list[Item], inputs: list) -> None:
         """On the engine thread: run the batch, time it, and hand the rows (or the error) to the loop."""
         self._engine_loop, self._paused_s = loop, 0.0
         started = time.perf_counter()
-        try:
-            rows, error = self.engine_fn(inputs), None
-            if len(rows) != len(inputs):
-                raise RuntimeError(f"the engine returned {len(rows)} rows for a batch of {len(inputs)} inputs")
-        except BaseException as exc:  # handed to _finish, which fails the batch's requests: never lost here
-            rows, error = None, exc
+        rows, error = self._run_engine(inputs)
         ended = time.perf_counter()
         paused = self._paused_s
         if self.preemptible:
