@@ -92,17 +92,3 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50_ms": round(float(np.percentile(a, 50)), 3), "p90_ms": round(float(np.percentile(a, 90)), 3),
             "p99_ms": round(float(np.percentile(a, 99)), 3)}
 
-
-def server_timing(header: str | None) -> dict[str, float]:
-    """The runtime's `server-timing` (timing.py) in seconds by part: total, tokenize, queue, inference;
-    an absent or unreadable header gives {}."""
-    parts: dict[str, float] = {}
-    for metric in (header or "").split(","):
-        name, _, params = metric.strip().partition(";")
-        key, _, value = params.partition("=")
-        if key == "dur":
-            try:
-                parts[name] = float(value) / 1000
-            except ValueError:
-                continue
-    return parts

@@ -32,7 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from _common import Server, server_timing
+from _common import Server
+from embedfleet.gateway.upstreams import server_timing
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.engines.torch_engine import TorchEngine
 from embedfleet.runtime.models.spec import load_spec

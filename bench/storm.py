@@ -28,7 +28,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from _common import Server, corpus, server_timing
+from _common import Server, corpus
+from embedfleet.gateway.upstreams import server_timing
 
 
 def metric(url: str, name: str) -> float:

@@ -31,7 +31,8 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from _common import Server, corpus, percentiles, server_timing
+from _common import Server, corpus, percentiles
+from embedfleet.gateway.upstreams import server_timing
 
 SEARCH_KEY = "sk-bench-search-000000000001"
 BACKFILL_KEY = "sk-bench-backfill-0000000001"

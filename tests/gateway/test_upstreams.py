@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from embedfleet.gateway.pick import State
-from embedfleet.gateway.upstreams import read_load, server_timing_s
+from embedfleet.gateway.upstreams import read_load, server_timing, server_timing_s
 
 LOAD = {"all-MiniLM-L6-v2": {"queue_tokens": 10, "tokens_per_s": 100.0, "expected_wait_s": 0.1},
         "other": {"queue_tokens": 0, "tokens_per_s": 100.0, "expected_wait_s": 2.5}}
@@ -35,3 +35,10 @@ def test_read_load(doc, deployment, state, wait):
 ])
 def test_server_timing(header, seconds):
     assert server_timing_s(header) == (pytest.approx(seconds) if seconds is not None else None)
+
+
+def test_server_timing_parts():
+    header = "total;dur=10.5, tokenize;dur=0.125, queue;dur=0.250, inference;desc=\"model\";dur=9.0, other;dur=x"
+    assert server_timing(header) == pytest.approx({"total": 0.0105, "tokenize": 0.000125, "queue": 0.00025,
+                                                   "inference": 0.009})
+    assert server_timing(None) == {} and server_timing("total") == {}

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
+from embedfleet.runtime.core import batcher
 from embedfleet.runtime.core.batcher import BatchManager
 from embedfleet.runtime.metrics import RuntimeMetrics
 
@@ -152,20 +152,44 @@ def test_stop_starts_no_further_batch():
     with_manager(engine, scenario)
 
 
-class SlowEngine(Engine):
-    """Each batch takes at least PAUSE_S (a lower bound that needs no clock to be fast)."""
+class Clock:
+    """The batch manager's clock (its `time` module) in the tests below: it moves only when the engine
+    runs a batch, by exactly one second, so engine and queue times are exact figures, not timings."""
 
-    PAUSE_S = 0.002
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+
+class ClockedEngine(Engine):
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
 
     def __call__(self, batch: list) -> np.ndarray:
-        time.sleep(self.PAUSE_S)
+        self.clock.now += 1.0
         return super().__call__(batch)
 
 
-def test_jobs_know_their_queue_wait_and_engine_time():
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(batcher, "time", fake)
+    return fake
+
+
+def engine_busy(metrics: RuntimeMetrics) -> float:
+    return metrics.registry.get_sample_value("embedfleet_engine_busy_seconds_total", {"model": "m"})
+
+
+def test_jobs_know_their_queue_wait_and_engine_time(clock):
     """What the server-timing and x-*-time headers report (timing.py): a job's inference time is the
     engine time of every batch its inputs ran in, and its queue time covers the batches run before it."""
-    engine = SlowEngine()
+    engine = ClockedEngine(clock)
     metrics = RuntimeMetrics()
 
     async def scenario(bm: BatchManager, _pool) -> None:
@@ -175,19 +199,16 @@ def test_jobs_know_their_queue_wait_and_engine_time():
         await answer(second)
         for _ in range(3):
             await asyncio.sleep(0)  # the bookkeeping turn that counts engine_busy
-        busy = metrics.registry.get_sample_value("embedfleet_engine_busy_seconds_total", {"model": "m"})
         assert len(engine.batches) == 4
-        assert first.inference_s >= 3 * SlowEngine.PAUSE_S, "each of its three batches counts"
-        assert second.inference_s >= SlowEngine.PAUSE_S
-        assert first.inference_s + second.inference_s == pytest.approx(busy), "the engine time, each batch once"
-        assert second.queue_s >= 3 * SlowEngine.PAUSE_S, "it waited for the first job's three batches"
-        assert 0 <= first.queue_s < second.queue_s
+        assert (first.queue_s, first.inference_s) == (0.0, 3.0), "each of its three batches counts"
+        assert (second.queue_s, second.inference_s) == (3.0, 1.0), "it waited for the first job's three batches"
+        assert engine_busy(metrics) == 4.0, "the engine time, each batch once"
 
     with_manager(engine, scenario, max_requests=1, metrics=metrics)
 
 
-def test_inputs_sharing_a_batch_count_its_engine_time_once():
-    engine = SlowEngine()
+def test_inputs_sharing_a_batch_count_its_engine_time_once(clock):
+    engine = ClockedEngine(clock)
     metrics = RuntimeMetrics()
 
     async def scenario(bm: BatchManager, _pool) -> None:
@@ -195,8 +216,7 @@ def test_inputs_sharing_a_batch_count_its_engine_time_once():
         await answer(job)
         for _ in range(3):
             await asyncio.sleep(0)
-        busy = metrics.registry.get_sample_value("embedfleet_engine_busy_seconds_total", {"model": "m"})
         assert len(engine.batches) == 1
-        assert job.inference_s == pytest.approx(busy)
+        assert (job.queue_s, job.inference_s, engine_busy(metrics)) == (0.0, 1.0, 1.0)
 
     with_manager(engine, scenario, metrics=metrics)

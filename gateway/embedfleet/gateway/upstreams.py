@@ -80,10 +80,25 @@ def read_load(doc: Any, deployment: str) -> tuple[State, float | None, str]:
     return state, wait, str(status or ("ready" if state is State.READY else "not ready"))
 
 
+def server_timing(value: str | None) -> dict[str, float]:
+    """`server-timing: total;dur=12.5, queue;dur=0.3` -> {"total": 0.0125, "queue": 0.0003} (seconds): the
+    entries with a readable `dur`, by name; {} when absent."""
+    parts: dict[str, float] = {}
+    for metric in (value or "").split(","):
+        name, _, params = metric.strip().partition(";")
+        for param in params.split(";"):
+            key, _, dur = param.strip().partition("=")
+            if key == "dur":
+                try:
+                    parts[name.strip()] = float(dur) / 1000
+                except ValueError:
+                    pass
+    return parts
+
+
 def server_timing_s(value: str | None) -> float | None:
     """`server-timing: total;dur=12.5` -> 0.0125 (seconds); None when absent or unreadable."""
-    if not value:
-        return None
+    return server_timing(value).get("total")
     for metric in value.split(","):
         name, _, params = metric.strip().partition(";")
         if name.strip() != "total":

@@ -81,14 +81,14 @@ class Job:
     tenant: str = ""  # fairness across tenants of one class (core/batching.py) and per-tenant metrics
     admitted_at: float = 0.0  # time.monotonic() at admission (queue wait is measured from here)
     trace: RequestTrace | None = None  # its spans, when tracing is on and it is sampled (tracing.py)
-    dequeued_at: float | None = None  # time.monotonic() when its first input was taken, then when it started
+    started_at: float | None = None  # time.monotonic() when its first batch started on the engine
     inference_s: float = 0.0  # engine time of the batches its inputs ran in, each batch counted once
-    _last_batch: float = 0.0  # the start (perf_counter) of the last batch counted in inference_s
+    _last_batch: float | None = None  # the start (perf_counter) of the last batch counted in inference_s
 
     @property
     def queue_s(self) -> float:
-        """Seconds from admission until its first input went to the engine (0 while still queued)."""
-        return 0.0 if self.dequeued_at is None else self.dequeued_at - self.admitted_at
+        """Seconds from admission until its first batch started on the engine (0 until one has run)."""
+        return 0.0 if self.started_at is None else self.started_at - self.admitted_at
 
 
 @dataclass(eq=False, slots=True)
@@ -402,8 +402,6 @@ class BatchManager:
         for item in batch:
             job = item.job
             self._served[job.tenant] = self._served.get(job.tenant, 0.0) + item.length
-            if job.dequeued_at is None:
-                job.dequeued_at = now
             if job.trace is not None:
                 job.trace.dequeued()
         for job in {item.job: None for item in batch if item.job.queued_items == 0}:
@@ -577,8 +575,8 @@ class BatchManager:
             if job.future.done():
                 continue
             if job._last_batch != started:
-                if not job._last_batch:
-                    job.dequeued_at = on_engine
+                if job._last_batch is None:
+                    job.started_at = on_engine
                 job._last_batch = started
                 job.inference_s += ended - started - paused
             job.results[item.index] = row
