@@ -69,6 +69,31 @@ def test_a_deadline_refuses_even_on_an_empty_queue():
     assert decide(0, 10_000, 1_000.0, 5.0).admit, "an empty queue always admits by the bound"
 
 
+def test_queue_gauges_are_read_when_scraped():
+    """The queue gauges are the batch manager's state at the moment of the scrape (set_function), not a
+    copy refreshed on every submit and batch: nothing on the request path updates them."""
+
+    async def scenario() -> None:
+        metrics = RuntimeMetrics()
+        with ThreadPoolExecutor(1) as pool:
+            bm = BatchManager(lambda batch: batch, 16384, 2, 10**6, metrics.for_model("m"), pool)
+            bm.seed_rate(1000, 1.0)
+
+            def scraped(name: str) -> float | None:
+                return metrics.registry.get_sample_value(name, {"model": "m"})
+
+            assert (scraped("embedfleet_queue_tokens"), scraped("embedfleet_queue_requests")) == (0, 0)
+            job = bm.submit([[1] * 100, [1] * 300], urgent=False)
+            assert (scraped("embedfleet_queue_tokens"), scraped("embedfleet_queue_requests")) == (400, 1)
+            assert scraped("embedfleet_expected_wait_seconds") == pytest.approx(bm.expected_wait())
+            assert scraped("embedfleet_expected_wait_seconds") == pytest.approx(0.4)
+            bm.cancel(job)
+            assert (scraped("embedfleet_queue_tokens"), scraped("embedfleet_queue_requests")) == (0, 0)
+            assert scraped("embedfleet_expected_wait_seconds") == 0
+
+    asyncio.run(scenario())
+
+
 def test_running_totals_follow_submit_take_and_drop():
     """The figures admission reads on every submit are kept, never recounted from the queue."""
 

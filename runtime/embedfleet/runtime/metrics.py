@@ -7,8 +7,10 @@ Each server owns its registry so tests can run several apps in one process.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -120,7 +122,9 @@ class RuntimeMetrics:
     def for_model(self, name: str) -> ModelMetrics:
         """The per-model series (label `model`), so each model's queue is visible on its own."""
         shed = {f"shed_{reason}": self.shed.labels(name, reason) for reason in SHED_REASONS}
-        per_tenant = {"queue_wait": lambda tenant: self.queue_wait.labels(name, tenant)}
+        # memoized: `labels()` takes a lock and builds its key on every call, and this one is on every
+        # request's path (tenants are bounded by the keys file)
+        per_tenant = {"queue_wait": functools.cache(partial(self.queue_wait.labels, name))}
         return ModelMetrics(**{f: getattr(self, f).labels(name) for f in ModelMetrics.__dataclass_fields__
                                if not f.startswith("shed_") and f not in per_tenant}, **shed, **per_tenant)
 

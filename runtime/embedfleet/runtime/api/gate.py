@@ -64,6 +64,8 @@ class Gate:
         self.known_paths = known_paths
         self.refusing_all = refusing_all
         self.expected_wait = expected_wait
+        metrics.requests_in_flight.set_function(lambda: state.in_flight)  # read when scraped
+        self._durations = {path: metrics.request_duration.labels(path) for path in (*known_paths, "other")}
 
     async def _refuse(self, send, status: int, message: str, code: str,
                       extra: list[tuple[bytes, bytes]] | None = None, kind: str | None = None) -> None:
@@ -157,7 +159,6 @@ class Gate:
             scope, scope["path"] if scope["path"] in self.known_paths else "other", scope[TENANT].name)
         timing = RequestTiming().begin()
         self.state.in_flight += 1
-        self.metrics.requests_in_flight.set(self.state.in_flight)
         start = time.perf_counter()
         try:
             await self.app(scope, counted_receive, tracked_send)
@@ -170,9 +171,7 @@ class Gate:
             if trace is not None:
                 trace.end()
             self.state.in_flight -= 1
-            self.metrics.requests_in_flight.set(self.state.in_flight)
-            route = scope["path"] if scope["path"] in self.known_paths else "other"
-            self.metrics.request_duration.labels(route).observe(time.perf_counter() - start)
+            self._durations.get(scope["path"], self._durations["other"]).observe(time.perf_counter() - start)
 
 
 def is_startup_probe(scope) -> bool:

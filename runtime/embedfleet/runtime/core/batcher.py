@@ -153,6 +153,12 @@ class BatchManager:
         self._engine_loop: asyncio.AbstractEventLoop | None = None
         metrics.max_batch_requests.set(max_batch_requests)
         metrics.max_batch_tokens.set(max_batch_tokens)
+        # Read when scraped, not kept up to date on every submit and batch: a single query on a busy
+        # CPU paid for three gauge updates (and an expected-wait computation) several times on its
+        # path, and a scrape now sees the state of that moment exactly.
+        metrics.queue_tokens.set_function(lambda: self._queued_tokens)
+        metrics.queue_requests.set_function(lambda: self._queued_jobs)
+        metrics.expected_wait.set_function(self.expected_wait)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -271,7 +277,6 @@ class BatchManager:
             self._urgent_arrivals = self.urgent_arrival_rate(now) * ARRIVALS_WINDOW_S + tokens
             self._arrivals_at = now
         self._queued_jobs += 1
-        self._update_gauges()
         self._schedule_kick()
         return job
 
@@ -314,14 +319,8 @@ class BatchManager:
         if job.queued_items:
             self._queued_jobs -= 1
         job.queued_tokens = job.queued_items = 0
-        self._update_gauges()
 
     # -- scheduler -------------------------------------------------------------------------
-    def _update_gauges(self) -> None:
-        self.metrics.queue_tokens.set(self._queued_tokens)
-        self.metrics.queue_requests.set(self._queued_jobs)
-        self.metrics.expected_wait.set(self.expected_wait())
-
     def _budget(self, entries: list[Entry]) -> int:
         """Urgent batches may use the whole token budget; bulk ones are cut to `bulk_batch_seconds` of
         measured engine time, so a query arriving mid-backfill never waits behind a long batch. While
@@ -406,7 +405,6 @@ class BatchManager:
                 job.trace.dequeued()
         for job in {item.job: None for item in batch if item.job.queued_items == 0}:
             self.metrics.queue_wait(job.tenant or "default").observe(now - job.admitted_at)
-        self._update_gauges()
 
     def _schedule_kick(self) -> None:
         """Plan on the next loop turn, not now: requests tokenized in the same turn share the batch.
@@ -624,11 +622,9 @@ class BatchManager:
         self.metrics.engine_busy.inc(ended - started - paused)
         if not scheduled:  # run during a pause: its own time only (the pause is not the bulk batch's)
             self._observe(tokens, ended - started)
-            self._update_gauges()
             return
         # The drain rate counts the gap since the previous batch when work was already waiting then:
         # time the event loop spent before it could plan this batch drains nothing either.
         since = self._last_end if self._last_end is not None else started
         self._observe(tokens, ended - since - paused)
         self._last_end = ended if self._queued_tokens else None
-        self._update_gauges()
