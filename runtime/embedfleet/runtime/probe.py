@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +48,7 @@ def through_batcher(batcher: BatchManager) -> Execute:
     return execute
 
 
-def on_engine_thread(run: Callable[[list], Rows], engine_thread: ThreadPoolExecutor, max_requests: int,
+def on_engine_thread(run: Callable[[list], Rows], engine_thread: Executor, max_requests: int,
                      max_tokens: int) -> Execute:
     """Straight onto the engine thread in batches within --max-batch-requests and --max-batch-tokens (a
     model not serving yet: nothing else is queued)."""

@@ -12,7 +12,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,6 +21,7 @@ from embedfleet.compat.gate import ProbeOutputs
 from embedfleet.compat.names import split_model, with_revision
 from embedfleet.runtime import probe as probing
 from embedfleet.runtime.core.batcher import BatchManager, DeadlineUnmet, QueueFull
+from embedfleet.runtime.core.engine_thread import EngineThread
 from embedfleet.runtime.core.quantize import CALIBRATION_TEXTS, Calibration, calibration_file
 from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
 from embedfleet.runtime.drift import DriftMonitor
@@ -89,7 +89,7 @@ class ModelService:
         self.engine: Engine | None = None
         self.tokenizer: TokenizerPool | None = None
         self.batcher: BatchManager | None = None
-        self.engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{entry.name}")
+        self.engine_thread = EngineThread(f"engine-{entry.name}")
         self.vector_cache = None  # an asyncq.cache.VectorCache when --cache-enabled (embedding models only)
         self.calibration: Calibration | None = None  # int8/uint8 ranges (core/quantize.py): see calibrated()
         self._calibrating = asyncio.Lock()

@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,7 +104,7 @@ class Item:
 
 class BatchManager:
     def __init__(self, engine_fn: EngineFn, max_batch_tokens: int, max_batch_requests: int,
-                 max_queue_tokens: int, metrics: ModelMetrics, engine_thread: ThreadPoolExecutor,
+                 max_queue_tokens: int, metrics: ModelMetrics, engine_thread: Executor,
                  overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, bulk_batch_seconds: float = 0.0,
                  shared_batch_seconds: float = 0.0, urgent_wait_s: float = 0.0) -> None:
         self.engine_fn = engine_fn
@@ -123,7 +123,9 @@ class BatchManager:
         self._queued_jobs = 0
         self._running_tokens = 0  # in the engine now
         self._seq = 0
-        self._engine = engine_thread  # the one thread that ever touches the model (see ModelService.load)
+        # the one thread that ever touches the model (see ModelService.load); an EngineThread hands a batch
+        # over without a Future (core/engine_thread.py), any other Executor with one
+        self._post = getattr(engine_thread, "post", None) or engine_thread.submit
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); None: nothing is dispatched
         self._busy = False  # a batch is on the engine thread
         self._kick_pending = False  # a _kick is scheduled on the loop
@@ -436,7 +438,7 @@ class BatchManager:
                 self._accepting = True  # the engine thread ends it, under the lock, when the batch is done
         self._bulk_running = bulk
         self._running(batch)
-        self._engine.submit(self._compute, self._loop, batch, inputs)
+        self._post(self._compute, self._loop, batch, inputs)
         self._busy = True  # after submit: _finish runs on this loop, so never before this line
         self._account(batch)
         if bulk and self._urgent_tokens:  # promoted work, or urgent work the planner left for a tenant's turn
