@@ -102,6 +102,12 @@ class Item:
         return len(self.job.inputs[self.index])
 
 
+def as_rows(results: list[np.ndarray]) -> np.ndarray:
+    """A job's rows as one array; a lone row (the single query) as a view, without `np.stack`'s
+    Python-level checks on the path from the engine to the answer."""
+    return results[0][np.newaxis] if len(results) == 1 else np.stack(results)
+
+
 class BatchManager:
     def __init__(self, engine_fn: EngineFn, max_batch_tokens: int, max_batch_requests: int,
                  max_queue_tokens: int, metrics: ModelMetrics, engine_thread: Executor,
@@ -582,7 +588,7 @@ class BatchManager:
             job.results[item.index] = row
             job.remaining -= 1
             if job.remaining == 0:
-                job.future.set_result(np.stack(job.results) if isinstance(rows, np.ndarray) else job.results)
+                job.future.set_result(as_rows(job.results) if isinstance(rows, np.ndarray) else job.results)
 
     def _after(self, batch: list[Item], inputs: list, started: float, ended: float, paused: float,
                scheduled: bool) -> None:

@@ -12,8 +12,8 @@ def finish(vectors: np.ndarray, normalize: bool, dimensions: int | None) -> np.n
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-    if normalize:
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    if normalize:  # ufuncs only: np.linalg.norm's Python-level checks cost more than the sum on one query
+        norms = np.sqrt(np.add.reduce(vectors * vectors, axis=1, keepdims=True))
         vectors = vectors / np.maximum(norms, 1e-12)
     return vectors
 
