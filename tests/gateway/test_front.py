@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 server (gateway/front.py), over real loopback sockets, read by h11 (httpx's own
+"""The gateway's HTTP/1.1 server (front.py), over real loopback sockets, read by h11 (httpx's own
 parser) so that our framing is checked by an independent implementation.
 
 What the gateway relies on: keep-alive and pipelined requests answered in order; bodies by length or
@@ -18,7 +18,7 @@ import h11
 import orjson
 import pytest
 
-from embedfleet.gateway.front import Call, Front, Reply, json_reply
+from embedfleet.front import Call, Front, Reply, json_reply
 
 LIMIT = 1000
 PATIENCE_S = 20  # how long a test waits for what must happen: only so that a broken server cannot hang it

@@ -33,9 +33,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from embedfleet.front import Front
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.fleet import Fleet
-from embedfleet.gateway.front import Front
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
 from embedfleet.gateway.tracing import GatewayTracing

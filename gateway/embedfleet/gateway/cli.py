@@ -23,6 +23,7 @@ import sys
 
 import aiohttp
 
+from embedfleet.front import Front
 from embedfleet.gateway.config import (
     BALANCES,
     ConfigError,
@@ -33,7 +34,6 @@ from embedfleet.gateway.config import (
     parse_vector_spaces,
 )
 from embedfleet.gateway.fleet import Fleet
-from embedfleet.gateway.front import Front
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
 from embedfleet.gateway.tracing import GatewayTracing, TracingConfigError, exporters, provider_from_env

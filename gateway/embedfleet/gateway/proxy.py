@@ -31,12 +31,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
 from embedfleet.compat.names import split_model
+from embedfleet.front import JSON, Call, Reply, Stream, json_reply
 from embedfleet.gateway.classes import input_count, is_bulk
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.eject import is_failure
 from embedfleet.gateway.errors import Refused, error_reply
 from embedfleet.gateway.fleet import Deployment, Fleet, Ticket
-from embedfleet.gateway.front import JSON, Call, Reply, Stream, json_reply
 from embedfleet.gateway.metrics import UNKNOWN, GatewayMetrics
 from embedfleet.gateway.pick import State, pick
 from embedfleet.gateway.pinning import HEADER_VECTOR_SPACE, is_mismatch

@@ -1,8 +1,12 @@
-"""`embedfleet serve`: settings -> service -> app -> uvicorn, with a graceful drain on SIGTERM.
+"""`embedfleet serve`: settings -> service -> app -> embedfleet's HTTP server, with a graceful drain on SIGTERM.
 
-Kubernetes sends SIGTERM and keeps routing for a moment; uvicorn alone would close the socket at
-once. We first turn /ready false and answer new work with 503, let accepted requests finish
-(bounded by --drain-timeout), and only then let uvicorn shut down and exit 0.
+The ASGI application (api/app.py) is served by front.py through runtime/asgi.py rather than uvicorn:
+the single-query path is short enough that the server's own layers show (bench/fastpath.py).
+
+Kubernetes sends SIGTERM and keeps routing for a moment; closing the socket at once would fail
+requests still being routed here. We first turn /ready false and answer new work with 503, let
+accepted requests finish (bounded by --drain-timeout), and only then stop listening and exit 0.
+SIGINT stops at once, still letting requests in flight finish within --drain-timeout.
 """
 
 from __future__ import annotations
@@ -10,16 +14,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import signal
 import sys
+from collections.abc import Coroutine
 
-import uvicorn
-
+from embedfleet.front import Call, Front, Reply
 from embedfleet.otel import TracingConfigError, exporters, provider_from_env
 from embedfleet.runtime.api.app import create_app
+from embedfleet.runtime.api.errors import error_body
 from embedfleet.runtime.api.gate import GateState
+from embedfleet.runtime.asgi import AsgiHandler, Lifespan
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.service import Models
 from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments, settings_or_exit_code
@@ -28,26 +33,42 @@ from embedfleet.runtime.tracing import RuntimeTracing
 log = logging.getLogger("embedfleet.serve")
 
 
-class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, gate: GateState, drain_timeout: float) -> None:
-        super().__init__(config)
+class Server:
+    """The application on front.py, with a graceful drain on SIGTERM and a clean stop on SIGINT."""
+
+    def __init__(self, app, settings: RuntimeSettings, gate: GateState, metrics: RuntimeMetrics) -> None:
+        self.app = app
+        self.settings = settings
         self.gate = gate
-        self.drain_timeout = drain_timeout
-        self._drain: asyncio.Task | None = None
+        self.metrics = metrics
+        self.stop = asyncio.Event()
         self.failed = False
+        self._drain: asyncio.Task | None = None
 
-    def handle_exit(self, sig: int, frame) -> None:
-        if sig == signal.SIGTERM and self._drain is None and not self.should_exit:
-            self.gate.draining = True
-            log.info("SIGTERM: draining %d in-flight requests (up to %.0fs)", self.gate.in_flight,
-                     self.drain_timeout)
-            self._drain = asyncio.get_event_loop().create_task(self._drain_then_exit())
+    def load_failed(self) -> None:
+        self.failed = True
+        self.stop.set()
+
+    def oversized(self, call: Call) -> Reply:
+        """A body over --payload-limit, in the runtime's error shape (the gate's own 413 for bodies it reads)."""
+        limit = self.settings.payload_limit
+        self.metrics.errors.labels("413").inc()
+        size = f"request body of {call.oversized} bytes is" if call.oversized and call.oversized > 0 else \
+            "request body is"
+        return Reply(413, error_body(413, f"{size} over the payload limit of {limit} bytes", "payload_too_large"),
+                     [("content-type", "application/json")])
+
+    def on_sigterm(self) -> None:
+        if self._drain is not None or self.stop.is_set():
             return
-        super().handle_exit(sig, frame)
+        self.gate.draining = True
+        log.info("SIGTERM: draining %d in-flight requests (up to %.0fs)", self.gate.in_flight,
+                 self.settings.drain_timeout)
+        self._drain = asyncio.get_running_loop().create_task(self._drain_then_stop())
 
-    async def _drain_then_exit(self) -> None:
+    async def _drain_then_stop(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.drain_timeout
+        deadline = loop.time() + self.settings.drain_timeout
         # a 20 ms poll is simpler than threading an Event through the gate, and costs nothing here
         while self.gate.in_flight > 0 and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
@@ -55,12 +76,37 @@ class DrainingServer(uvicorn.Server):
             log.warning("drain timeout: %d requests still in flight", self.gate.in_flight)
         else:
             log.info("drained; shutting down")
-        self.should_exit = True
+        self.stop.set()
 
-    async def shutdown(self, sockets=None) -> None:
-        await super().shutdown(sockets)
-        if self.gate.tracing is not None:  # the spans still buffered go out now: uvicorn ends the process by
-            await asyncio.to_thread(self.gate.tracing.shutdown)  # re-raising the signal once this returns
+    async def serve(self) -> None:
+        s = self.settings
+        lifespan = Lifespan(self.app)
+        await lifespan.startup()
+        front = Front(AsgiHandler(self.app, self.oversized, (s.host, s.port), access_log=s.log_level == "debug"),
+                      s.payload_limit, idle_timeout_s=s.keep_alive_seconds, cancel_on_disconnect=False)
+        loop = asyncio.get_running_loop()
+        try:
+            await front.start(s.host, s.port)
+            log.info("listening on http://%s:%d", s.host, front.port)
+            loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
+            loop.add_signal_handler(signal.SIGINT, self.stop.set)
+            await self.stop.wait()
+        finally:
+            # Accepted requests finish (bounded by --drain-timeout); new connections are refused from here.
+            await front.close(grace_s=s.drain_timeout)
+            if self.gate.tracing is not None:  # the spans still buffered go out now
+                await asyncio.to_thread(self.gate.tracing.shutdown)
+            await lifespan.shutdown()
+
+
+def run_loop(main: Coroutine) -> None:
+    """On uvloop where installed (it is with the runtime's dependencies), else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,18 +149,9 @@ def run(args: argparse.Namespace) -> int:
     metrics = RuntimeMetrics()
     gate = GateState(tracing=tracing)
     models = Models(settings, metrics)
-    config = uvicorn.Config(None, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.log_level == "debug", timeout_graceful_shutdown=settings.drain_timeout,
-                            timeout_keep_alive=math.ceil(settings.keep_alive_seconds))
-    server = DrainingServer(config, gate, settings.drain_timeout)
-
-    def load_failed() -> None:
-        server.failed = True
-        server.should_exit = True
-
-    config.app = create_app(models, gate, on_load_failed=load_failed)
-    config.loaded = False
-    server.run()
+    server = Server(None, settings, gate, metrics)
+    server.app = create_app(models, gate, on_load_failed=server.load_failed)
+    run_loop(server.serve())
     if server.failed:
         print(f"embedfleet serve: model failed to load: {models.load_error}", file=sys.stderr)
         return 1

@@ -1,28 +1,31 @@
-"""The gateway's HTTP/1.1 server: an asyncio protocol parsing requests with httptools, and nothing else
-between the socket and the proxy.
+"""embedfleet's HTTP/1.1 server: an asyncio protocol parsing requests with httptools, and nothing else
+between the socket and the handler. The gateway serves its proxy with it, and the runtime its ASGI
+application (runtime/asgi.py), in place of uvicorn.
 
-Why not aiohttp's server, the gateway's front until now: issue 15 allows the gateway 0.5 ms at
-concurrency 1, and bench/gateway_floor.py measured what each layer of a Python proxy costs here: a raw
-httptools protocol passing bytes 0.22-0.26 ms, uvicorn with a bare ASGI app 0.39-0.44 ms, an aiohttp
-application with one route 0.54-0.55 ms. aiohttp's server alone used the whole budget. The client side
-of the hop was replaced for the same reason earlier (wire.py); this is the other side.
+Why not an off-the-shelf server: issue 15 allows the gateway 0.5 ms at concurrency 1, and
+bench/gateway_floor.py measured what each layer of a Python proxy costs here: a raw httptools protocol
+passing bytes 0.22-0.26 ms, uvicorn with a bare ASGI app 0.39-0.44 ms, an aiohttp application with one
+route 0.54-0.55 ms. aiohttp's server alone used the whole budget. The runtime's single query (issue 14)
+pays the same difference (bench/fastpath.py).
 
-What the gateway needs of a server, and so what this does:
+What a server of ours needs, and so what this does:
 - keep-alive and pipelining: one connection's requests are answered in order, one at a time;
-- request bodies by Content-Length or chunked, bounded by --payload-limit. An oversized request is
-  still handed to the proxy, marked `oversized`, so that the proxy refuses it with its own 413 and
-  counts it; a declared length over the limit is refused before its body is read, and the connection
+- request bodies by Content-Length or chunked, bounded by the payload limit. An oversized request is
+  still handed to the handler, marked `oversized`, so that it is refused with the handler's own 413 and
+  counted; a declared length over the limit is refused before its body is read, and the connection
   closes after the refusal (the rest of the body is never read);
 - `Expect: 100-continue` (curl sends it for bodies over 1 KiB) answered before the body is read;
 - heads bounded (431), malformed requests answered 400, and the connection closed after either;
-- the handler cancelled when its client goes away, as aiohttp's `handler_cancellation` did: a held
-  request whose client left stops counting;
+- a client that goes away: by default its handler is cancelled, as aiohttp's `handler_cancellation`
+  did (a held request whose client left stops counting); with `cancel_on_disconnect=False` the
+  handler runs on and `Call.disconnected()` resolves instead (ASGI's `http.disconnect`: the runtime
+  drops the client's queued work itself and counts it);
 - answers whole (`Reply`) or streamed (`Call.stream`) with back-pressure (the transport's
   pause_writing), chunked when their length is not known;
-- idle keep-alive connections closed after IDLE_TIMEOUT_S; `close()` closes idle ones at once and
+- idle keep-alive connections closed after `idle_timeout_s`; `close()` closes idle ones at once and
   busy ones once their answer is out.
 
-It speaks plain HTTP/1.1 only: TLS ends in front of the gateway (its Service, an Ingress, a Gateway).
+It speaks plain HTTP/1.1 only: TLS ends in front of it (a Service, an Ingress, a Gateway).
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ def json_reply(doc: object, status: int = 200, headers: Iterable[tuple[str, str]
 class Call:
     """One request: what the proxy reads of it, and the way to stream an answer back."""
 
-    __slots__ = ("_conn", "_query", "body", "headers", "keep_alive", "method", "oversized", "path", "query_string",
-                 "raw_path", "sent", "version")
+    __slots__ = ("_conn", "_gone", "_query", "body", "headers", "keep_alive", "method", "oversized", "path",
+                 "query_string", "raw_headers", "raw_path", "sent", "version")
 
     def __init__(self, conn: _Connection, method: str, raw_path: str, path: str, query_string: str,
                  headers: CIMultiDict[str], version: str, keep_alive: bool) -> None:
@@ -84,7 +87,27 @@ class Call:
         self.body = b""
         self.oversized: int | None = None  # over --payload-limit: its declared length, or -1 (chunked)
         self.sent: Reply | None = None  # answered by `send` before the handler returned
+        self.raw_headers: list[tuple[bytes, bytes]] = []  # as received, names lower-cased (ASGI's form)
         self._query: MultiDict[str] | None = None
+        self._gone: asyncio.Future[None] | None = None
+
+    @property
+    def peer(self) -> tuple[str, int] | None:
+        """The client's address and port, as the socket has it."""
+        return self._conn.peer
+
+    async def disconnected(self) -> None:
+        """Resolves when the client's connection closes (with `cancel_on_disconnect=False`; else the
+        handler is cancelled first)."""
+        if self._conn.closed:
+            return
+        if self._gone is None:
+            self._gone = self._conn.loop.create_future()
+        await asyncio.shield(self._gone)
+
+    def _went_away(self) -> None:
+        if self._gone is not None and not self._gone.done():
+            self._gone.set_result(None)
 
     @property
     def query(self) -> MultiDict[str]:
@@ -144,9 +167,12 @@ class Stream:
 class Front:
     """The server: its listening socket and its connections."""
 
-    def __init__(self, handler: Handler, payload_limit: int) -> None:
+    def __init__(self, handler: Handler, payload_limit: int, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 cancel_on_disconnect: bool = True) -> None:
         self.handler = handler
         self.payload_limit = payload_limit
+        self.idle_timeout_s = idle_timeout_s
+        self.cancel_on_disconnect = cancel_on_disconnect
         self.connections: set[_Connection] = set()
         self.closing = False
         self._server: asyncio.base_events.Server | None = None
@@ -156,16 +182,16 @@ class Front:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=backlog,
                                                 reuse_address=True)
-        self._sweeper = loop.call_later(IDLE_SWEEP_S, self._sweep)
+        self._sweeper = loop.call_later(min(IDLE_SWEEP_S, self.idle_timeout_s), self._sweep)
 
     def _sweep(self) -> None:
-        """Close the connections idle for IDLE_TIMEOUT_S: one timer for all, rather than one per request."""
-        cutoff = time.monotonic() - IDLE_TIMEOUT_S
+        """Close the connections idle for `idle_timeout_s`: one timer for all, rather than one per request."""
+        cutoff = time.monotonic() - self.idle_timeout_s
         for conn in list(self.connections):
             if conn.idle() and conn.last_active < cutoff:
                 conn.close()
         if not self.closing:
-            self._sweeper = asyncio.get_running_loop().call_later(IDLE_SWEEP_S, self._sweep)
+            self._sweeper = asyncio.get_running_loop().call_later(min(IDLE_SWEEP_S, self.idle_timeout_s), self._sweep)
 
     @property
     def port(self) -> int:
@@ -201,6 +227,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.queue: collections.deque[Call | Reply] = collections.deque()
         self.task: asyncio.Task[None] | None = None
+        self.current: Call | None = None  # the request being answered
+        self.peer: tuple[str, int] | None = None
         self.closed = False
         self.stop_reading = False  # nothing more is parsed: an answer ends this connection
         self.streaming = False  # the current answer's head is out (Stream)
@@ -211,6 +239,7 @@ class _Connection(asyncio.Protocol):
         self._call: Call | None = None
         self._url = b""
         self._headers: list[tuple[str, str]] = []
+        self._raw_headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
@@ -243,6 +272,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) and len(peer) >= 2 else None
         self.front.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -267,7 +298,10 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self.front.connections.discard(self)
         if self.task is not None:
-            self.task.cancel()  # the client left: its request stops (and stops counting) now
+            if self.front.cancel_on_disconnect:
+                self.task.cancel()  # the client left: its request stops (and stops counting) now
+            elif self.current is not None:
+                self.current._went_away()
         if self._writable is not None and not self._writable.done():
             self._writable.set_exception(ConnectionResetError("the client closed the connection"))
             self._writable.exception()  # retrieved: nobody may be waiting
@@ -285,7 +319,7 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks
 
     def on_message_begin(self) -> None:
-        self._url, self._headers, self._head_bytes = b"", [], 0
+        self._url, self._headers, self._raw_headers, self._head_bytes = b"", [], [], 0
         self._body, self._body_bytes, self._call = [], 0, None
 
     def on_url(self, url: bytes) -> None:
@@ -294,6 +328,7 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._raw_headers.append((name.lower(), value))
         self._count_head(len(name) + len(value) + 4)
 
     def _count_head(self, n: int) -> None:
@@ -318,6 +353,7 @@ class _Connection(asyncio.Protocol):
         headers = CIMultiDict(self._headers)
         call = Call(self, parser.get_method().decode("latin-1"), raw_path, call_path, query, headers,
                     parser.get_http_version(), parser.should_keep_alive())
+        call.raw_headers = self._raw_headers
         self._call = call
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.front.payload_limit:
@@ -394,7 +430,7 @@ class _Connection(asyncio.Protocol):
                                      True) + item.body)
                     self._close_after_refusal()
                     return
-                call = item
+                call = self.current = item
                 self.streaming = False
                 try:
                     answer = await self.front.handler(call)
@@ -405,7 +441,7 @@ class _Connection(asyncio.Protocol):
                     if self.streaming:  # its head is out: the client must see it end
                         self.close()
                         return
-                    answer = call.sent or json_reply({"error": {"message": "internal error in the gateway",
+                    answer = call.sent or json_reply({"error": {"message": "internal error in the server",
                                                    "type": "server_error", "code": "internal_error"}}, 500)
                 if isinstance(answer, Reply):
                     if call.sent is None:
@@ -420,7 +456,7 @@ class _Connection(asyncio.Protocol):
                     self.close()
                     return
         finally:
-            self.task = None
+            self.task = self.current = None
             self.last_active = time.monotonic()
 
     def answer(self, call: Call, reply: Reply) -> None:
