@@ -43,7 +43,7 @@ import httptools
 import orjson
 from multidict import CIMultiDict, MultiDict
 
-log = logging.getLogger("embedfleet.gateway.front")
+log = logging.getLogger("embedfleet.front")
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers together; 431 beyond
 IDLE_TIMEOUT_S = 75.0  # an idle keep-alive connection is closed after this long (aiohttp's default)
@@ -74,7 +74,7 @@ def json_reply(doc: object, status: int = 200, headers: Iterable[tuple[str, str]
 
 
 class Call:
-    """One request: what the proxy reads of it, and the way to stream an answer back."""
+    """One request: what the handler reads of it, and the way to stream an answer back."""
 
     __slots__ = ("_conn", "_gone", "_query", "body", "headers", "keep_alive", "method", "oversized", "path",
                  "query_string", "raw_headers", "raw_path", "sent", "version")
@@ -172,6 +172,7 @@ class Front:
         self.handler = handler
         self.payload_limit = payload_limit
         self.idle_timeout_s = idle_timeout_s
+        self._sweep_every = min(IDLE_SWEEP_S, idle_timeout_s)
         self.cancel_on_disconnect = cancel_on_disconnect
         self.connections: set[_Connection] = set()
         self.closing = False
@@ -182,7 +183,7 @@ class Front:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=backlog,
                                                 reuse_address=True)
-        self._sweeper = loop.call_later(min(IDLE_SWEEP_S, self.idle_timeout_s), self._sweep)
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
 
     def _sweep(self) -> None:
         """Close the connections idle for `idle_timeout_s`: one timer for all, rather than one per request."""
@@ -191,7 +192,7 @@ class Front:
             if conn.idle() and conn.last_active < cutoff:
                 conn.close()
         if not self.closing:
-            self._sweeper = asyncio.get_running_loop().call_later(min(IDLE_SWEEP_S, self.idle_timeout_s), self._sweep)
+            self._sweeper = asyncio.get_running_loop().call_later(self._sweep_every, self._sweep)
 
     @property
     def port(self) -> int:

@@ -99,19 +99,6 @@ def server_timing(value: str | None) -> dict[str, float]:
 def server_timing_s(value: str | None) -> float | None:
     """`server-timing: total;dur=12.5` -> 0.0125 (seconds); None when absent or unreadable."""
     return server_timing(value).get("total")
-    for metric in value.split(","):
-        name, _, params = metric.strip().partition(";")
-        if name.strip() != "total":
-            continue
-        for param in params.split(";"):
-            key, _, dur = param.strip().partition("=")
-            if key == "dur":
-                try:
-                    return float(dur) / 1000
-                except ValueError:
-                    return None
-    return None
-
 
 class Upstreams:
     def __init__(self, session: aiohttp.ClientSession, *, poll_interval: float, held_poll_interval: float,

@@ -7,10 +7,9 @@ Each server owns its registry so tests can run several apps in one process.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -122,9 +121,11 @@ class RuntimeMetrics:
     def for_model(self, name: str) -> ModelMetrics:
         """The per-model series (label `model`), so each model's queue is visible on its own."""
         shed = {f"shed_{reason}": self.shed.labels(name, reason) for reason in SHED_REASONS}
-        # memoized: `labels()` takes a lock and builds its key on every call, and this one is on every
+        # memoized: `labels()` takes a lock and builds its key on every call, and these are on every
         # request's path (tenants are bounded by the keys file)
-        per_tenant = {"queue_wait": functools.cache(partial(self.queue_wait.labels, name))}
+        per_tenant = {"queue_wait": cache(partial(self.queue_wait.labels, name)),
+                      "tenant_requests": cache(lambda tenant: self.tenant_requests.labels(tenant, name)),
+                      "tenant_tokens": cache(lambda tenant: self.tenant_tokens.labels(tenant, name))}
         return ModelMetrics(**{f: getattr(self, f).labels(name) for f in ModelMetrics.__dataclass_fields__
                                if not f.startswith("shed_") and f not in per_tenant}, **shed, **per_tenant)
 
@@ -148,3 +149,5 @@ class ModelMetrics:
     shed_queue_tokens: Counter
     shed_deadline: Counter
     queue_wait: Callable[[str], Histogram]  # by tenant
+    tenant_requests: Callable[[str], Counter]  # by tenant
+    tenant_tokens: Callable[[str], Counter]  # by tenant

@@ -84,7 +84,6 @@ class ModelService:
         self.settings = settings
         self.metrics = metrics.for_model(entry.name)
         self._runtime_metrics = metrics
-        self._tenant_series: dict[str, tuple] = {}
         self.spec: ModelSpec | None = None
         self.engine: Engine | None = None
         self.tokenizer: TokenizerPool | None = None
@@ -330,20 +329,9 @@ class ModelService:
             if charged:  # the engine failed, or the client left: nothing was delivered
                 tenant.give_back(tokens)
             raise
-        requests, tokens_run = self._tenant_counters(name)
-        requests.inc()
-        tokens_run.inc(tokens)
+        self.metrics.tenant_requests(name).inc()
+        self.metrics.tenant_tokens(name).inc(tokens)
         return RunResult(rows, tokens)
-
-    def _tenant_counters(self, tenant: str):
-        """The tenant's request and token counters of this model, looked up once (`labels()` takes a lock
-        and builds its key on every call; tenants are bounded by the keys file)."""
-        counters = self._tenant_series.get(tenant)
-        if counters is None:
-            m = self._runtime_metrics
-            counters = self._tenant_series[tenant] = (m.tenant_requests.labels(tenant, self.name),
-                                                      m.tenant_tokens.labels(tenant, self.name))
-        return counters
 
     async def _rows(self, tokenized: list[Tokenized], urgent: bool,
                     disconnected: Callable[[], Awaitable[None]] | None, max_wait: float | None = None,

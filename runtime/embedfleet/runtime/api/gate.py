@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -65,7 +66,7 @@ class Gate:
         self.refusing_all = refusing_all
         self.expected_wait = expected_wait
         metrics.requests_in_flight.set_function(lambda: state.in_flight)  # read when scraped
-        self._durations = {path: metrics.request_duration.labels(path) for path in (*known_paths, "other")}
+        self._duration = cache(metrics.request_duration.labels)  # by route: looked up once each
 
     async def _refuse(self, send, status: int, message: str, code: str,
                       extra: list[tuple[bytes, bytes]] | None = None, kind: str | None = None) -> None:
@@ -171,7 +172,8 @@ class Gate:
             if trace is not None:
                 trace.end()
             self.state.in_flight -= 1
-            self._durations.get(scope["path"], self._durations["other"]).observe(time.perf_counter() - start)
+            route = scope["path"] if scope["path"] in self.known_paths else "other"
+            self._duration(route).observe(time.perf_counter() - start)
 
 
 def is_startup_probe(scope) -> bool:
