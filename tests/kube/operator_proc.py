@@ -40,6 +40,17 @@ def is_kopf_patch_precondition(event: AuditEvent) -> bool:
             and event.message == "the server rejected our request due to an error in our request")
 
 
+def deleted_before(event: AuditEvent, audit: Iterable[AuditEvent]) -> bool:
+    """A 404 on a patch or update of an object someone deleted earlier (by audit time): a controller that
+    read the object, then wrote to it after a delete it had not heard of yet. Every controller meets
+    this race; a 404 on something never deleted is still a failure."""
+    if event.code != 404 or event.verb not in ("patch", "update") or not event.name:
+        return False
+    return any(e.verb == "delete" and e.code < 300 and e.received <= event.received
+               and (e.resource, e.namespace, e.name) == (event.resource, event.namespace, event.name)
+               for e in audit)
+
+
 def render_chart(cluster: Cluster, release: str, namespace: str, values: Iterable[Path] = (),
                  sets: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     args = ["template", release, str(CHART), "-n", namespace]
@@ -101,13 +112,14 @@ class OperatorProcess:
 
     def unexpected_errors(self, allow: Iterable[tuple[int, str]] = ()) -> list[AuditEvent]:
         """403/409/422 (and other 4xx but the benign ones) answered to the operator, minus `allow`
-        pairs of (code, verb) or (code, resource)."""
+        pairs of (code, verb) or (code, resource), and minus writes that lost a race with a delete."""
         allowed = set(allow) | BENIGN
+        everything = self.cluster.audit()
         out = []
-        for event in self.requests():
+        for event in (e for e in everything if e.user == self.user):
             if event.code < 400 or event.code >= 500:
                 continue
-            if is_kopf_patch_precondition(event):
+            if is_kopf_patch_precondition(event) or deleted_before(event, everything):
                 continue
             if (event.code, event.verb) in allowed or (event.code, event.resource) in allowed:
                 continue

@@ -95,6 +95,14 @@ class Informer:
         with self._lock:
             return dict(self._items)
 
+    def holds(self, obj: Mapping[str, Any]) -> bool:
+        """Whether this very object (same key and uid) is still in the cache: False once its DELETED event
+        arrived, so a long round does not write to what was deleted meanwhile."""
+        meta = obj.get("metadata") or {}
+        with self._lock:
+            held = self._items.get(object_key(obj))
+        return held is not None and (held.get("metadata") or {}).get("uid") == meta.get("uid")
+
     @property
     def resource_version(self) -> str:
         return self._rv
@@ -133,7 +141,7 @@ class Informer:
         if response is not None:
             try:
                 response.shutdown()  # unblocks the watch's read at once
-            except (AttributeError, OSError):
+            except (AttributeError, OSError, ValueError):  # ValueError: urllib3's, when already shut (stop twice)
                 pass
         if self._thread is not None:
             self._thread.join(timeout)

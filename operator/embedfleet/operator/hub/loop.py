@@ -59,7 +59,7 @@ from embedfleet.operator.hub.autoscale import fleet_target
 from embedfleet.operator.hub.breaker import Breaker
 from embedfleet.operator.hub.errors import SPOKE_ERRORS, credential_problem, describe
 from embedfleet.operator.hub.health import Health, observe
-from embedfleet.operator.hub.informer import Informer, version_at_least
+from embedfleet.operator.hub.informer import Informer, object_key, version_at_least
 from embedfleet.operator.hub.policy_status import policy_statuses
 from embedfleet.operator.hub.propagate import Needs, needs_of, secret_copy
 from embedfleet.operator.kube import Kube, KubeError, up_to_date, user_agent
@@ -520,7 +520,7 @@ class HubLoop:
     def _write_cluster_status(self, fc: dict[str, Any], wanted: dict[str, Any]) -> None:
         changes = convert.status_changes(fc.get("status"), wanted)
         if changes:
-            self.hub.patch_status(FLEET_CLUSTER_KIND, fc["metadata"]["name"], None, changes)
+            self._patch_status("clusters", FLEET_CLUSTER_KIND, fc, changes)
 
     def _forget(self, names: Iterable[str]) -> None:
         """FleetClusters that were deleted: their links and informers stop."""
@@ -878,7 +878,7 @@ class HubLoop:
                                                                   _wall())}
             changes = convert.status_changes(status, wanted)
             if changes:
-                self.hub.patch_status(PLACEMENT_POLICY_KIND, name, None, changes)
+                self._patch_status("policies", PLACEMENT_POLICY_KIND, pp, changes)
 
     def _events(self, obj: dict[str, Any], old_rows: Mapping[str, Mapping[str, Any]], rows: list[dict[str, Any]],
                 placement: Placement) -> None:
@@ -911,10 +911,25 @@ class HubLoop:
 
     def _write_status(self, obj: dict[str, Any], wanted: dict[str, Any]) -> None:
         changes = convert.status_changes(obj.get("status"), wanted)
-        if changes:
-            meta = obj["metadata"]
-            self.hub.patch_status(ED, meta["name"], meta["namespace"], changes)
+        if changes and self._patch_status("deployments", ED, obj, changes):
             log.info("status of %s: %s", _key(obj), json.dumps(changes, sort_keys=True)[:2000])
+
+    def _patch_status(self, informer: str, kind: str, obj: dict[str, Any], changes: Mapping[str, Any]) -> bool:
+        """Patch a hub object's status; False when it is gone. A round reads a snapshot and then spends
+        time writing to spokes, so the object may have been deleted since: skip it once the watch said so,
+        and take the server's 404 (deleted between that check and the patch) as the same news, not as a
+        failed round."""
+        meta = obj["metadata"]
+        watching = self.informers.get(informer)
+        if watching is None or watching.holds(obj):
+            try:
+                self.hub.patch_status(kind, meta["name"], meta.get("namespace"), changes)
+                return True
+            except KubeError as exc:
+                if exc.status != 404:
+                    raise
+        log.info("%s %s was deleted during the round; its status is not written", kind, object_key(obj))
+        return False
 
     # ------------------------------------------------------------ thread
 
