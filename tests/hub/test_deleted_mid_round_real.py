@@ -11,7 +11,7 @@ import pytest
 
 from embedfleet.operator.hub.loop import HubLoop
 from embedfleet.operator.kube import Kube, load_client
-from tests.kube.controlplane import ROOT, ControlPlane, wait_until
+from tests.kube.controlplane import ControlPlane, wait_until
 from tests.operator.real import EXAMPLE
 
 NS = "embeddings"
@@ -24,9 +24,7 @@ def _deployment(name: str) -> dict:
 def test_a_status_write_for_an_object_deleted_mid_round(fresh_plane: ControlPlane,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     cluster = fresh_plane.add_cluster("hub", nodes=[], controllers=False)
-    for path in sorted((ROOT / "crds").glob("*.yaml")):
-        cluster.kubectl("apply", "-f", str(path))
-    cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    cluster.install_crds()
     cluster.kubectl("create", "namespace", NS)
     cluster.apply(_deployment("watched"), _deployment("unwatched"))
     hub = HubLoop(Kube(load_client(cluster.kubeconfig)), interval=1, ramp=0)

@@ -19,7 +19,7 @@ from embedfleet.operator.hub.loop import HubLoop
 from embedfleet.operator.kube import Kube, load_client
 from embedfleet.operator.spoke.heartbeat import GATEWAY_LOAD_ANNOTATION, LEASE_NAME, PROBLEM_ANNOTATION, Heartbeat
 from tests.gateway.conftest import start_gateway, wait_for
-from tests.kube.controlplane import ROOT, Cluster, ControlPlane, wait_until
+from tests.kube.controlplane import Cluster, ControlPlane, wait_until
 from tests.procs import free_port
 
 NS = "embedfleet-system"
@@ -43,9 +43,7 @@ def _round_until(hub: HubLoop, cluster: Cluster, status: str) -> dict:
 def test_a_refused_node_list_is_reported_not_swallowed(fresh_plane: ControlPlane, tmp_path: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     cluster = fresh_plane.add_cluster("spoke", nodes=[], controllers=False)
-    for path in sorted((ROOT / "crds").glob("*.yaml")):
-        cluster.kubectl("apply", "-f", str(path))
-    cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    cluster.install_crds()
     cluster.kubectl("create", "namespace", NS)
     # The spoke operator's identity: its leases, nothing about nodes (what the chart granted when this broke).
     cluster.kubectl("create", "serviceaccount", "spoke", "-n", NS)

@@ -286,6 +286,12 @@ class Cluster:
         text = "\n---\n".join(json.dumps(d) for d in docs)
         self.kubectl("apply", "-f", "-", input=text, kubeconfig=kubeconfig)
 
+    def install_crds(self) -> None:
+        """The project's CRDs (crds/), applied and Established."""
+        for path in sorted((ROOT / "crds").glob("*.yaml")):
+            self.kubectl("apply", "-f", str(path))
+        self.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+
     def get_json(self, *args: str) -> Any:
         done = self.kubectl("get", *args, "-o", "json", check=False)
         if done.returncode != 0:
