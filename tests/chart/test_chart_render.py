@@ -153,6 +153,10 @@ def test_values_yaml_and_schema_are_in_sync() -> None:
         ({"gateway.httpRoute.parentRefs[0].name": "gw", "gateway.httpRoute.parentRefs[0].port": "80"}, "port"),
         ({"gateway.httpRoute.pathPrefixes[0]": "v1"}, "pathPrefixes"),
         ({"gateway.httpRoute.requestTimeout": "90"}, "requestTimeout"),
+        ({"runtimeImage.tag": "no spaces"}, "tag"),
+        ({"runtimeImage.repository": "ghcr.io/embedfleet/runtime:1"}, "repository"),
+        ({"runtimeImage.repository": "docker.io/evil/runtime"},
+         "runtimeImage: docker.io/evil/runtime:0.1.0 is not allowed by platform.allowedImages (ghcr.io/embedfleet/)"),
     ],
     ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None,
 )
@@ -287,6 +291,32 @@ def test_role_region_and_namespaces_reach_the_operator() -> None:
     assert not by_kind(template([CI_VALUES["spoke"]], {"createWatchNamespaces": "false"}), "Namespace")
 
 
+def _runtime_image_env(objects: list[dict[str, Any]]) -> str:
+    (value,) = [e["value"] for e in operator_container(objects)["env"] if e["name"] == "EMBEDFLEET_RUNTIME_IMAGE"]
+    return value
+
+
+def test_the_default_runtime_image_is_the_app_versions_unless_set() -> None:
+    """EMBEDFLEET_RUNTIME_IMAGE: runtimeImage.repository with runtimeImage.tag, or appVersion when the tag is
+    empty (the default), so a chart upgrade moves deployments that name no image to its own runtime."""
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert DEFAULTS["runtimeImage"] == {"repository": "ghcr.io/embedfleet/runtime", "tag": ""}
+    assert _runtime_image_env(template()) == f"ghcr.io/embedfleet/runtime:{app_version}"
+    tagged = template(sets={"runtimeImage.tag": "0.2.0-rc1"})
+    assert _runtime_image_env(tagged) == "ghcr.io/embedfleet/runtime:0.2.0-rc1"
+    mirror = {"runtimeImage.repository": "mirror.example:5000/ml/runtime", "runtimeImage.tag": "v7",
+              "platform.allowedImages[0]": "mirror.example:5000/ml/"}
+    assert _runtime_image_env(template(sets=mirror)) == "mirror.example:5000/ml/runtime:v7"
+    # The platform's allow-list governs the default too: the same rules as the operator's.
+    exact = {"runtimeImage.tag": "v7", "platform.allowedImages[0]": "ghcr.io/embedfleet/runtime:v7"}
+    assert _runtime_image_env(template(sets=exact)) == "ghcr.io/embedfleet/runtime:v7"
+    repo = {"runtimeImage.tag": "v7", "platform.allowedImages[0]": "ghcr.io/embedfleet/runtime"}
+    assert _runtime_image_env(template(sets=repo)) == "ghcr.io/embedfleet/runtime:v7"
+    for allowed in ("ghcr.io/embedfleet", "ghcr.io/embedfleet/runtime:8", "ghcr.io/embedfleet/run"):
+        done = helm("template", "x", str(CHART), "--set", f"platform.allowedImages[0]={allowed}", check=False)
+        assert done.returncode != 0 and "is not allowed by platform.allowedImages" in done.stderr, allowed
+
+
 def test_without_leader_election_one_replica_is_replaced_not_rolled() -> None:
     objects = template(sets={"leaderElection.enabled": "false"})
     deployment = operator_deployment(objects)
@@ -390,6 +420,7 @@ def test_node_agent_daemonset_is_locked_down(role: str) -> None:
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     operator_env = {e["name"]: e.get("value") for e in operator_container(objects)["env"]}
     assert env["EMBEDFLEET_PLATFORM_POLICY"]["value"] == operator_env["EMBEDFLEET_PLATFORM_POLICY"]
+    assert env["EMBEDFLEET_RUNTIME_IMAGE"]["value"] == operator_env["EMBEDFLEET_RUNTIME_IMAGE"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert {"key": "node-role.kubernetes.io/control-plane", "operator": "DoesNotExist"} in terms[0]["matchExpressions"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]

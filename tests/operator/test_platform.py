@@ -107,7 +107,7 @@ def test_both_secret_references_follow_the_same_rules(field: str) -> None:
 
 
 def test_load_reads_the_charts_json_and_refuses_garbage() -> None:
-    assert platform.load({}) == PlatformPolicy()
+    assert platform.load({}) == PlatformPolicy(runtime_image=platform.BUILTIN_RUNTIME_IMAGE)
     policy = platform.load({platform.ENV: json.dumps({
         "allowedImages": ["r/"], "allowedTolerations": [{"key": "k"}], "cacheRoot": "/c",
         "secrets": {"allowed": False, "requiredLabels": {}}, "allowControlPlane": False})})
@@ -116,6 +116,39 @@ def test_load_reads_the_charts_json_and_refuses_garbage() -> None:
         platform.load({platform.ENV: "{not json"})
     with pytest.raises(SystemExit, match="not a valid platform policy"):
         platform.load({platform.ENV: json.dumps({"allowedImages": "r/", "bogus": 1})})
+
+
+def test_the_default_runtime_image_comes_from_the_chart_else_is_built_in() -> None:
+    assert platform.load({}).runtime_image == platform.BUILTIN_RUNTIME_IMAGE
+    assert platform.load({platform.RUNTIME_IMAGE_ENV: " "}).runtime_image == platform.BUILTIN_RUNTIME_IMAGE
+    loaded = platform.load({platform.RUNTIME_IMAGE_ENV: "mirror.example/runtime:3",
+                            platform.ENV: json.dumps({"allowedImages": ["mirror.example/"]})})
+    assert loaded.runtime_image == "mirror.example/runtime:3" and loaded.allowed_images == ["mirror.example/"]
+    assert platform.runtime_image("r/x:1", "r/y:2") == "r/x:1"
+    assert platform.runtime_image(None, "r/y:2") == "r/y:2"
+    assert platform.runtime_image(None, None) == platform.BUILTIN_RUNTIME_IMAGE
+
+
+def test_the_allow_list_applies_to_the_default_image_of_a_spec_that_names_none() -> None:
+    mirror_only = ["mirror.example/"]
+    refused = PlatformPolicy(allowed_images=mirror_only, runtime_image="ghcr.io/embedfleet/runtime:1")
+    (problem,) = platform.deployment_problems({"runtime": {}}, refused)
+    assert problem.startswith("spec.runtime.image: unset") and "'ghcr.io/embedfleet/runtime:1'" in problem
+    assert platform.deployment_problems({}, refused) == [problem]
+    # Named and allowed: the default does not matter.
+    assert platform.deployment_problems({"runtime": {"image": "mirror.example/runtime:1"}}, refused) == []
+    allowed = PlatformPolicy(allowed_images=mirror_only, runtime_image="mirror.example/runtime:1")
+    assert platform.deployment_problems({"runtime": {}}, allowed) == []
+    # A hub reading a spoke's published rules does not know the spoke's default: not checked there.
+    assert platform.deployment_problems({"runtime": {}}, PlatformPolicy(allowed_images=mirror_only)) == []
+
+
+def test_the_default_image_is_never_published_with_the_rules() -> None:
+    """A spoke's heartbeat carries its rules as JSON; hubs of another version must still read them."""
+    policy = platform.load({platform.RUNTIME_IMAGE_ENV: "mirror.example/runtime:3"})
+    published = policy.model_dump_json(by_alias=True)
+    assert "runtime" not in json.loads(published) and "runtimeImage" not in json.loads(published)
+    assert PlatformPolicy.model_validate_json(published).runtime_image is None
 
 
 def test_the_charts_defaults_are_the_operators_defaults() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from importlib import metadata
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from schema_helpers import k8s_model_problems
 
+from embedfleet.operator import platform
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.render import effective_replicas
@@ -183,6 +185,40 @@ def test_download_without_prepull_uses_an_init_container() -> None:
         "nodeSelectorTerms": [{"matchExpressions": NO_CONTROL_PLANE}]}}}
     allowed = render_with_root("minilm", "ml", "uid-1", spec_of(), cache_root=ROOT, allow_control_plane=True)
     assert "affinity" not in by_kind(allowed)["Deployment"]["spec"]["template"]["spec"]
+
+
+def _images(manifests: list[dict[str, Any]]) -> set[str]:
+    pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
+    return {c["image"] for c in pod["containers"] + pod.get("initContainers", [])}
+
+
+def test_the_specs_image_wins_over_the_platforms_default() -> None:
+    pinned = spec_of(runtime={"image": "registry.example/team/runtime:7"})
+    assert _images(render("m", "ml", "u", pinned, default_image="ghcr.io/embedfleet/runtime:9.9.9")) == {
+        "registry.example/team/runtime:7"}
+    assert _images(render("m", "ml", "u", pinned)) == {"registry.example/team/runtime:7"}
+
+
+def test_an_unset_image_is_the_platforms_default_else_the_builtin_one() -> None:
+    unset = spec_of()
+    assert unset.runtime.image is None
+    # The runtime and the model fetcher (init container) run the same image.
+    assert _images(render("m", "ml", "u", unset, default_image="mirror.example/runtime:2")) == {
+        "mirror.example/runtime:2"}
+    assert _images(render("m", "ml", "u", unset)) == {platform.BUILTIN_RUNTIME_IMAGE}
+    assert platform.BUILTIN_RUNTIME_IMAGE == f"ghcr.io/embedfleet/runtime:{metadata.version('embedfleet')}"
+
+
+def test_a_new_default_rolls_only_deployments_that_name_no_image() -> None:
+    """The Deployment's pod template changes with the default (the Deployment controller rolls it); a
+    pinned spec renders the same objects whatever the default."""
+    unset, pinned = spec_of(), spec_of(runtime={"image": "ghcr.io/embedfleet/runtime:0.0.9"})
+    a = render("m", "ml", "u", unset, default_image="ghcr.io/embedfleet/runtime:1")
+    b = render("m", "ml", "u", unset, default_image="ghcr.io/embedfleet/runtime:2")
+    assert by_kind(a)["Deployment"]["spec"]["template"] != by_kind(b)["Deployment"]["spec"]["template"]
+    assert by_kind(a)["ConfigMap"] == by_kind(b)["ConfigMap"]
+    assert render("m", "ml", "u", pinned, default_image="ghcr.io/embedfleet/runtime:1") == render(
+        "m", "ml", "u", pinned, default_image="ghcr.io/embedfleet/runtime:2")
 
 
 @pytest.mark.parametrize("required", [False, True])

@@ -10,10 +10,13 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+
+from embedfleet.operator import platform
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
@@ -132,13 +135,20 @@ def test_pushed_images_are_the_chart_and_operator_defaults() -> None:
 
 
 def _operator_runtime_defaults() -> set[str]:
-    """Every runtime image reference the operator defaults to: RuntimeSpec.image in its code, and the same
-    default in the generated CRDs (crds/ and the chart's copy), which the API server fills in."""
-    pattern = re.compile(r"""(?:["']|default: )(ghcr\.io/embedfleet/runtime(?::[\w.-]+)?)["'\s]""")
+    """Every runtime image a user gets without naming one: the chart's ``runtimeImage`` (an empty tag is
+    appVersion), which the operator runs for a spec with no image, and the operator's built-in default
+    when run without the chart (the runtime of its own version: pyproject.toml's ``version``). Neither the
+    operator's code nor the CRDs write a tag of their own (a CRD default would pin every object)."""
+    values = _load(CHART / "values.yaml")["runtimeImage"]
+    chart_default = f"{values['repository']}:{values['tag'] or _chart()['appVersion']}"
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert platform.RUNTIME_REPOSITORY == RUNTIME_REPOSITORY
+    builtin = f"{platform.RUNTIME_REPOSITORY}:{version}"
+    pattern = re.compile(r"ghcr\.io/embedfleet/runtime:[\w.-]+")
     sources = [*(ROOT / "operator").rglob("*.py"), *(ROOT / "crds").glob("*.yaml"), *(CHART / "crds").glob("*.yaml")]
-    refs = {ref for path in sources for ref in pattern.findall(path.read_text())}
-    assert refs, "no ghcr.io/embedfleet/runtime default found under operator/"
-    return refs
+    written = {f"{path.relative_to(ROOT)}: {ref}" for path in sources for ref in pattern.findall(path.read_text())}
+    assert written == set(), "a runtime tag written into the operator or the CRDs"
+    return {chart_default, builtin}
 
 
 def test_every_image_tag_derives_from_the_chart_app_version() -> None:

@@ -67,6 +67,25 @@ embedfleet.dev/role: {{ .Values.role | quote }}
 {{- fail (printf "leaderElection: need retryPeriod < renewDeadline < leaseDuration, got %v < %v < %v" $le.retryPeriod $le.renewDeadline $le.leaseDuration) -}}
 {{- end -}}
 {{- end -}}
+{{- /* The default runtime image must pass the platform's own allow-list (platform.image_allowed's rules),
+or every deployment that names no image would be refused. */ -}}
+{{- $image := include "embedfleet.runtimeImage" . -}}
+{{- $allowed := (.Values.platform | default dict).allowedImages | default list -}}
+{{- $ok := false -}}
+{{- range $entry := $allowed -}}
+{{- if or (eq $entry "*") (eq $image $entry) (and (hasSuffix "/" $entry) (hasPrefix $entry $image)) (and (not (hasSuffix "/" $entry)) (or (hasPrefix (printf "%s:" $entry) $image) (hasPrefix (printf "%s@" $entry) $image))) -}}
+{{- $ok = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $ok -}}
+{{- fail (printf "runtimeImage: %s is not allowed by platform.allowedImages (%s)" $image (join ", " $allowed)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The runtime image of deployments that name none (EMBEDFLEET_RUNTIME_IMAGE): runtimeImage.repository,
+tagged runtimeImage.tag or, when that is empty, the chart's appVersion. */ -}}
+{{- define "embedfleet.runtimeImage" -}}
+{{- printf "%s:%s" .Values.runtimeImage.repository (.Values.runtimeImage.tag | default .Chart.AppVersion) -}}
 {{- end -}}
 
 {{/*

@@ -9,6 +9,10 @@ them to the operator as JSON (``EMBEDFLEET_PLATFORM_POLICY``) and renders the *s
 the API server at ``kubectl apply`` and, where that policy is absent, by the operator's validation
 (``Accepted=False``, nothing created). tests/operator/test_tenant_real.py checks that the two agree.
 
+The platform also chooses the runtime image of every deployment that does not name one: the chart's
+``runtimeImage`` values (``EMBEDFLEET_RUNTIME_IMAGE``), else this package's own release of the runtime
+image. The allow-list applies to that image too, since it is what the pods run.
+
 Pure: no I/O. Secret labels need a read, so `secret_problems` takes the labels the caller fetched.
 """
 
@@ -17,12 +21,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from importlib import metadata
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 ENV = "EMBEDFLEET_PLATFORM_POLICY"
+#: The runtime image of deployments that name none (chart values runtimeImage.repository and .tag).
+RUNTIME_IMAGE_ENV = "EMBEDFLEET_RUNTIME_IMAGE"
+RUNTIME_REPOSITORY = "ghcr.io/embedfleet/runtime"
 DEFAULT_CACHE_ROOT = "/var/lib/embedfleet/cache"
 DEFAULT_IMAGE_PREFIX = "ghcr.io/embedfleet/"
 DEFAULT_SECRET_LABEL = "embedfleet.dev/tenant-secret"
@@ -30,6 +38,18 @@ DEFAULT_SECRET_LABEL = "embedfleet.dev/tenant-secret"
 SECRET_REF_FIELDS = ("apiKeySecret", "apiKeysSecret")
 #: Node labels that mark control-plane nodes; tenants' pods never target them.
 CONTROL_PLANE_LABELS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
+
+
+def _package_version() -> str:
+    try:
+        return metadata.version("embedfleet")
+    except metadata.PackageNotFoundError:  # a source tree run without installing it
+        return "latest"
+
+
+#: The runtime release that goes with this operator: its image is the default when neither the spec
+#: nor the platform names one.
+BUILTIN_RUNTIME_IMAGE = f"{RUNTIME_REPOSITORY}:{_package_version()}"
 
 
 class _Camel(BaseModel):
@@ -67,17 +87,33 @@ class PlatformPolicy(_Camel):
     allow_control_plane: bool = Field(
         default=False, description="May runtime pods and caches target control-plane nodes?"
     )
+    runtime_image: str | None = Field(
+        default=None,
+        min_length=1,
+        exclude=True,
+        description="The image of runtimes whose spec.runtime.image is unset (load() sets it). None: not "
+        "known here, as a hub reading a spoke's published rules (never part of them, so hubs and spokes "
+        "of other versions still read each other's), and then such a spec's image is not checked.",
+    )
 
 
 def load(environ: Mapping[str, str] | None = None) -> PlatformPolicy:
-    """The policy the chart passed in; the safe defaults above when run without one."""
-    raw = (os.environ if environ is None else environ).get(ENV, "").strip()
-    if not raw:
-        return PlatformPolicy()
+    """The policy the chart passed in (the safe defaults above when run without one), with the
+    platform's default runtime image: ``EMBEDFLEET_RUNTIME_IMAGE``, else BUILTIN_RUNTIME_IMAGE."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENV, "").strip()
+    image = environ.get(RUNTIME_IMAGE_ENV, "").strip() or BUILTIN_RUNTIME_IMAGE
     try:
-        return PlatformPolicy.model_validate(json.loads(raw))
+        policy = PlatformPolicy.model_validate(json.loads(raw)) if raw else PlatformPolicy()
     except (ValueError, ValidationError) as exc:
         raise SystemExit(f"{ENV} is not a valid platform policy: {exc}") from exc
+    return policy.model_copy(update={"runtime_image": image})
+
+
+def runtime_image(spec_image: str | None, default_image: str | None) -> str:
+    """The image a deployment's runtime pods run: its own ``spec.runtime.image`` when set, else the
+    platform's default, else the runtime release that goes with this operator."""
+    return spec_image or default_image or BUILTIN_RUNTIME_IMAGE
 
 
 # ---------------------------------------------------------------- single rules
@@ -155,15 +191,21 @@ def _pool_selectors(raw_cache: Mapping[str, Any] | None, where: str) -> list[tup
 def deployment_problems(raw_spec: Mapping[str, Any], policy: PlatformPolicy) -> list[str]:
     """Everything in an EmbeddingDeployment spec (camelCase, as stored) outside the allow-lists.
 
-    Works on the raw spec, like the admission policy does, so both see exactly the same fields.
+    Works on the raw spec, like the admission policy does, so both see exactly the same fields. An unset
+    image is the platform's default (``policy.runtime_image``), checked too: the operator never renders an
+    image the allow-list refuses.
     """
     problems: list[str] = []
     runtime = _get(raw_spec, "runtime") or {}
     image = runtime.get("image")
+    allowed = ", ".join(policy.allowed_images) or "none"
     if isinstance(image, str) and not image_allowed(image, policy.allowed_images):
+        problems.append(f"spec.runtime.image: {image!r} is not from a registry the platform allows ({allowed})")
+    elif image is None and policy.runtime_image and not image_allowed(policy.runtime_image, policy.allowed_images):
         problems.append(
-            f"spec.runtime.image: {image!r} is not from a registry the platform allows "
-            f"({', '.join(policy.allowed_images) or 'none'})"
+            f"spec.runtime.image: unset, and the platform's default runtime image {policy.runtime_image!r} "
+            f"is not from a registry the platform allows ({allowed}): name an allowed image, or have the "
+            "platform's runtimeImage and allowedImages agree"
         )
     for i, toleration in enumerate(runtime.get("tolerations") or []):
         if isinstance(toleration, Mapping) and not toleration_allowed(toleration, policy.allowed_tolerations):

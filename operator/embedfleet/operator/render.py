@@ -18,7 +18,9 @@ Model files reach the runtime in one of three ways, and ``EMBEDFLEET_MODEL`` poi
 * ``file://`` (a path inside the image) and ``pvc://claim/path`` (mounted read-only) are used in place.
 
 Every runtime pod is kept off control-plane nodes (a required node-affinity term) unless the platform
-allows them.
+allows them. Runtime and init containers run ``spec.runtime.image``, else the platform's default image
+(``default_image``; see ``platform.runtime_image``): a new default re-renders, and so rolls, the pods of
+every deployment that names no image.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from embedfleet.compat.names import with_revision
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.gpus import GPU_PRODUCT_LABEL, KNOWN_GPU_TYPES
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelSource, NodePool
-from embedfleet.operator.platform import CONTROL_PLANE_LABELS
+from embedfleet.operator.platform import CONTROL_PLANE_LABELS, runtime_image
 from embedfleet.operator.rollout.revisions import Run
 
 Manifest = dict[str, Any]
@@ -336,7 +338,7 @@ def _pull_args(model: ModelSource, cache_dir: str) -> list[str]:
 
 
 def _model_volumes(
-    spec: EmbeddingDeploymentSpec, namespace: str, cache_root: str
+    spec: EmbeddingDeploymentSpec, namespace: str, cache_root: str, image: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, runtime volumeMounts, init containers) that put the model where model_dir() says."""
     parsed = urllib.parse.urlsplit(spec.model.source)
@@ -364,7 +366,7 @@ def _model_volumes(
         command += ["--from-node-cache", NODE_CACHE_DIR]
     init = {
         "name": "fetch-model",
-        "image": spec.runtime.image,
+        "image": image,
         "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": command,
         "env": [{"name": "HOME", "value": "/tmp"}],
@@ -413,9 +415,11 @@ def render_deployment(
     cache_root: str,
     allow_control_plane: bool = False,
     run: Run | None = None,
+    default_image: str | None = None,
 ) -> Manifest:
     """The runtime Deployment of one revision: the primary ``<name>`` (the current revision) or
-    ``<name>-rN`` (a candidate or side-by-side revision, component ``revision``)."""
+    ``<name>-rN`` (a candidate or side-by-side revision, component ``revision``). ``default_image`` is
+    the platform's runtime image for a spec that names none."""
     run = run or default_runs(spec)[0]
     spec = spec_for(spec, run.identity)
     if run.primary:
@@ -426,7 +430,8 @@ def render_deployment(
         config_name = revision_config_map_name(name, run.revision)
         selector = {**selector_labels(name, component), naming.REVISION_LABEL: run.revision}
     rt = spec.runtime
-    volumes, mounts, init_containers = _model_volumes(spec, namespace, cache_root)
+    image = runtime_image(rt.image, default_image)
+    volumes, mounts, init_containers = _model_volumes(spec, namespace, cache_root, image)
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
@@ -458,7 +463,7 @@ def render_deployment(
         env.append({"name": "EMBEDFLEET_API_KEYS", "value": f"{API_KEYS_DIR}/{API_KEYS_FILE}"})
     container = {
         "name": "runtime",
-        "image": rt.image,
+        "image": image,
         "imagePullPolicy": rt.image_pull_policy,
         "command": ["embedfleet", "serve"],
         "ports": [{"name": "http", "containerPort": rt.port, "protocol": "TCP"}],
@@ -615,12 +620,14 @@ def render(
     platform_env: Mapping[str, str] | None = None,
     runs: Sequence[Run] | None = None,
     query_vector_space: str | None = None,
+    default_image: str | None = None,
 ) -> list[Manifest]:
     """Every object one EmbeddingDeployment needs, in apply order (config before its consumers).
 
     ``cache_root`` is the platform's node cache root (chart value platform.cacheRoot), never the
     tenant's; ``allow_control_plane`` lifts the rule that keeps runtime pods off control-plane nodes;
-    ``platform_env`` is added to every runtime's configuration (the platform's tracing settings).
+    ``platform_env`` is added to every runtime's configuration (the platform's tracing settings);
+    ``default_image`` is the platform's runtime image for a spec that names none.
     ``runs`` are the revisions to run (rollout.revisions.decide; default: the spec as r1), the primary
     first, and ``query_vector_space`` the one the main Service selects (default: the primary's).
     """
@@ -631,7 +638,8 @@ def render(
     out = [
         config,
         render_deployment(name, namespace, uid, spec, replicas, content_hash(config["data"]),
-                          cache_root=cache_root, allow_control_plane=allow_control_plane, run=primary),
+                          cache_root=cache_root, allow_control_plane=allow_control_plane, run=primary,
+                          default_image=default_image),
         render_service(name, namespace, uid, spec, query_vector_space or primary.vector_space),
         render_pdb(name, namespace, uid),
     ]
@@ -641,7 +649,8 @@ def render(
         side_config = render_config_map(name, namespace, uid, spec, platform_env, run)
         out += [side_config,
                 render_deployment(name, namespace, uid, spec, run.replicas or 1, content_hash(side_config["data"]),
-                                  cache_root=cache_root, allow_control_plane=allow_control_plane, run=run)]
+                                  cache_root=cache_root, allow_control_plane=allow_control_plane, run=run,
+                                  default_image=default_image)]
         if run.revision != primary.revision:
             out.append(render_service(name, namespace, uid, spec, run=run))
     if spec.monitoring.service_monitor and service_monitor_available:

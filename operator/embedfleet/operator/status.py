@@ -1,7 +1,7 @@
 """Status of an EmbeddingDeployment from what the cluster shows. Pure: dicts in, dicts out.
 
 The handlers own ``status.conditions``, ``status.replicas.current/ready``, ``status.cachedNodes`` /
-``totalNodes``, ``status.selector``, ``status.observedGeneration`` and, through the rollout decision
+``totalNodes``, ``status.selector``, ``status.image``, ``status.observedGeneration`` and, through the rollout decision
 (rollout/revisions.py), ``status.revisions`` / ``currentRevision`` / ``queryVectorSpace`` / ``rollout`` and
 the ``RolloutBlocked`` condition. The autoscaler daemon owns
 ``status.replicas.desired`` (after its first decision), ``status.inFlight`` and
@@ -67,6 +67,9 @@ def observed_conditions(
     ready = int(dep_status.get("readyReplicas") or 0)
     updated = int(dep_status.get("updatedReplicas") or 0)
     fields: dict[str, Any] = {"replicas": {"current": current, "ready": ready}}
+    image = runtime_image(deployment)
+    if image is not None:
+        fields["image"] = image
 
     if cache_nodes is not None:  # pre-pull on: (nodes labelled ready for this tenant, nodes its pools select)
         cached, total = cache_nodes
@@ -125,6 +128,12 @@ def observed_conditions(
         generation,
     )
     return [cache, available, scaling, drift.degraded(probe_drift, degraded)], fields
+
+
+def runtime_image(deployment: Mapping[str, Any] | None) -> str | None:
+    """The image of the runtime container of a Deployment as read (None before it exists)."""
+    pod = (((deployment or {}).get("spec") or {}).get("template") or {}).get("spec") or {}
+    return next((c.get("image") for c in pod.get("containers") or [] if c.get("name") == "runtime"), None)
 
 
 def status_patch(current: Mapping[str, Any] | None, wanted: Mapping[str, Any]) -> dict[str, Any]:

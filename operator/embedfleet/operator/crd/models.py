@@ -8,7 +8,9 @@ Kubernetes API.
 
 Defaults here become schema defaults, so the API server fills them in and ``kubectl get -o yaml`` shows
 what the operator will use. Rate-limit fields deliberately have no schema default: naming either one
-replaces both defaults (HPA v2 semantics), which defaulting on the server would silently defeat.
+replaces both defaults (HPA v2 semantics), which defaulting on the server would silently defeat. Nor
+has ``runtime.image``: a default stored in each object would pin it, where unset follows the platform's
+default image (``status.image`` shows the one in use).
 """
 
 from __future__ import annotations
@@ -154,7 +156,14 @@ class RuntimeSpec(CamelModel):
         }
     )
 
-    image: str = Field(default="ghcr.io/embedfleet/runtime:0.1.0", min_length=1, max_length=512)
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="The runtime image. Unset: the platform's default (the chart's runtimeImage values, "
+        "else the runtime release of the operator's own version), so the pods follow the platform's "
+        "upgrades; set it to pin an image.",
+    )
     image_pull_policy: PullPolicy = "IfNotPresent"
     engine: Engine = "torch"
     dtype: DType = "float32"
@@ -552,6 +561,9 @@ class EmbeddingDeploymentStatus(CamelModel):
     )
     rollout: RolloutStatus | None = None
     probe_drift: ProbeDriftStatus | None = None
+    image: str | None = Field(
+        default=None, description="The image the runtime Deployment runs (spec.runtime.image or the platform's)."
+    )
 
 
 class ModelCacheSpec(CamelModel):

@@ -190,6 +190,7 @@ def embedding_deployment_crd() -> dict[str, Any]:
             _condition_column("Accepted", 1),
             _condition_column("Available", 1),
             {"name": "Cached", "type": "integer", "jsonPath": ".status.cachedNodes", "priority": 1},
+            {"name": "Image", "type": "string", "jsonPath": ".status.image", "priority": 1},
         ],
         subresources={
             "status": {},

@@ -55,7 +55,9 @@ from embedfleet.operator.runtime_tracing import runtime_tracing_env
 from embedfleet.operator.validate import check
 
 KUBE = Kube()
-#: The chart's platform allow-lists (EMBEDFLEET_PLATFORM_POLICY), read once at start-up.
+#: The chart's platform allow-lists (EMBEDFLEET_PLATFORM_POLICY) and default runtime image
+#: (EMBEDFLEET_RUNTIME_IMAGE), read once at start-up: a `helm upgrade` that changes the default restarts
+#: the operator, whose start-up converge (``resume``) rolls every deployment that names no image.
 POLICY = platform.load()
 #: The chart's tracing values for runtime pods (EMBEDFLEET_RUNTIME_OTEL_*), read once at start-up.
 RUNTIME_TRACING = runtime_tracing_env()
@@ -197,7 +199,8 @@ def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec,
     manifests = render(meta["name"], meta["namespace"], meta["uid"], parsed,
                        cache_root=POLICY.cache_root, allow_control_plane=POLICY.allow_control_plane,
                        autoscaler_desired=autoscaler_desired, service_monitor_available=service_monitor,
-                       platform_env=RUNTIME_TRACING, runs=runs, query_vector_space=query_space)
+                       platform_env=RUNTIME_TRACING, runs=runs, query_vector_space=query_space,
+                       default_image=POLICY.runtime_image)
     return effective_replicas(parsed, autoscaler_desired), manifests
 
 
