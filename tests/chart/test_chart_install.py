@@ -179,7 +179,7 @@ def test_crd_upgrades_work_as_the_readme_says(fresh_plane: ControlPlane, tmp_pat
     crd_path.write_text(yaml.safe_dump(crd))
     cluster.helm("install", "embedfleet", str(old_chart), "-n", "embedfleet-system", "--create-namespace")
     cluster.kubectl("create", "namespace", "apps")
-    example = yaml.safe_load((ROOT / "examples" / "embedding.yaml").read_text())
+    example = yaml.safe_load((ROOT / "examples" / "embedding-hf.yaml").read_text())
     example["metadata"]["namespace"] = "apps"
     assert "placement" in example["spec"]
 
@@ -201,7 +201,7 @@ def test_crd_upgrades_work_as_the_readme_says(fresh_plane: ControlPlane, tmp_pat
 
     cluster.helm("uninstall", "embedfleet", "-n", "embedfleet-system")
     assert crds_established(cluster) == CRD_NAMES  # uninstall keeps CRDs (and so the custom resources)
-    assert cluster.get_json("embeddingdeployment", "minilm", "-n", "apps") is not None
+    assert cluster.get_json("embeddingdeployment", example["metadata"]["name"], "-n", "apps") is not None
 
 
 def _run_from_root(cluster: Cluster, command: list[str]) -> Any:

@@ -25,7 +25,9 @@ from tests.kube.fixtures import require_control_plane
 from tests.kube.operator_proc import BENIGN, OperatorProcess, start_operator
 
 ADMISSION = "--enable-admission-plugins=OwnerReferencesPermissionEnforcement"
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "embedding.yaml").read_text())
+#: A downloaded model (the ModelCache beside it pre-pulls the same weights), placed by the hub.
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "embedding-hf.yaml").read_text())
+NAME = EXAMPLE["metadata"]["name"]
 RUN_SECONDS = 20
 HEARTBEAT_ENV = {"EMBEDFLEET_HEARTBEAT_INTERVAL": "1", "EMBEDFLEET_LEASE_DURATION": "10"}
 
@@ -85,13 +87,13 @@ def run_workload(cluster: Cluster, proc: OperatorProcess, namespace: str) -> Non
     """An EmbeddingDeployment and a ModelCache for RUN_SECONDS, then deleted while the operator runs."""
     started = time.monotonic()
     cluster.apply(example(namespace), model_cache(namespace))
-    wait_until(lambda: cluster.get_json("deployment", "minilm", "-n", namespace), 60,
+    wait_until(lambda: cluster.get_json("deployment", NAME, "-n", namespace), 60,
                "the runtime Deployment (its ownerReference passes OwnerReferencesPermissionEnforcement)")
     # Pre-pull on: the cache status is counted from the Nodes (the operator's `nodes list`).
     wait_until(lambda: ((cluster.get_json("modelcache", "weights", "-n", namespace) or {}).get("status") or {})
                .get("totalNodes"), 60, "the ModelCache's totalNodes")
     time.sleep(max(0.0, RUN_SECONDS - (time.monotonic() - started)))
-    for kind, name in (("embeddingdeployment", "minilm"), ("modelcache", "weights")):
+    for kind, name in (("embeddingdeployment", NAME), ("modelcache", "weights")):
         cluster.kubectl("delete", kind, name, "-n", namespace, "--wait=true", "--timeout=60s")
     assert proc.alive(), proc.log()[-3000:]
 
@@ -243,13 +245,13 @@ def test_hub_places_on_a_spoke_through_the_charts_hub_access(plane: ControlPlane
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "embeddings"}},
         )
         hub.apply(example("embeddings"))
-        copy = wait_until(lambda: spoke.get_json("embeddingdeployment", "minilm", "-n", "embeddings"), 90,
+        copy = wait_until(lambda: spoke.get_json("embeddingdeployment", NAME, "-n", "embeddings"), 90,
                           f"the hub's copy on the spoke\n{hub_proc.log()[-3000:]}")
         assert copy["metadata"]["labels"].get("embedfleet.dev/hub-managed") == "eu-a"
-        wait_until(lambda: spoke.get_json("deployment", "minilm", "-n", "embeddings"), 60,
+        wait_until(lambda: spoke.get_json("deployment", NAME, "-n", "embeddings"), 60,
                    "the spoke operator running the copy")
-        hub.kubectl("delete", "embeddingdeployment", "minilm", "-n", "embeddings")
-        wait_until(lambda: spoke.get_json("embeddingdeployment", "minilm", "-n", "embeddings") is None, 90,
+        hub.kubectl("delete", "embeddingdeployment", NAME, "-n", "embeddings")
+        wait_until(lambda: spoke.get_json("embeddingdeployment", NAME, "-n", "embeddings") is None, 90,
                    "the copy removed once the hub object is gone")
         assert hub_proc.alive() and spoke_proc.alive()
     finally:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
+import os
+import subprocess
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -186,6 +189,9 @@ def test_operator_pod_is_non_root_read_only_and_probed(name: str, files: list[Pa
     probe = container["livenessProbe"]["httpGet"]
     port = next(p["containerPort"] for p in container["ports"] if p["name"] == probe["port"])
     assert f"--liveness=http://0.0.0.0:{port}{probe['path']}" in container["args"]
+    # Readiness on the same server (operator/health.py serves both from process start, standbys included).
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": probe["port"]}
+    assert probe["path"] != "/readyz"
     selector = deployment["spec"]["selector"]["matchLabels"]
     assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     assert pod["serviceAccountName"] == fullname("embedfleet")
@@ -317,6 +323,32 @@ def test_the_default_runtime_image_is_the_app_versions_unless_set() -> None:
         assert done.returncode != 0 and "is not allowed by platform.allowedImages" in done.stderr, allowed
 
 
+@pytest.mark.parametrize(("files", "sets", "replicas"), [
+    ([], {}, 1), ([], {"replicas": "2"}, 2), ([CI_VALUES["hub"]], {}, 2), ([CI_VALUES["spoke"]], {"replicas": "3"}, 3),
+    ([], {"replicas": "0"}, 0)])
+def test_operator_pdb_only_with_standbys(files: list[Path], sets: dict[str, str], replicas: int) -> None:
+    """Several replicas (a leader and standbys): a PodDisruptionBudget keeps one through a drain, and never
+    blocks evicting a replica that is not Ready. One replica: no budget (it would block every drain)."""
+    objects = template(files, sets)
+    deployment = operator_deployment(objects)
+    assert deployment["spec"]["replicas"] == replicas
+    budgets = [b for b in by_kind(objects, "PodDisruptionBudget")
+               if b["metadata"]["labels"].get("app.kubernetes.io/component") != "gateway"]
+    if replicas <= 1:
+        assert budgets == []
+        return
+    (budget,) = budgets
+    assert budget["metadata"]["name"] == deployment["metadata"]["name"]
+    assert budget["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert budget["spec"]["minAvailable"] == 1
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    # it takes the operator's pods and no other workload's
+    for other in [*by_kind(objects, "DaemonSet"), *(d for d in by_kind(objects, "Deployment") if d is not deployment)]:
+        assert not budget["spec"]["selector"]["matchLabels"].items() <= other["spec"]["template"]["metadata"][
+            "labels"].items()
+
+
 def test_without_leader_election_one_replica_is_replaced_not_rolled() -> None:
     objects = template(sets={"leaderElection.enabled": "false"})
     deployment = operator_deployment(objects)
@@ -422,7 +454,8 @@ def test_node_agent_daemonset_is_locked_down(role: str) -> None:
     assert env["EMBEDFLEET_PLATFORM_POLICY"]["value"] == operator_env["EMBEDFLEET_PLATFORM_POLICY"]
     assert env["EMBEDFLEET_RUNTIME_IMAGE"]["value"] == operator_env["EMBEDFLEET_RUNTIME_IMAGE"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert {"key": "node-role.kubernetes.io/control-plane", "operator": "DoesNotExist"} in terms[0]["matchExpressions"]
+    control_plane = {"key": "node-role.kubernetes.io/control-plane", "operator": "DoesNotExist"}
+    assert terms[0]["matchExpressions"] == [control_plane]  # not the removed master label
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     # Its pods are not the operator's: the Deployment's selector must not match them.
     deployment = operator_deployment(objects)
@@ -430,6 +463,55 @@ def test_node_agent_daemonset_is_locked_down(role: str) -> None:
     assert not operator_selector <= ds["spec"]["template"]["metadata"]["labels"].items()
     assert not by_kind(template([CI_VALUES[role]], {"nodeAgent.enabled": "false"}), "DaemonSet")
     assert not by_kind(template([CI_VALUES["hub"]]), "DaemonSet")
+
+
+def _agent_container(objects: list[dict[str, Any]]) -> Mapping[str, Any]:
+    (ds,) = by_kind(objects, "DaemonSet")
+    (agent,) = ds["spec"]["template"]["spec"]["containers"]
+    return agent
+
+
+@pytest.mark.parametrize("role", ["standalone", "spoke"])
+def test_node_agent_is_probed_on_its_heartbeat_files(role: str, tmp_path: Path) -> None:
+    """The agent serves no port: exec probes read the files it keeps in --health-dir on its /tmp emptyDir.
+    The liveness command, run here as the kubelet runs it, passes on a fresh `alive`, fails on one older
+    than nodeAgent.stuckSeconds and on none at all; readiness is the `ready` file."""
+    from embedfleet.operator.cache import cli as cache_cli
+
+    agent = _agent_container(template([CI_VALUES[role]], {"nodeAgent.stuckSeconds": "120"}))
+    parser = argparse.ArgumentParser()
+    cache_cli.add_arguments(parser)
+    args = parser.parse_args(["agent", *agent["args"]])
+    assert args.health_dir == Path("/tmp/health") and not args.once
+    assert any(m["mountPath"] == "/tmp" for m in agent["volumeMounts"])  # the emptyDir, writable
+    assert agent["readinessProbe"]["exec"]["command"] == ["test", "-e", "/tmp/health/ready"]
+    live = agent["livenessProbe"]
+    assert live["failureThreshold"] * live["periodSeconds"] < 120  # the file's age is the real bound
+    command = [part.replace("/tmp/health", str(tmp_path)) for part in live["exec"]["command"]]
+    assert command[:2] == ["sh", "-c"]
+    alive = tmp_path / "alive"
+
+    def probe() -> int:
+        return subprocess.run(command, capture_output=True, timeout=10).returncode
+
+    assert probe() != 0  # no heartbeat yet
+    alive.touch()
+    assert probe() == 0
+    old = time.time() - 121
+    os.utime(alive, (old, old))
+    assert probe() != 0
+    default = _agent_container(template([CI_VALUES[role]]))["livenessProbe"]["exec"]["command"][-1]
+    assert default.endswith(f"-lt {DEFAULTS['nodeAgent']['stuckSeconds']}")
+
+
+@pytest.mark.parametrize(("name", "files", "sets"), CASES, ids=IDS)
+def test_no_workload_uses_the_deprecated_master_node_label(name: str, files: list[Path], sets: dict[str, str]) -> None:
+    """node-role.kubernetes.io/master is gone from Kubernetes (control-plane replaced it): no pod template
+    selects or avoids nodes by it. (The admission policy still refuses tenants' selectors on that key, as the
+    operator does, so a node that carries it stays off limits.)"""
+    for obj in template(files, sets):
+        if obj["kind"] != "ValidatingAdmissionPolicy":
+            assert "node-role.kubernetes.io/master" not in json.dumps(obj), (obj["kind"], obj["metadata"]["name"])
 
 
 @pytest.mark.parametrize("role", ["standalone", "spoke"])

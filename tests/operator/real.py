@@ -13,7 +13,8 @@ import yaml
 from tests.kube.controlplane import ROOT, Cluster, wait_until
 from tests.kube.operator_proc import CHART, OperatorProcess, start_operator
 
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "embedding.yaml").read_text())
+#: The hub example: a downloaded model pinned by digest, pre-pulled, placed by region (what these tests need).
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "embedding-hf.yaml").read_text())
 DIGEST = "sha256:" + "ab" * 32
 #: Leader election fast enough for tests (the chart passes these to the operator).
 FAST_ELECTION = {"leaderElection.leaseDuration": "4", "leaderElection.renewDeadline": "3",
@@ -22,7 +23,7 @@ HEARTBEATS = {"leases"}
 
 
 def example(name: str, namespace: str, **spec_overrides: Any) -> dict[str, Any]:
-    """examples/embedding.yaml renamed into ``namespace``, with top-level spec blocks replaced."""
+    """examples/embedding-hf.yaml renamed into ``namespace``, with top-level spec blocks replaced."""
     doc = copy.deepcopy(EXAMPLE)
     doc["metadata"] = {"name": name, "namespace": namespace}
     doc["spec"].update(copy.deepcopy(spec_overrides))

@@ -85,10 +85,31 @@ def test_printer_columns_and_scale_subresource() -> None:
     assert status_props["kopf"]["x-kubernetes-preserve-unknown-fields"] is True
 
 
-def test_example_validates_and_parses() -> None:
-    example = yaml.safe_load((ROOT / "examples" / "embedding.yaml").read_text())
+EMBEDDING_EXAMPLES = sorted((ROOT / "examples").glob("embedding*.yaml"))
+
+
+@pytest.mark.parametrize("path", EMBEDDING_EXAMPLES, ids=[p.name for p in EMBEDDING_EXAMPLES])
+def test_example_validates_and_parses(path: Path) -> None:
+    """Each EmbeddingDeployment example passes the CRD schema and the operator's own checks (nothing
+    refused, nothing the operator would mark Accepted=False)."""
+    from embedfleet.operator.validate import check
+
+    (example,) = [d for d in yaml.safe_load_all(path.read_text()) if d["kind"] == "EmbeddingDeployment"]
     assert cr_errors("EmbeddingDeployment", example) == []
     EmbeddingDeploymentSpec.model_validate(example["spec"])
+    assert check(example["metadata"]["name"], example["spec"])[1] == []
+
+
+def test_the_first_example_fits_a_small_node_offline() -> None:
+    """examples/embedding.yaml, the one the README applies: the model in the runtime image (no download),
+    requests a 2-core node holds beside the chart."""
+    from kubernetes.utils import parse_quantity
+
+    example = yaml.safe_load((ROOT / "examples" / "embedding.yaml").read_text())
+    assert example["spec"]["model"]["source"].startswith("file:///")
+    requests = example["spec"]["runtime"]["resources"]["requests"]
+    assert parse_quantity(requests["cpu"]) <= parse_quantity("500m")
+    assert parse_quantity(requests["memory"]) <= parse_quantity("1Gi")
 
 
 def test_tenants_example_is_a_labelled_secret_and_a_valid_deployment() -> None:

@@ -53,21 +53,29 @@ def _established(cluster: Cluster, name: str) -> dict | None:
     return crd if conds.get("Established") == "True" else None
 
 
-def test_example_gets_server_defaults_and_printer_columns(crds_installed: Cluster, unique: str) -> None:
+def test_examples_get_server_defaults_and_printer_columns(crds_installed: Cluster, unique: str) -> None:
     ns = f"crd-{unique}"
     crds_installed.kubectl("create", "namespace", ns)
-    example = yaml.safe_load((ROOT / "examples" / "embedding.yaml").read_text())
-    example["metadata"]["namespace"] = ns
-    crds_installed.apply(example)
-    live = crds_installed.get_json("embeddingdeployment", "minilm", "-n", ns)
-    # Defaults come from the server's structural schema, nested blocks included.
-    assert live["spec"]["runtime"]["port"] == 8080
-    assert live["spec"]["autoscaling"]["targetUtilization"] == 0.7  # as given
-    assert live["spec"]["runtime"]["maxClientBatchSize"] == 2048  # a nested default
-    assert "hostPath" not in live["spec"]["cache"].get("storage", {})  # the platform's choice, not a default
+    examples = {}
+    for path in sorted((ROOT / "examples").glob("embedding*.yaml")):  # every EmbeddingDeployment example
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc["kind"] == "EmbeddingDeployment":
+                doc["metadata"]["namespace"] = ns
+                examples[doc["metadata"]["name"]] = doc
+    assert {"minilm", "minilm-hf", "minilm-pvc"} <= examples.keys()
+    crds_installed.apply(*examples.values())
+    for name, example in examples.items():
+        live = crds_installed.get_json("embeddingdeployment", name, "-n", ns)
+        # Defaults come from the server's structural schema, nested blocks included.
+        assert live["spec"]["runtime"]["port"] == 8080
+        assert live["spec"]["autoscaling"]["targetUtilization"] == 0.7  # as given, or the default
+        assert live["spec"]["runtime"]["maxClientBatchSize"] == 2048  # a nested default
+        assert "hostPath" not in live["spec"]["cache"].get("storage", {})  # the platform's choice, not a default
+        assert live["spec"]["model"]["source"] == example["spec"]["model"]["source"]
     table = crds_installed.kubectl("get", "embeddingdeployments", "-n", ns).stdout.splitlines()
     assert table[0].split() == ["NAME", "MODEL", "READY", "DESIRED", "IN-FLIGHT", "AGE"]
-    assert table[1].split()[:2] == ["minilm", "hf://sentence-transformers/all-MiniLM-L6-v2"]
+    rows = {line.split()[0]: line.split()[1] for line in table[1:]}
+    assert rows == {name: doc["spec"]["model"]["source"] for name, doc in examples.items()}
     wide = crds_installed.kubectl("get", "ed", "-n", ns, "-o", "wide").stdout.splitlines()[0].split()
     assert {"ACCEPTED", "AVAILABLE", "CACHED"} <= set(wide)
     # Quantities: int-or-string both ways, junk refused by the server with the field named.

@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope.add_argument("--all-namespaces", "-A", action="store_true",
                        help="watch every namespace (the default when no --namespace is given)")
     run_p.add_argument("--liveness", metavar="URL",
-                       help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+                       help="serve the kubelet's probes from process start: liveness at this URL, readiness "
+                            "at /readyz on its port, e.g. http://0.0.0.0:8080/healthz")
     elect = run_p.add_argument_group("leader election (one acting replica; the others wait as standbys)")
     elect.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
                        help="hold a coordination.k8s.io Lease before acting (default: on)")

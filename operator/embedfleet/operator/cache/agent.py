@@ -18,10 +18,15 @@ node right and the cache root is the platform's, never a tenant's choice. Each p
 
 When each entry became unwanted is kept in ``<cache-root>/.agent-state.json``, so a restarted agent (or
 ``--once`` runs) keeps the retention clock.
+
+With ``--health-dir`` the agent reports to the kubelet's exec probes (`Heartbeat`; the pod has no port):
+``alive`` is touched whenever the loop makes progress, a download's growing files included, so its age
+says how long the loop has been stuck; ``ready`` exists while the last pass could read the cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,7 +35,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +51,8 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = ".agent-state.json"
 TMP_PREFIX = ".tmp-"
+#: Seconds between beats while the agent waits for its next pass, and between a pull watcher's looks.
+HEARTBEAT_S = 5.0
 
 
 class RootNotWritable(Exception):
@@ -113,6 +120,67 @@ class Cluster:
         )
 
 
+class Heartbeat:
+    """The agent's health as two files for the kubelet's exec probes, in ``directory`` (the pod's /tmp).
+
+    ``alive``: its mtime is the last time the loop made progress: a step of a pass, a few seconds of the
+    wait between passes, or, during a pull (one long call), growth of the pull's temporary files, which a
+    watcher thread looks at every ``every_s`` seconds. A download that moves is alive however long it
+    takes; a loop hung in a call (an API request that never returns, a stalled filesystem, a deadlock)
+    stops touching it, and the probe restarts the container once the file is older than its bound.
+    ``ready``: present while the last pass could read this Node and the custom resources, i.e. the agent
+    can do its job; removed when a pass fails."""
+
+    ALIVE = "alive"
+    READY = "ready"
+
+    def __init__(self, directory: Path, root: Path, every_s: float = HEARTBEAT_S) -> None:
+        self.directory, self.root, self.every_s = directory, root, every_s
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def beat(self) -> None:
+        (self.directory / self.ALIVE).touch()
+
+    def ready(self, ready: bool) -> None:
+        path = self.directory / self.READY
+        if ready:
+            path.touch()
+        else:
+            path.unlink(missing_ok=True)
+
+    def _pulled_bytes(self) -> int:
+        total = 0
+        for tmp in self.root.glob(TMP_PREFIX + "*"):
+            for folder, _, files in os.walk(tmp):
+                for name in files:
+                    try:
+                        total += os.lstat(os.path.join(folder, name)).st_size
+                    except OSError:  # renamed or removed meanwhile
+                        pass
+        return total
+
+    @contextlib.contextmanager
+    def pulling(self) -> Iterator[None]:
+        """While the body runs, beat whenever the root's temporary files grew since the last look."""
+        done = threading.Event()
+
+        def watch() -> None:
+            seen = self._pulled_bytes()
+            while not done.wait(self.every_s):
+                now = self._pulled_bytes()
+                if now != seen:
+                    self.beat()
+                seen = now
+
+        watcher = threading.Thread(target=watch, name="agent-pull-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watcher.join(timeout=self.every_s + 5)
+
+
 def scan(root: Path) -> dict[str, bool]:
     """Cache entries in the root -> whether each is ready (its marker exists)."""
     out: dict[str, bool] = {}
@@ -143,7 +211,8 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None) -> list[str]:
+def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None,
+             heartbeat: Heartbeat | None = None) -> list[str]:
     """One pass (see the module docstring); returns the problems met (empty: all done)."""
     now = time.time() if now is None else now
     root = config.root
@@ -151,6 +220,9 @@ def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None) ->
     node_labels = cluster.node_labels(config.node_name)
     deployments = cluster.list_all(naming.EMBEDDING_DEPLOYMENT_PLURAL)
     caches = cluster.list_all(naming.MODEL_CACHE_PLURAL)
+    if heartbeat is not None:
+        heartbeat.ready(True)
+        heartbeat.beat()
     wanted = wanted_entries(node_labels, deployments, caches, config.policy)
 
     # Pulls run one at a time in this process, so a temp dir seen here is a crashed pass's leftover.
@@ -166,12 +238,16 @@ def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None) ->
     _save_state(root, decided.unwanted_since)
     for want in decided.pull:
         try:
-            result = pull(want.source, want.digest, root, retries=config.pull_retries,
-                          timeout_s=config.pull_timeout_s, entry=want.entry, max_bytes=config.max_pull_bytes)
+            with heartbeat.pulling() if heartbeat is not None else contextlib.nullcontext():
+                result = pull(want.source, want.digest, root, retries=config.pull_retries,
+                              timeout_s=config.pull_timeout_s, entry=want.entry,
+                              max_bytes=config.max_pull_bytes)
             log.info("ready: %s for %s (%s)", result.path, want.namespace, result.fetched)
         except (PullFailed, OSError) as exc:
             problems.append(f"pull {want.entry} from {want.source}: {exc}")
             log.error("pull %s from %s failed (retried next pass): %s", want.entry, want.source, exc)
+        if heartbeat is not None:
+            heartbeat.beat()
 
     ready = [name for name, is_ready in scan(root).items() if is_ready]
     patch = label_patch(wanted, ready, node_labels)
@@ -182,25 +258,45 @@ def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None) ->
     return problems
 
 
-def run(config: AgentConfig, interval_s: float, once: bool, cluster: Cluster | None = None) -> int:
-    """Pass after pass until SIGTERM; ``once``: one pass, exit 1 if anything in it failed."""
+def run(config: AgentConfig, interval_s: float, once: bool, cluster: Cluster | None = None,
+        health_dir: Path | None = None) -> int:
+    """Pass after pass until SIGTERM; ``once``: one pass, exit 1 if anything in it failed. ``health_dir``
+    (ignored with ``once``): where the `Heartbeat` files for the kubelet's probes go."""
     check_root(config.root)
     cluster = cluster or Cluster()
+    heartbeat = Heartbeat(health_dir, config.root) if health_dir is not None and not once else None
     stop = threading.Event()
     if not once:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
     while True:
+        if heartbeat is not None:
+            heartbeat.beat()
         try:
-            problems = run_pass(config, cluster)
+            problems = run_pass(config, cluster, heartbeat=heartbeat)
         except Exception as exc:  # an API hiccup must not end the agent; the next pass retries
             if once:
                 raise
             log.exception("pass failed: %s", exc)
             problems = [str(exc)]
+            if heartbeat is not None:
+                heartbeat.ready(False)
         if once:
             for problem in problems:
                 log.error("%s", problem)
             return 1 if problems else 0
-        if stop.wait(interval_s):
+        if _wait(stop, interval_s, heartbeat):
             return 0
+
+
+def _wait(stop: threading.Event, seconds: float, heartbeat: Heartbeat | None) -> bool:
+    """Wait ``seconds``, beating every HEARTBEAT_S (a waiting agent is a live one); True once stopped."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        if stop.wait(max(0.0, min(left, HEARTBEAT_S))):
+            return True
+        if left <= HEARTBEAT_S:
+            return False
+        if heartbeat is not None:
+            heartbeat.beat()

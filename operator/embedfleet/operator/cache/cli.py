@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="refuse to download a model larger than this many bytes (default: no limit)")
     a.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout per request (s)")
     a.add_argument("--once", action="store_true", help="one pass, then exit (1 if anything in it failed)")
+    a.add_argument("--health-dir", type=Path, metavar="DIR",
+                   help="keep DIR/alive touched while the loop makes progress and DIR/ready present while "
+                        "passes can read the cluster, for the kubelet's exec probes (not with --once)")
 
     r = sub.add_parser("prepare", help="as root: create the cache root and hand it to the agent's uid")
     r.add_argument("--cache-root", required=True, type=Path)
@@ -101,7 +104,7 @@ def _agent(args: argparse.Namespace) -> int:
                          retention_s=args.retention_seconds, max_pull_bytes=args.max_pull_bytes,
                          pull_timeout_s=args.timeout)
     try:
-        return run_agent(config, args.interval, args.once)
+        return run_agent(config, args.interval, args.once, health_dir=args.health_dir)
     except RootNotWritable as exc:
         print(f"embedfleet cache agent: {exc}", file=sys.stderr)
         return 2
