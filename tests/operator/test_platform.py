@@ -171,7 +171,10 @@ def test_the_example_values_reach_the_operator_as_its_policy() -> None:
     objects = template([path])
     env = {e["name"]: e.get("value") for e in operator_container(objects)["env"]}
     policy = platform.load(env)
-    assert policy == PlatformPolicy.model_validate(yaml.safe_load(path.read_text())["platform"])
+    expected = PlatformPolicy.model_validate(yaml.safe_load(path.read_text())["platform"])
+    app_version = yaml.safe_load((ROOT / "charts" / "embedfleet" / "Chart.yaml").read_text())["appVersion"]
+    # the chart adds its default runtime image (runtimeImage) to the platform block it is given
+    assert policy == expected.model_copy(update={"runtime_image": f"ghcr.io/embedfleet/runtime:{app_version}"})
     assert policy.cache_root == "/mnt/nvme/embedfleet-cache"
     assert len(by_kind(objects, "ValidatingAdmissionPolicy")) == 2
     assert len(by_kind(objects, "ValidatingAdmissionPolicyBinding")) == 2

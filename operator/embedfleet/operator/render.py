@@ -286,7 +286,8 @@ def _affinity(spec: EmbeddingDeploymentSpec, namespace: str, allow_control_plane
     required: list[dict[str, Any]] = []
     preferred: list[dict[str, Any]] = []
     if not allow_control_plane:
-        required += [{"key": key, "operator": "DoesNotExist"} for key in CONTROL_PLANE_LABELS]
+        # the current label only: an affinity on the removed `master` label draws an API warning per pod
+        required.append({"key": CONTROL_PLANE_LABELS[0], "operator": "DoesNotExist"})
     gpu = spec.runtime.gpu
     if gpu.count > 0 and gpu.type is not None:
         required.append(
