@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 
 from embedfleet.operator.autoscale import (
     AutoscalerConfig,
+    Decision,
     History,
     Observation,
     Recommendation,
     ScalingRules,
     desired_replicas,
     from_spec,
+    manual_replicas,
     trim_observations,
 )
 
@@ -363,3 +365,235 @@ def test_gateway_reports_fold_into_held_requests_and_the_newest_traffic() -> Non
     assert combine([{"deployments": {}}], key).last_request_age_s is None, "no traffic seen is not traffic"
     broken = combine([*reports, "gw-2: ConnectError: refused"], key)
     assert broken.unknown and broken.held == 3.0
+
+
+# ---------------------------------------------------------------- manual scaling and minReplicas
+
+IDLE_WINDOW = ScalingRules(stabilization_window_s=30, max_percent=None, max_pods=None)
+
+
+def idle_ticks(config: AutoscalerConfig, history: History, start: float, end: float, step: float = 5.0,
+               ) -> list[Decision]:
+    """The decisions of ticks every `step` seconds in (start, end] with no load at all."""
+    out: list[Decision] = []
+    now, obs = start, []
+    while now + step <= end:
+        now += step
+        obs = trim_observations([*obs, Observation(now, 0.0, history.current_replicas or 0)], config, now)
+        decision = desired_replicas(obs, config, history, now)
+        history = decision.history
+        out.append(decision)
+    return out
+
+
+def at(ticks: list[Decision], start: float, step: float = 5.0) -> dict[float, int]:
+    """{tick time: replicas} for `idle_ticks(..., start, ..., step)`."""
+    return {start + step * (i + 1): d.replicas for i, d in enumerate(ticks)}
+
+
+def test_kubectl_scale_is_held_for_the_scale_down_window() -> None:
+    """1 replica, idle; `kubectl scale --replicas=2` at t=100 with a 30 s scale-down window: 2 until the
+    window has passed, then 1 — not at the next tick."""
+    config = cfg(scale_down=IDLE_WINDOW)
+    settled = desired_replicas(steady(0), config, History(1), now=100.0)
+    manual = manual_replicas(2, config, settled.history, now=100.0)
+    assert (manual.replicas, manual.mode, manual.changed) == (2, "manual", True)
+    assert "not scaled below 2 before the 30s scale-down window" in manual.reason
+    ticks = idle_ticks(config, manual.history, 100.0, 140.0)
+    assert at(ticks, 100.0) == {105.0: 2, 110.0: 2, 115.0: 2, 120.0: 2, 125.0: 2, 130.0: 2, 135.0: 1, 140.0: 1}
+    held = ticks[0]
+    assert held.hold_until == 130.0 and not held.changed
+    assert "holds 2 for 25s more (2 set by hand 5s ago; the load alone asks for 1)" in held.reason
+    assert all(d.hold_until == 130.0 for d in ticks[:6])
+    down = ticks[6]
+    assert down.changed and down.hold_until is None
+    assert "scale-down window 30s passed since 2 was last set by hand (35s ago)" in down.reason
+
+
+def test_a_manual_count_lowered_by_another_write_goes_back_within_the_window() -> None:
+    """The Deployment set back to 1 by a write racing the resize (the caller reports 1): the count set by
+    hand is restored while its window lasts, and not after it."""
+    config = cfg(scale_down=IDLE_WINDOW)
+    manual = manual_replicas(2, config, desired_replicas(steady(0), config, History(1), now=100.0).history,
+                             now=100.0)
+    back = desired_replicas(steady(0, now=105), config, manual.history.with_current(1), now=105.0)
+    assert (back.current, back.replicas) == (1, 2), back.reason
+    assert "2 set by hand 5s ago holds for the 30s scale-down window" in back.reason
+    late = desired_replicas(steady(0, now=131), config, back.history.with_current(1), now=131.0)
+    assert late.replicas == 1, late.reason
+
+
+def test_load_scales_up_from_a_manual_count_at_once_even_with_a_scale_up_window() -> None:
+    """A count set by hand is not a recommendation of the scale-up window: scaled down to 1 by hand
+    while the load asks for 3, the fleet goes back to 3 at the next tick."""
+    config = cfg(panic_threshold=100, scale_up=ScalingRules(stabilization_window_s=60), scale_down=IDLE_WINDOW)
+    busy = desired_replicas(steady(96, now=90), config, History(3), now=90.0)
+    assert busy.replicas == 3
+    manual = manual_replicas(1, config, busy.history, now=95.0)
+    assert manual.replicas == 1
+    back = desired_replicas(steady(96), config, manual.history, now=100.0)
+    assert back.replicas == 3, back.reason
+
+
+def test_a_manual_scale_down_is_not_undone_by_older_recommendations() -> None:
+    config = cfg(scale_down=ScalingRules(stabilization_window_s=300))
+    history = History(3, recommendations=(Recommendation(80.0, 3), Recommendation(90.0, 3)))
+    manual = manual_replicas(1, config, history, now=95.0)
+    later = desired_replicas(steady(0), config, manual.history, now=100.0)
+    assert later.replicas == 1 and later.hold_until is None, later.reason
+
+
+def test_manual_counts_are_clamped_like_the_autoscalers_own() -> None:
+    config = cfg(min_replicas=2, max_replicas=4, scale_down=IDLE_WINDOW)
+    assert manual_replicas(9, config, History(2), now=1.0).replicas == 4
+    assert manual_replicas(1, config, History(2), now=1.0).replicas == 2
+    assert "clamped to [2, 4]" in manual_replicas(9, config, History(2), now=1.0).reason
+    assert manual_replicas(0, cfg(min_replicas=0), History(1), now=1.0).replicas == 1  # zero needs scale to zero
+    to_zero = cfg(min_replicas=2, scale_to_zero=True)
+    assert manual_replicas(0, to_zero, History(2), now=1.0).replicas == 0
+    assert manual_replicas(1, to_zero, History(0), now=1.0).replicas == 2
+
+
+def test_lowering_min_replicas_waits_for_the_scale_down_window() -> None:
+    """minReplicas 2 -> 1 at t=100 (the last tick under 2 was at t=100): 2 until t=130, then 1."""
+    before = cfg(min_replicas=2, scale_down=IDLE_WINDOW)
+    history = idle_ticks(before, History(2), 50.0, 100.0)[-1].history
+    assert history.current_replicas == 2
+    after = cfg(min_replicas=1, scale_down=IDLE_WINDOW)
+    ticks = idle_ticks(after, history, 100.0, 140.0)
+    assert at(ticks, 100.0) == {105.0: 2, 110.0: 2, 115.0: 2, 120.0: 2, 125.0: 2, 130.0: 2, 135.0: 1, 140.0: 1}
+    assert "scale-down window 30s passed since 2 was last recommended (35s ago)" in ticks[6].reason
+
+
+def test_raising_min_replicas_scales_up_at_once() -> None:
+    before = cfg(min_replicas=1, scale_down=IDLE_WINDOW)
+    history = idle_ticks(before, History(1), 50.0, 100.0)[-1].history
+    after = cfg(min_replicas=2, scale_up=ScalingRules(stabilization_window_s=60), scale_down=IDLE_WINDOW)
+    assert desired_replicas(steady(0, now=105), after, history, now=105.0).replicas == 2
+
+
+def test_a_wake_from_zero_is_held_for_the_window_and_the_grace_period() -> None:
+    """A gateway (or a person) sets the scale to 1 while the fleet is at zero and no request comes: the
+    wake counts as activity, so neither the scale-down window nor the grace period is cut short."""
+    for window, grace in ((30.0, 10.0), (10.0, 30.0)):
+        config = cfg(min_replicas=0, scale_to_zero=True, scale_to_zero_grace_s=grace,
+                     scale_down=ScalingRules(stabilization_window_s=window))
+        at_zero = desired_replicas([Observation(50.0, 0, 0)], config, History(0, last_active_at=0.0), now=50.0)
+        assert at_zero.replicas == 0
+        woken = manual_replicas(1, config, at_zero.history, now=100.0)
+        assert woken.replicas == 1 and woken.history.last_active_at == 100.0
+        ticks = at(idle_ticks(config, woken.history, 100.0, 150.0), 100.0)
+        assert [r for t, r in ticks.items() if t <= 100 + max(window, grace)] == [1] * 6, ticks
+        assert ticks[150.0] == 0, ticks  # (the grace period's own recommendations of 1 count in the window)
+
+
+def test_status_says_a_hold_once_with_its_end_in_wall_clock_time() -> None:
+    """The daemon's part: the hold goes to status.lastScaleDecision once (not every tick it lasts), its
+    reason led by when it ends as a UTC time; the scale-down that ends it needs no extra record."""
+    from datetime import UTC, datetime, timedelta
+
+    from embedfleet.operator.handlers import autoscale_daemon as daemon
+
+    config = cfg(scale_down=IDLE_WINDOW)
+    manual = manual_replicas(2, config, desired_replicas(steady(0), config, History(1), now=100.0).history,
+                             now=100.0)
+    ticks = idle_ticks(config, manual.history, 100.0, 145.0)
+    state = daemon.LoopState()
+    assert daemon.hold_is_news(manual, state, 100.0) is False
+    news = [daemon.hold_is_news(d, state, t) for t, d in zip(at(ticks, 100.0), ticks, strict=True)]
+    assert news == [True] + [False] * 8
+    assert state.announced_hold is None  # the scale-down at t=135 ended it
+
+    before = datetime.now(UTC)
+    reason = daemon.explain(ticks[0], now=105.0)
+    prefix = "ScaleDownStabilizing: holding 2 replicas until "
+    assert reason.startswith(prefix) and reason.endswith(ticks[0].reason)
+    until = datetime.strptime(reason[len(prefix):len(prefix) + 20], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert before + timedelta(seconds=24) <= until <= datetime.now(UTC) + timedelta(seconds=26)
+    assert daemon.explain(ticks[6], now=135.0) == ticks[6].reason
+
+
+def test_the_deployment_is_resized_once_the_watch_shows_the_new_status() -> None:
+    """The daemon's wait between its status write and its Deployment write: it returns as soon as kopf's
+    view reads the new desired count, and gives up (resizing anyway) after its bound."""
+    from embedfleet.operator.handlers import autoscale_daemon as daemon
+
+    views = iter([1, 1, None, 2])
+    assert daemon._await_visible(lambda: next(views), 2, "ns/x", timeout=5.0) is True
+    assert next(views, "drained") == "drained"
+    assert daemon._await_visible(lambda: 1, 2, "ns/x", timeout=0.1) is False
+
+
+# A series of ticks: seconds between them, whether a gateway said it could not tell about traffic, and a
+# lower size some other write set the Deployment to just before the tick (None: it kept the decided size).
+idle_series = st.lists(st.tuples(st.sampled_from([0.5, 1.0, 3.0, 5.0, 10.0]), st.booleans(),
+                                 st.one_of(st.none(), st.integers(0, 40))),
+                       min_size=1, max_size=40)
+
+
+@PROPS
+@given(configs(), st.sampled_from([5.0, 20.0, 30.0, 300.0]), st.integers(0, 40), st.integers(0, 40),
+       st.lists(st.tuples(st.floats(0, 99), st.integers(0, 40)), max_size=4), idle_series)
+def test_a_manual_count_is_never_lowered_before_the_window_with_no_load(
+    config: AutoscalerConfig, window: float, before: int, requested: int,
+    old: list[tuple[float, int]], series: list[tuple[float, bool, int | None]],
+) -> None:
+    """Whatever the settings, the history, the ticks and other writes to the Deployment: with no load,
+    the count set by hand at t=100 is never lowered while t <= 100 + scaleDown.stabilizationWindowSeconds
+    (a lower size written by someone else goes back); at the first tick after it, an idle fleet above
+    what idleness asks for is lower."""
+    config = AutoscalerConfig(**{**config.__dict__,
+                                 "scale_down": ScalingRules(window, config.scale_down.max_percent,
+                                                            config.scale_down.max_pods, config.scale_down.period_s)})
+    before = min(before, config.max_replicas)
+    history = History(before, recommendations=tuple(Recommendation(a, min(r, config.max_replicas))
+                                                    for a, r in sorted(old)), last_active_at=0.0)
+    manual = manual_replicas(requested, config, history, now=100.0)
+    kept = manual.replicas
+    history, now, obs = manual.history, 100.0, []
+    held_by_ticks = False  # a tick inside the window itself recommended `kept` (the window then runs on)
+    for gap, unknown, other in series:
+        now += gap
+        if other is not None and now <= 100.0 + window:
+            history = history.with_current(min(other, kept))  # a racing write of an older, lower size
+        obs = trim_observations([*obs, Observation(now, 0.0, history.current_replicas or 0,
+                                                   activity_unknown=unknown)], config, now)
+        decision = desired_replicas(obs, config, history, now)
+        history = decision.history
+        if now <= 100.0 + window:
+            assert decision.replicas >= kept, decision.reason
+            if decision.replicas == decision.current == kept > config.floor:  # idleness asks for less
+                assert decision.hold_until is not None and decision.hold_until <= 100.0 + window, decision.reason
+            held_by_ticks |= history.recommendations[-1].replicas >= kept
+        else:
+            # Lower at the first tick after the window, unless idleness asks for `kept` too, a tick in the
+            # window recommended it, or a rate-limited walk to zero stops at the floor first.
+            idle = config.floor if kept > 0 and (unknown or not config.scale_to_zero
+                                                 or now - 100.0 < config.scale_to_zero_grace_s) else 0
+            walk = idle == 0 and kept == config.floor and config.scale_down.limited
+            if kept > idle and not held_by_ticks and not walk:
+                assert decision.replicas < kept, decision.reason
+            break
+
+
+@PROPS
+@given(st.integers(1, 5), st.integers(0, 4), st.sampled_from([10.0, 30.0]), idle_series)
+def test_lowering_min_replicas_never_removes_a_pod_before_the_window(
+    high: int, lower_by: int, window: float, series: list[tuple[float, bool, int | None]]
+) -> None:
+    rules = ScalingRules(window, 100.0, None, 15.0)
+    old = cfg(min_replicas=high, max_replicas=10, scale_down=rules)
+    new = cfg(min_replicas=max(high - lower_by, 0), max_replicas=10, scale_down=rules)
+    history = idle_ticks(old, History(high), 0.0, 100.0)[-1].history  # the last tick under the old min: t=100
+    assert history.current_replicas == high
+    now, obs = 100.0, []
+    for gap, _, _ in series:
+        now += gap
+        obs = [Observation(now, 0.0, history.current_replicas or 0)]
+        decision = desired_replicas(obs, new, history, now)
+        history = decision.history
+        if now <= 100.0 + window:
+            assert decision.replicas == high, decision.reason
+        else:
+            assert decision.replicas == new.floor, decision.reason
+            break

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
 import pytest
 from tests.kube.controlplane import Cluster, wait_until
+from tests.kube.netns import PodNetwork
 from tests.operator.real import condition, example, operator_writes, release, small, wait_condition
+from tests.operator.test_drift_real import fake_runtime
 
 
 @pytest.fixture
@@ -117,6 +121,99 @@ def test_scale_subresource_resizes_with_autoscaling_on(standalone) -> None:
     # Beyond maxReplicas is clamped, and said so.
     cluster.kubectl("scale", "embeddingdeployment", "scaled", "-n", ns, "--replicas=9")
     wait_until(lambda: _deployment(cluster, "scaled", ns)["spec"]["replicas"] == 4, 30, "clamped to 4")
+
+
+#: The scale-down window of the scale-and-wait scenario: long enough that "before it ends" is a point a
+#: busy machine reaches with seconds to spare, short enough to wait out twice.
+WINDOW_S = 20
+
+
+def _runtime_pod_ips(cluster: Cluster, name: str, ns: str) -> set[str]:
+    pods = cluster.get_json("pods", "-n", ns, "-l",
+                            f"app.kubernetes.io/instance={name},app.kubernetes.io/component=runtime")
+    return {p["status"]["podIP"] for p in (pods or {}).get("items", [])
+            if p["status"].get("phase") == "Running" and p["status"].get("podIP")
+            and not p["metadata"].get("deletionTimestamp")}
+
+
+def _held_until_the_window_ends(cluster: Cluster, name: str, ns: str, since: float, replicas: int) -> dict:
+    """Read the Deployment again and again until WINDOW_S after `since` (a time no later than the change
+    the window counts from): every read that came back before then shows `replicas`. Returns the last
+    EmbeddingDeployment read in time."""
+    seen, obj = 0, None
+    while time.monotonic() < since + WINDOW_S - 2:
+        count = _deployment(cluster, name, ns)["spec"]["replicas"]
+        candidate = cluster.get_json("ed", name, "-n", ns)
+        if time.monotonic() < since + WINDOW_S:  # the reads were made before the window could end
+            assert count == replicas, f"{count} replicas {time.monotonic() - since:.1f}s into a {WINDOW_S}s window"
+            seen, obj = seen + 1, candidate
+        time.sleep(1)
+    assert seen, "no read came back before the window ended"
+    return obj
+
+
+def test_scale_and_min_replicas_are_held_for_the_scale_down_window(
+        kube_cluster: Cluster, pod_network: PodNetwork, unique: str, tmp_path: Path) -> None:
+    """Idle pods answering /metrics (a real metrics server behind each kwok pod's IP): `kubectl scale`
+    1 -> 2 stays 2 while less than scaleDown.stabilizationWindowSeconds has passed and goes back to 1
+    after it; raising minReplicas to 2 scales up, and lowering it back to 1 removes the pod only after the
+    window too. The status says why the count is held, and the scale-down is an Event naming the window."""
+    cluster = kube_cluster
+    with release(cluster, tmp_path, unique) as (_system, proc), ExitStack() as fakes:
+        ns = f"hold-{unique}"
+        cluster.kubectl("create", "namespace", ns)
+        cluster.apply(small("held", ns, autoscaling={
+            "minReplicas": 1, "maxReplicas": 3, "intervalSeconds": 1,
+            "scaleDown": {"stabilizationWindowSeconds": WINDOW_S}}))
+        wait_condition(cluster, "held", ns, "Available")
+        served: set[str] = set()
+
+        def serve_every_pod() -> set[str]:
+            """A metrics server saying 0 in flight behind each Running pod's IP."""
+            for ip in _runtime_pod_ips(cluster, "held", ns) - served:
+                url = fakes.enter_context(fake_runtime(pod_network, ip, tmp_path))
+                httpx.post(f"{url}/set", json={"in_flight": 0}, timeout=5).raise_for_status()
+                served.add(ip)
+            return served
+
+        wait_until(serve_every_pod, 90, "the first pod running with its metrics server")
+        wait_until(lambda: (cluster.get_json("ed", "held", "-n", ns)["status"].get("lastScaleDecision")
+                            or {}).get("mode") == "stable", 60, "a decision from the pods' metrics")
+
+        # kubectl scale: applied at once, held for the window, then undone by the idle load.
+        since = time.monotonic()
+        cluster.kubectl("scale", "embeddingdeployment", "held", "-n", ns, "--replicas=2")
+        wait_until(lambda: _deployment(cluster, "held", ns)["spec"]["replicas"] == 2, 30, "2 replicas")
+        wait_until(lambda: len(serve_every_pod()) >= 2, 60, "the second pod serving metrics")
+        obj = _held_until_the_window_ends(cluster, "held", ns, since, 2)
+        reason = obj["status"]["lastScaleDecision"]["reason"]
+        assert reason.startswith("ScaleDownStabilizing: holding 2 replicas until "), reason
+        assert "2 set by hand" in reason, reason
+        wait_until(lambda: _deployment(cluster, "held", ns)["spec"]["replicas"] == 1, 60,
+                   "back to 1 once the window has passed")
+        events = cluster.get_json("events", "-n", ns, "--field-selector", "involvedObject.name=held")["items"]
+        downs = [e["message"] for e in events
+                 if e["reason"] == "Scaled" and e["message"].startswith("scale down 2 -> 1")]
+        assert any(f"scale-down window {WINDOW_S}s passed since 2 was last set by hand" in m for m in downs), downs
+
+        # minReplicas up: at once; down: only after the window.
+        cluster.kubectl("patch", "embeddingdeployment", "held", "-n", ns, "--type=merge",
+                        "-p", json.dumps({"spec": {"autoscaling": {"minReplicas": 2}}}))
+        wait_until(lambda: _deployment(cluster, "held", ns)["spec"]["replicas"] == 2, 30, "2 replicas")
+        wait_until(lambda: len(_runtime_pod_ips(cluster, "held", ns) & serve_every_pod()) >= 2, 60,
+                   "two pods serving metrics")
+        time.sleep(3)  # ticks under minReplicas 2: recommendations of 2 in the window
+        since = time.monotonic()
+        cluster.kubectl("patch", "embeddingdeployment", "held", "-n", ns, "--type=merge",
+                        "-p", json.dumps({"spec": {"autoscaling": {"minReplicas": 1}}}))
+        # The last tick under minReplicas 2 came at most one interval (1 s) before the patch: the window
+        # counts from it, so allow that second.
+        obj = _held_until_the_window_ends(cluster, "held", ns, since - 2, 2)
+        reason = obj["status"]["lastScaleDecision"]["reason"]
+        assert reason.startswith("ScaleDownStabilizing: holding 2 replicas until "), reason
+        wait_until(lambda: _deployment(cluster, "held", ns)["spec"]["replicas"] == 1, 60,
+                   "1 replica once the window has passed")
+        assert proc is not None and proc.unexpected_errors() == []
 
 
 def test_gpu_rollout_completes_with_no_spare_gpu(standalone) -> None:

@@ -18,7 +18,12 @@ The formula, step by step (each step has its own named parameter):
 6. scale to zero only when ``scale_to_zero`` is on and the load has been zero for ``scale_to_zero_grace_s``.
    A fleet at zero with no load stays at zero (only load, e.g. held requests, or a wake starts one).
 7. stabilization (HPA v2): the result is the current count pulled up to the *lowest* recommendation of
-   the scale-up window and down to the *highest* recommendation of the scale-down window.
+   the scale-up window and down to the *highest* recommendation of the scale-down window. A count set by
+   hand (`manual_replicas`: ``kubectl scale``, a gateway's wake) is a recommendation too, in the
+   scale-down window only: it is lowered only once that window has passed with the load asking for fewer
+   (the newest such count is a floor while in the window), and never delays a scale-up the load asks
+   for. While the window holds more replicas than the load asks for, the decision says until when
+   (``Decision.hold_until``).
 8. rate limits (HPA v2, ``selectPolicy: Max``): per ``period_s`` grow by at most max(percent, pods)
    and shrink by at most max(percent, pods), counted from the replica count at the period's start.
 9. clamp to [min_replicas, max_replicas] (0 allowed as the floor only by step 6).
@@ -166,8 +171,13 @@ class Observation:
 
 @dataclass(frozen=True)
 class Recommendation:
+    """One count the autoscaler recommended at ``at``, or (``manual``) one set by hand: the scale
+    subresource (``kubectl scale``, a gateway waking the fleet from zero). A manual count counts in the
+    scale-down window only."""
+
     at: float
     replicas: int
+    manual: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,6 +212,9 @@ class Decision:
     panic_desired: int
     in_flight: float
     history: History
+    #: While the scale-down window holds more replicas than the load asks for: when (the caller's clock)
+    #: the window stops holding them if the load stays as it is. None otherwise.
+    hold_until: float | None = None
 
     @property
     def changed(self) -> bool:
@@ -345,27 +358,40 @@ def desired_replicas(
             notes.append(f"idle for {idle_for:.0f}s, scale to zero after {config.scale_to_zero_grace_s:g}s")
     raw = min(raw, config.max_replicas)
 
-    # Stabilization (HPA v2): compare with the recommendations still inside each window.
+    # Stabilization (HPA v2): compare with the recommendations still inside each window. A count set by
+    # hand sits in the scale-down window (it holds the fleet up) but not in the scale-up one (the load's
+    # own recommendations alone decide how soon it grows).
     recommendations = (*history.recommendations, Recommendation(now, raw))
     up_cut = now - config.scale_up.stabilization_window_s
-    down_cut = now - config.scale_down.stabilization_window_s
-    up_rec = min(r.replicas for r in recommendations if r.at >= up_cut)
+    down_window = config.scale_down.stabilization_window_s
+    down_cut = now - down_window
+    up_rec = min(r.replicas for r in recommendations if r.at >= up_cut and not r.manual)
     down_rec = max(r.replicas for r in recommendations if r.at >= down_cut)
     result = current
     if result < up_rec:
         result = up_rec
     if result > down_rec:
         result = down_rec
-    if result != raw:
+    if result < raw:
         notes.append(f"stabilized to {result} (up window min {up_rec}, down window max {down_rec})")
 
+    # Rate limits bound a move away from the current count; they never move the fleet the other way.
     low, high = _rate_bounds(current, history, config, now)
-    if result > high:
+    if result > max(high, current):
         notes.append(f"scale-up rate limit caps at {int(high)}")
-        result = int(high)
-    if result < low:
+        result = int(max(high, current))
+    if result < min(low, current):
         notes.append(f"scale-down rate limit stops at {low}")
-        result = low
+        result = min(low, current)
+
+    # The newest count set by hand, while in the scale-down window, is a floor: should the fleet have been
+    # set lower meanwhile by anything but a newer hand (a write racing ours), it goes back, as the hand
+    # set it (no rate limit).
+    by_hand = max((r for r in recommendations if r.manual), key=lambda r: r.at, default=None)
+    if by_hand is not None and by_hand.at >= down_cut and result < by_hand.replicas:
+        notes.append(f"{by_hand.replicas} set by hand {now - by_hand.at:.0f}s ago holds for the"
+                     f" {down_window:g}s scale-down window")
+        result = by_hand.replicas
 
     # Zero is reachable only by the idle rule; a rate-limited walk towards it stops at the floor first.
     floor = 0 if raw == 0 and result == 0 else config.floor
@@ -373,6 +399,27 @@ def desired_replicas(
     if bounded != result:
         notes.append(f"clamped to [{floor}, {config.max_replicas}]")
         result = bounded
+
+    hold_until = None
+    holders = [r for r in recommendations if r.at >= down_cut and r.replicas >= result]
+    if result > raw and down_rec > raw and holders:
+        # The scale-down window holds more than the load asks for: this count until the newest
+        # recommendation of at least as many leaves the window.
+        newest = max(holders, key=lambda r: r.at)
+        hold_until = newest.at + down_window
+        notes.append(
+            f"scale-down window {down_window:g}s holds {result} for {hold_until - now:.0f}s more"
+            f" ({newest.replicas} {_recommended(newest)} {now - newest.at:.0f}s ago; the load alone asks for {raw})"
+        )
+    elif result < current and down_window > 0:
+        # Scaling down: say which higher recommendation the window no longer holds.
+        gone = [r for r in history.recommendations if r.at < down_cut and r.replicas > result]
+        if gone:
+            newest = max(gone, key=lambda r: r.at)
+            notes.append(
+                f"scale-down window {down_window:g}s passed since {newest.replicas} was last"
+                f" {_recommended(newest)} ({now - newest.at:.0f}s ago)"
+            )
 
     keep_after = now - config.longest_window_s
     events = history.events
@@ -395,6 +442,50 @@ def desired_replicas(
         stable_desired=stable_desired,
         panic_desired=panic_desired,
         in_flight=latest.in_flight,
+        history=new_history,
+        hold_until=hold_until,
+    )
+
+
+def _recommended(rec: Recommendation) -> str:
+    return "set by hand" if rec.manual else "recommended"
+
+
+def manual_replicas(
+    requested: int, config: AutoscalerConfig, history: History, now: float, in_flight: float = 0.0
+) -> Decision:
+    """A count set by hand through the scale subresource (``kubectl scale``, or a gateway waking the
+    fleet from zero): applied at once, clamped to [max(minReplicas, 1), maxReplicas] (0 only with scale
+    to zero on), and recorded as a recommendation at ``now``, so that `desired_replicas` lowers it only
+    once ``scale_down.stabilization_window_s`` has passed with the load asking for fewer (HPA v2's
+    scale-down window). A count above zero is activity too: the scale-to-zero grace period starts again
+    from ``now``. ``history.current_replicas`` is the size before (the caller's view of the truth)."""
+    to_zero = config.scale_to_zero and requested <= 0
+    replicas = 0 if to_zero else max(config.floor, min(config.max_replicas, int(requested)))
+    current = history.current_replicas if history.current_replicas is not None else replicas
+    notes = [f"spec.replicas set to {requested} by hand (kubectl scale, or a gateway waking the fleet)"]
+    if replicas != requested:
+        notes.append(f"clamped to [{config.floor}, {config.max_replicas}]")
+    window = config.scale_down.stabilization_window_s
+    if window > 0 and replicas > 0:
+        notes.append(f"not scaled below {replicas} before the {window:g}s scale-down window has passed")
+    keep_after = now - config.longest_window_s
+    recommendations = (*history.recommendations, Recommendation(now, replicas, manual=True))
+    new_history = replace(
+        history,
+        current_replicas=replicas,
+        recommendations=tuple(r for r in recommendations if r.at >= keep_after),
+        last_active_at=now if replicas > 0 else history.last_active_at,
+    )
+    verb = "keep" if replicas == current else ("scale up" if replicas > current else "scale down")
+    return Decision(
+        replicas=replicas,
+        mode="manual",
+        reason=f"{verb} {current} -> {replicas}: " + "; ".join(notes),
+        current=current,
+        stable_desired=replicas,
+        panic_desired=replicas,
+        in_flight=in_flight,
         history=new_history,
     )
 

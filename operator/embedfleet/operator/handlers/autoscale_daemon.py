@@ -5,8 +5,16 @@ in-flight total (Prometheus or the pods' /metrics, see signals.py), feed the pur
 `autoscale.desired_replicas`, then — only when something changed — write ``status.replicas.desired``
 first and the Deployment's replicas second (so a reconcile running in between renders the new number,
 never the old one), and record the decision and its reason in ``status.lastScaleDecision`` and as an
-Event. The observation window and decision history live in this daemon's memory; after an operator
-restart they start empty, which only makes the first decisions more conservative.
+Event. The observation window and decision history live in this daemon's memory (a change of
+``spec.autoscaling`` keeps them: a lower minReplicas waits out the scale-down window like any other
+scale-down); after an operator restart they start empty.
+
+A change of ``spec.replicas`` (the scale subresource: ``kubectl scale``, a gateway waking the fleet) is
+applied at once through `autoscale.manual_replicas`, which records it in the history, so the fleet is
+not scaled below it before ``scaleDown.stabilizationWindowSeconds`` has passed. While that window holds
+more replicas than the load asks for, ``status.lastScaleDecision.reason`` says so once
+(``ScaleDownStabilizing: holding N replicas until <time>``); the scale-down that ends it is a ``Scaled``
+Event like any other, its reason naming the window that passed.
 
 With direct scraping, a Ready pod that does not answer (refused, slow, over the body cap) still counts:
 stale.py counts it at its last known load or the per-replica target, never 0, from per-pod memory this
@@ -31,9 +39,9 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import kopf
@@ -46,6 +54,7 @@ from embedfleet.operator.autoscale import (
     Observation,
     desired_replicas,
     from_spec,
+    manual_replicas,
     trim_observations,
 )
 from embedfleet.operator.crd import naming
@@ -79,6 +88,9 @@ ENV_PROMETHEUS_URL = "EMBEDFLEET_PROMETHEUS_URL"
 IDLE_RECHECK_S = 5.0
 #: A pod whose /metrics keeps failing is named in a Warning Event (and the log) at most this often.
 UNREACHABLE_WARN_EVERY_S = 300.0
+#: After writing a new status.replicas.desired, the daemon waits at most this long (seconds) for kopf's
+#: view of the object to show it before it resizes the Deployment: see `_apply`.
+STATUS_VISIBLE_WAIT_S = 5.0
 #: Between ticks the daemon looks this often at its in-memory view for a change of spec.replicas (a
 #: gateway waking the fleet from zero through the scale subresource, or `kubectl scale`): acted on at
 #: once, not after the rest of the interval.
@@ -105,10 +117,18 @@ class LoopState:
     probe_drift: Mapping[str, Any] | None = None
     #: monotonic time of the last drift check made for drift alone (autoscaling off, or Prometheus).
     drift_checked_at: float = float("-inf")
+    #: (replicas, monotonic end) of the scale-down hold status.lastScaleDecision last announced: a hold
+    #: is said once, not every tick it lasts (see `hold_is_news`).
+    announced_hold: tuple[int, float] | None = None
 
 
 def _now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _iso_in(seconds: float) -> str:
+    """The wall-clock time ``seconds`` from now (decisions run on the monotonic clock)."""
+    return (datetime.now(UTC) + timedelta(seconds=max(seconds, 0.0))).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def record_event(body: dict[str, Any], reason: str, message: str, type_: str = "Normal") -> None:
@@ -185,8 +205,32 @@ def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: in
 IN_FLIGHT_REFRESH_S = 30.0
 
 
-def _status_update(decision: Decision, status: dict[str, Any], record: bool, refresh_in_flight: bool
-                   ) -> dict[str, Any]:
+def explain(decision: Decision, now: float) -> str:
+    """The decision's reason as status and Events show it: a scale-down hold first, with its end in
+    wall-clock time."""
+    if decision.hold_until is None:
+        return decision.reason
+    return (f"ScaleDownStabilizing: holding {decision.replicas} replicas until"
+            f" {_iso_in(decision.hold_until - now)}; {decision.reason}")
+
+
+def hold_is_news(decision: Decision, state: LoopState, now: float) -> bool:
+    """Whether this decision starts a scale-down hold status has not told yet: a new held count, or the
+    last announced hold's end has passed. A hold the load extends (a wobble around a count) is not
+    re-announced every tick; a change of size ends the hold."""
+    if decision.changed:
+        state.announced_hold = None
+    if decision.hold_until is None:
+        return False
+    told = state.announced_hold
+    if told is not None and told[0] == decision.replicas and now <= told[1]:
+        return False
+    state.announced_hold = (decision.replicas, decision.hold_until)
+    return True
+
+
+def _status_update(decision: Decision, status: dict[str, Any], record: bool, refresh_in_flight: bool,
+                   now: float = 0.0) -> dict[str, Any]:
     """Only the fields that differ from what status already says (no idle writes)."""
     update: dict[str, Any] = {}
     if (status.get("replicas") or {}).get("desired") != decision.replicas:
@@ -200,22 +244,22 @@ def _status_update(decision: Decision, status: dict[str, Any], record: bool, ref
             "toReplicas": decision.replicas,
             "inFlight": decision.in_flight,
             "mode": decision.mode,
-            "reason": decision.reason[:1024],
+            "reason": explain(decision, now)[:1024],
         }
     return update
 
 
-def manual_scale(body: dict[str, Any], config: AutoscalerConfig, state: LoopState) -> int | None:
-    """The replicas a `kubectl scale` (a change of spec.replicas through the scale subresource) asks
-    for, clamped to [minReplicas, maxReplicas]; None when spec.replicas did not change since the last
-    tick. With autoscaling on, the scale subresource means what it means for an HPA-managed Deployment:
-    the fleet is resized now, and the autoscaler goes on from that size."""
+def manual_scale(body: dict[str, Any], state: LoopState) -> int | None:
+    """The replicas a change of spec.replicas through the scale subresource (`kubectl scale`, a gateway
+    waking the fleet) asks for; None when spec.replicas did not change since the last tick. With
+    autoscaling on it means what it means for an HPA-managed Deployment: the fleet is resized now, and
+    the autoscaler goes on from that size (`autoscale.manual_replicas` clamps it and holds it for the
+    scale-down window)."""
     replicas = (body.get("spec") or {}).get("replicas")
     previous, state.seen_spec_replicas = state.seen_spec_replicas, replicas
     if replicas is None or replicas == previous:
         return None
-    floor = 0 if config.scale_to_zero else config.min_replicas
-    return max(floor, min(config.max_replicas, int(replicas)))
+    return int(replicas)
 
 
 def tick(
@@ -231,8 +275,10 @@ def tick(
     pods: list[dict[str, Any]],
     gateways: Sequence[Mapping[str, Any]] = (),
     spec: EmbeddingDeploymentSpec | None = None,
+    live_desired: Callable[[], Any] | None = None,
 ) -> Decision | None:
     """One round of the loop; returns the decision, or None when there was nothing to decide on.
+    ``live_desired`` reads status.replicas.desired from kopf's live view of the object (see `_apply`).
 
     ``deployment`` and ``pods`` are the watch's latest view (kopf indexes): a tick reads nothing from
     the API server; it writes only when a decision or a throttled observation changed."""
@@ -242,17 +288,14 @@ def tick(
     ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
 
     status = dict(body.get("status") or {})
-    manual = manual_scale(body, config, state)
+    manual = manual_scale(body, state)
     if manual is not None:
-        # A person's resize needs no signal: apply it now; decisions go on from the new size.
-        history = state.history.with_current(manual)
-        decision = Decision(
-            replicas=manual, mode="manual", current=current, stable_desired=manual, panic_desired=manual,
-            reason=f"spec.replicas set to {manual} (kubectl scale): {current} -> {manual}",
-            in_flight=float(status.get("inFlight") or 0.0), history=history,
-        )
-        state.history = history
-        return _apply(name, namespace, body, decision, state, now, record=True)
+        # A resize by hand needs no signal: apply it now; decisions go on from the new size.
+        decision = manual_replicas(manual, config, state.history.with_current(current), now,
+                                   in_flight=float(status.get("inFlight") or 0.0))
+        state.history = decision.history
+        hold_is_news(decision, state, now)  # a new size: any hold announced before is over
+        return _apply(name, namespace, body, decision, state, now, record=True, live_desired=live_desired)
 
     reading = read_signal(name, namespace, autoscaling, port, pods)
     if spec is not None:
@@ -296,8 +339,10 @@ def tick(
         decision = dataclasses.replace(decision, reason=f"{decision.reason}; estimated: {estimates}")
     state.history = decision.history
     first = not status.get("lastScaleDecision")
+    held = hold_is_news(decision, state, now)
     return _apply(name, namespace, body, decision, state, now,
-                  record=decision.changed or first or decision.mode != state.last_mode)
+                  record=decision.changed or first or held or decision.mode != state.last_mode,
+                  live_desired=live_desired)
 
 
 def drift_every_s(spec: EmbeddingDeploymentSpec) -> float:
@@ -365,21 +410,31 @@ def warn_unreachable(body: dict[str, Any], fleet: FleetLoad, state: LoopState, n
 
 
 def _apply(name: str, namespace: str, body: dict[str, Any], decision: Decision, state: LoopState,
-           now: float, record: bool) -> Decision:
-    """Write what changed: status first (so a reconcile in between renders the new size), then the
-    Deployment's replicas, then an Event explaining the change."""
+           now: float, record: bool, live_desired: Callable[[], Any] | None = None) -> Decision:
+    """Write what changed: status first, then the Deployment's replicas, then an Event explaining the
+    change.
+
+    Between the two writes it waits (at most STATUS_VISIBLE_WAIT_S) until kopf's view of the object
+    (``live_desired``) shows the new status.replicas.desired. The reconcile renders the Deployment's
+    replicas from that view: the handler of the very event that changed spec.replicas (`kubectl scale`)
+    still holds the old status, and so does an owned-Deployment handler whose watch event overtook the
+    object's own; seen on a real API server: such a reconcile, running just after the Deployment was
+    resized, put it back to the old size. Once the view shows the new status, kopf has finished the
+    object's earlier handlers and its index holds the new number."""
     status = dict(body.get("status") or {})
     state.last_mode = decision.mode
     refresh = now - state.in_flight_written_at >= IN_FLIGHT_REFRESH_S
-    update = _status_update(decision, status, record, refresh)
+    update = _status_update(decision, status, record, refresh, now)
     if update:
         KUBE.patch_status(KIND, name, namespace, update)
         if "inFlight" in update:
             state.in_flight_written_at = now
+    if decision.changed and "replicas" in update and live_desired is not None:
+        _await_visible(live_desired, decision.replicas, f"{namespace}/{name}")
     if decision.changed:
         scale = {"spec": {"replicas": decision.replicas}}
         KUBE.patch_merge("Deployment", runtime_name(name), namespace, scale)
-        record_event(body, "Scaled", decision.reason)
+        record_event(body, "Scaled", explain(decision, now))
         spec_replicas = (body.get("spec") or {}).get("replicas")
         if decision.replicas == 0 and spec_replicas not in (None, 0):
             # The scale subresource says 0 too (as an HPA keeps its target's scale true): a gateway's next
@@ -387,6 +442,21 @@ def _apply(name: str, namespace: str, body: dict[str, Any], decision: Decision, 
             KUBE.patch_merge(KIND, name, namespace, {"spec": {"replicas": 0}})
             state.seen_spec_replicas = 0  # our own write, not a `kubectl scale`
     return decision
+
+
+def _await_visible(live_desired: Callable[[], Any], replicas: int, what: str,
+                   timeout: float = STATUS_VISIBLE_WAIT_S) -> bool:
+    """Poll kopf's live view until status.replicas.desired reads ``replicas``; False after ``timeout``
+    (the resize goes ahead: a late view only risks the revert `_apply` describes, which the next tick
+    decides against again)."""
+    deadline = time.monotonic() + timeout
+    while live_desired() != replicas:
+        if time.monotonic() >= deadline:
+            log.info("%s: status.replicas.desired=%s not in the watch after %.0fs; resizing anyway", what,
+                     replicas, timeout)
+            return False
+        time.sleep(0.02)
+    return True
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
@@ -424,8 +494,10 @@ async def autoscale(
         config = from_spec(autoscaling, parsed.runtime.max_batch_requests)
         if config != config_key:
             if config_key is not None:
-                logger.info("autoscaling settings changed; decisions restart from the current size")
-                state = LoopState(seen_spec_replicas=state.seen_spec_replicas)
+                # The history stays: its recommendations were made under the old bounds, so a lower
+                # minReplicas removes pods only once the scale-down window has passed (a higher one, or
+                # a lower maxReplicas, applies at once through the clamp).
+                logger.info("autoscaling settings changed; decisions go on from the same history")
             config_key = config
         try:
             deployment = next(iter(runtime_deployments.get((namespace, name), [])), None)
@@ -433,13 +505,17 @@ async def autoscale(
             gateways = list(gateway_pods.get("gateways", []))
             decision = await asyncio.to_thread(
                 tick, name, namespace, dict(body), config, autoscaling, parsed.runtime.port, state,
-                time.monotonic(), deployment, pods, gateways, parsed,
+                time.monotonic(), deployment, pods, gateways, parsed, lambda: _desired(body),
             )
             if decision is not None and decision.changed:
                 logger.info("%s", decision.reason)
         except (KubeError, kubernetes.client.ApiException, OSError) as exc:
             logger.warning("autoscaler tick failed, retrying next interval: %s", exc)
         await wait_for_tick(stopped, body, parsed.autoscaling.interval_seconds)
+
+
+def _desired(body: Mapping[str, Any]) -> Any:
+    return ((body.get("status") or {}).get("replicas") or {}).get("desired")
 
 
 async def _drift_only(name: str, namespace: str, body: kopf.Body, parsed: EmbeddingDeploymentSpec,
