@@ -5,7 +5,9 @@
 #   scripts/setup.sh --test   also what the tests need: apt packages (redis-server, prometheus, iproute2,
 #                             openssl), the `test` extra, and the test control plane built from its Go
 #                             modules by scripts/kube-tools.sh (once per machine, cached; ~15 min cold),
-#                             and the Gateway API CRDs by scripts/gateway-api-crds.sh (seconds, cached).
+#                             and the Gateway API CRDs by scripts/gateway-api-crds.sh (seconds, cached);
+#                             as root, the real-node tier by scripts/realnode.sh (containerd, runc, buildah from
+#                             apt, a kubelet, the project's images; ~30 GB of disk, ~10 min beside the above).
 #
 # torch: PyPI's torch 2.13.0 wheel for Linux x86-64 is the CUDA build (about 2.7 GB of NVIDIA libraries
 # come with it; a 5.6 GB venv). It runs on CPU without a GPU. PyTorch's CPU-only wheels live only on
@@ -38,13 +40,30 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 if [ "$want_tests" = 1 ]; then
   "${PIP[@]}" -e ".[test]"
 else
-  "${PIP[@]}" -e .
+  "${PIP[@]}" -e ".[all]"  # every part: runtime, operator, gateway, node agent, client (pyproject's extras)
 fi
 
 if [ "$want_tests" = 1 ]; then
   if command -v go >/dev/null 2>&1; then
+    realnode=0
+    if [ "$(id -u)" = 0 ]; then
+      # The real-node tier (tests/realnode): containerd, buildah, ... from apt, then the project's images, built
+      # in the background (downloads and disk) while the control plane compiles (CPU).
+      bash scripts/realnode.sh packages
+      mkdir -p "$(bash scripts/realnode.sh home)"
+      images_log="$(bash scripts/realnode.sh home)/images.log"
+      bash scripts/realnode.sh images > "$images_log" 2>&1 &
+      images_pid=$!
+      realnode=1
+    else
+      echo "setup: not root: the real-node tier (tests/realnode) will skip; run this as root to build it" >&2
+    fi
     bash scripts/kube-tools.sh
     bash scripts/gateway-api-crds.sh  # the Gateway API CRDs the chart's HTTPRoute is checked against
+    if [ "$realnode" = 1 ]; then
+      wait "$images_pid" || { tail -40 "$images_log" >&2; echo "setup: building the images failed ($images_log)" >&2; exit 1; }
+      bash scripts/realnode.sh build  # the kubelet (from the control plane's modules) and crictl; images cached
+    fi
   else
     echo "setup: Go is not installed (https://go.dev/doc/install): the control-plane tests will skip" >&2
   fi

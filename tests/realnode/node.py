@@ -1,0 +1,188 @@
+"""One real node for the tests: scripts/realnode.sh's control plane, containerd and kubelet, seen from Python.
+
+Everything here talks to real processes: `kubectl` and `helm` against the node's API server, HTTP to pod IPs on
+the node's bridge (198.18.252.0/22; the tests never send traffic to a ClusterIP), and the CRI through `crictl`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.kube.controlplane import AuditEvent, tools_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "realnode.sh"
+NAMESPACE = "embedfleet-system"
+GATEWAY_PORT = 8000
+RUNTIME_PORT = 8080
+MODEL = "all-MiniLM-L6-v2"
+BRIDGE_IP = "198.18.252.1"
+
+
+def realnode_home() -> Path:
+    done = subprocess.run(["bash", str(SCRIPT), "home"], capture_output=True, text=True, check=True)
+    return Path(done.stdout.strip())
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
+    """Poll until ``predicate`` returns something true; fail naming ``what`` and the last value seen."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except Exception as exc:  # a server still starting, a pod not yet there
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+@dataclass
+class RealNode:
+    """The node's cluster: kubeconfig, tools, and the pieces a test asserts on."""
+
+    workdir: Path
+    home: Path
+    bin: Path = field(default_factory=lambda: (tools_dir() or Path(".")) / "bin")
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def audit_path(self) -> Path:
+        return self.workdir / "audit.log"
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(self.bin / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args], input=input,
+                              capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+        return done
+
+    def helm(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        env = {**os.environ, "HELM_CACHE_HOME": str(self.workdir / "helm-cache"),
+               "HELM_CONFIG_HOME": str(self.workdir / "helm-config"), "HELM_DATA_HOME": str(self.workdir / "helm-data")}
+        done = subprocess.run([str(self.bin / "helm"), f"--kubeconfig={self.kubeconfig}", *args],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        if check and done.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+        return done
+
+    def get(self, *args: str) -> Any:
+        done = self.kubectl("get", *args, "-o", "json", check=False)
+        if done.returncode != 0:
+            if "NotFound" in done.stderr or "not found" in done.stderr:
+                return None
+            raise AssertionError(f"kubectl get {' '.join(args)}: {done.stderr.strip()}")
+        return json.loads(done.stdout)
+
+    def pods(self, selector: str, namespace: str = "default") -> list[dict[str, Any]]:
+        return (self.get("pods", "-n", namespace, "-l", selector) or {"items": []})["items"]
+
+    def crictl(self, *args: str) -> str:
+        sock = self.home / "containerd" / "containerd.sock"
+        return subprocess.run([str(self.home / "bin" / "crictl"), "--runtime-endpoint", f"unix://{sock}", *args],
+                              capture_output=True, text=True, check=True, timeout=60).stdout
+
+    def container_pid(self, pod: dict[str, Any], container: str) -> int:
+        """The host PID of one container of a pod, from the CRI (never a process found by name)."""
+        for status in pod["status"].get("containerStatuses", []):
+            if status["name"] == container and status.get("containerID"):
+                cid = status["containerID"].split("://", 1)[1]
+                return int(self.crictl("inspect", "-o", "go-template", "--template", "{{.info.pid}}", cid).strip())
+        raise AssertionError(f"pod {pod['metadata']['name']} has no running container {container}")
+
+    def audit(self) -> list[AuditEvent]:
+        events = []
+        for line in self.audit_path.read_bytes().splitlines():
+            try:
+                raw = json.loads(line)
+            except ValueError:
+                continue
+            if raw.get("stage") == "ResponseComplete":
+                events.append(AuditEvent.from_json(raw))
+        return events
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def restarts(pod: dict[str, Any]) -> int:
+    return sum(c.get("restartCount", 0) for c in pod.get("status", {}).get("containerStatuses", []))
+
+
+def runtime_selector(deployment: str) -> str:
+    return f"embedfleet.dev/deployment={deployment},embedfleet.dev/component=runtime"
+
+
+def embed(ip: str, port: int, texts: list[str], timeout: float = 30.0) -> httpx.Response:
+    return httpx.post(f"http://{ip}:{port}/v1/embeddings", json={"model": MODEL, "input": texts}, timeout=timeout)
+
+
+class Load:
+    """Clients posting embeddings to one address until stopped, counting each answer (or failure) by kind.
+
+    A 429 (with Retry-After) is a refusal at admission that the client retries; anything else that is not a 200
+    (a 5xx, a reset connection, a timeout) is work the server accepted and failed.
+    """
+
+    def __init__(self, ip: str, port: int, clients: int = 3, timeout: float = 60.0) -> None:
+        self.url = f"http://{ip}:{port}/v1/embeddings"
+        self.clients, self.timeout = clients, timeout
+        self.outcomes: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(self.timeout + 5)
+
+    def _run(self, index: int) -> None:
+        with httpx.Client(timeout=self.timeout) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                body = {"model": MODEL, "input": [f"client {index} request {n}", "a second input to embed"]}
+                try:
+                    reply = client.post(self.url, json=body)
+                    kind = str(reply.status_code)
+                    if reply.status_code == 200 and len(reply.json()["data"]) != 2:
+                        kind = "200-wrong-rows"
+                    detail = reply.text[:200]
+                except httpx.HTTPError as exc:
+                    kind, detail = type(exc).__name__, str(exc)[:200]
+                with self._lock:
+                    self.outcomes[kind] += 1
+                    if kind not in ("200", "429"):
+                        self.failures.append(f"{kind}: {detail}")
+                if kind == "429":
+                    time.sleep(0.2)
+
+    @property
+    def ok(self) -> int:
+        return self.outcomes["200"]

