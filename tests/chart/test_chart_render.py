@@ -298,12 +298,12 @@ def test_role_region_and_namespaces_reach_the_operator() -> None:
 
 
 def _runtime_image_env(objects: list[dict[str, Any]]) -> str:
-    (value,) = [e["value"] for e in operator_container(objects)["env"] if e["name"] == "EMBEDFLEET_RUNTIME_IMAGE"]
+    (value,) = [e["value"] for e in operator_container(objects)["env"] if e["name"] == "EMBEDFLEET_DEFAULT_RUNTIME_IMAGE"]
     return value
 
 
 def test_the_default_runtime_image_is_the_app_versions_unless_set() -> None:
-    """EMBEDFLEET_RUNTIME_IMAGE: runtimeImage.repository with runtimeImage.tag, or appVersion when the tag is
+    """EMBEDFLEET_DEFAULT_RUNTIME_IMAGE: runtimeImage.repository with runtimeImage.tag, or appVersion when the tag is
     empty (the default), so a chart upgrade moves deployments that name no image to its own runtime."""
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert DEFAULTS["runtimeImage"] == {"repository": "ghcr.io/embedfleet/runtime", "tag": ""}
@@ -452,7 +452,7 @@ def test_node_agent_daemonset_is_locked_down(role: str) -> None:
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     operator_env = {e["name"]: e.get("value") for e in operator_container(objects)["env"]}
     assert env["EMBEDFLEET_PLATFORM_POLICY"]["value"] == operator_env["EMBEDFLEET_PLATFORM_POLICY"]
-    assert env["EMBEDFLEET_RUNTIME_IMAGE"]["value"] == operator_env["EMBEDFLEET_RUNTIME_IMAGE"]
+    assert env["EMBEDFLEET_DEFAULT_RUNTIME_IMAGE"]["value"] == operator_env["EMBEDFLEET_DEFAULT_RUNTIME_IMAGE"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     control_plane = {"key": "node-role.kubernetes.io/control-plane", "operator": "DoesNotExist"}
     assert terms[0]["matchExpressions"] == [control_plane]  # not the removed master label

@@ -110,7 +110,7 @@ def reference_divide(
         if not over_:
             return alloc
         kept[min(over_, key=lambda n: (quota[n] - kept[n], rank[n]))] -= 1
-    return kept if all(abs(kept[n] - quota[n]) < 1.0 for n in names) else alloc
+    return kept if all(abs(kept[n] - quota[n]) <= 1.0 + 1e-9 for n in names) else alloc
 
 
 class Candidate:

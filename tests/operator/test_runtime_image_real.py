@@ -1,6 +1,6 @@
 """The platform's default runtime image on a real control plane: a deployment that names no image runs the
 chart's ``runtimeImage``, and a `helm upgrade` to another one (the operator restarted with the new
-``EMBEDFLEET_RUNTIME_IMAGE``, as the upgraded Deployment would restart it) rolls that deployment's pods
+``EMBEDFLEET_DEFAULT_RUNTIME_IMAGE``, as the upgraded Deployment would restart it) rolls that deployment's pods
 onto it, while a deployment that names its image is left alone, not even written to."""
 
 from __future__ import annotations

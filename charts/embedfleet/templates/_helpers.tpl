@@ -82,7 +82,7 @@ or every deployment that names no image would be refused. */ -}}
 {{- end -}}
 {{- end -}}
 
-{{- /* The runtime image of deployments that name none (EMBEDFLEET_RUNTIME_IMAGE): runtimeImage.repository,
+{{- /* The runtime image of deployments that name none (EMBEDFLEET_DEFAULT_RUNTIME_IMAGE): runtimeImage.repository,
 tagged runtimeImage.tag or, when that is empty, the chart's appVersion. */ -}}
 {{- define "embedfleet.runtimeImage" -}}
 {{- printf "%s:%s" .Values.runtimeImage.repository (.Values.runtimeImage.tag | default .Chart.AppVersion) -}}

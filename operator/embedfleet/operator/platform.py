@@ -10,7 +10,7 @@ the API server at ``kubectl apply`` and, where that policy is absent, by the ope
 (``Accepted=False``, nothing created). tests/operator/test_tenant_real.py checks that the two agree.
 
 The platform also chooses the runtime image of every deployment that does not name one: the chart's
-``runtimeImage`` values (``EMBEDFLEET_RUNTIME_IMAGE``), else this package's own release of the runtime
+``runtimeImage`` values (``EMBEDFLEET_DEFAULT_RUNTIME_IMAGE``), else this package's own release of the runtime
 image. The allow-list applies to that image too, since it is what the pods run.
 
 Pure: no I/O. Secret labels need a read, so `secret_problems` takes the labels the caller fetched.
@@ -29,7 +29,7 @@ from pydantic.alias_generators import to_camel
 
 ENV = "EMBEDFLEET_PLATFORM_POLICY"
 #: The runtime image of deployments that name none (chart values runtimeImage.repository and .tag).
-RUNTIME_IMAGE_ENV = "EMBEDFLEET_RUNTIME_IMAGE"
+RUNTIME_IMAGE_ENV = "EMBEDFLEET_DEFAULT_RUNTIME_IMAGE"
 RUNTIME_REPOSITORY = "ghcr.io/embedfleet/runtime"
 DEFAULT_CACHE_ROOT = "/var/lib/embedfleet/cache"
 DEFAULT_IMAGE_PREFIX = "ghcr.io/embedfleet/"
@@ -99,7 +99,7 @@ class PlatformPolicy(_Camel):
 
 def load(environ: Mapping[str, str] | None = None) -> PlatformPolicy:
     """The policy the chart passed in (the safe defaults above when run without one), with the
-    platform's default runtime image: ``EMBEDFLEET_RUNTIME_IMAGE``, else BUILTIN_RUNTIME_IMAGE."""
+    platform's default runtime image: ``EMBEDFLEET_DEFAULT_RUNTIME_IMAGE``, else BUILTIN_RUNTIME_IMAGE."""
     environ = os.environ if environ is None else environ
     raw = environ.get(ENV, "").strip()
     image = environ.get(RUNTIME_IMAGE_ENV, "").strip() or BUILTIN_RUNTIME_IMAGE

@@ -56,7 +56,7 @@ from embedfleet.operator.validate import check
 
 KUBE = Kube()
 #: The chart's platform allow-lists (EMBEDFLEET_PLATFORM_POLICY) and default runtime image
-#: (EMBEDFLEET_RUNTIME_IMAGE), read once at start-up: a `helm upgrade` that changes the default restarts
+#: (EMBEDFLEET_DEFAULT_RUNTIME_IMAGE), read once at start-up: a `helm upgrade` that changes the default restarts
 #: the operator, whose start-up converge (``resume``) rolls every deployment that names no image.
 POLICY = platform.load()
 #: The chart's tracing values for runtime pods (EMBEDFLEET_RUNTIME_OTEL_*), read once at start-up.

@@ -114,7 +114,7 @@ def _incremental(
             return None
         alloc[int(np.argmin(np.where(over, quota - alloc, np.inf)))] -= 1
         step += 1
-    if bool((np.abs(alloc - quota) >= 1.0).any()):
+    if bool((np.abs(alloc - quota) > 1.0 + 1e-9).any()):  # within one replica of its quota: kept
         return None
     return alloc
 
