@@ -27,7 +27,7 @@ RUNTIME_IMAGE=ghcr.io/embedfleet/runtime:$APP_VERSION
 OPERATOR_IMAGE=ghcr.io/embedfleet/operator:$APP_VERSION
 PAUSE_IMAGE=localhost/pause:3.10
 BASE_IMAGE=localhost/python:3.11-bookworm
-NEED_GB=${EMBEDFLEET_REALNODE_NEED_GB:-28}   # wheels 2.8 + build storage 7 + containerd 13 + headroom
+NEED_GB=${EMBEDFLEET_REALNODE_NEED_GB:-22}   # at the peak, containerd 12 + build storage 7 + Go and headroom
 export CONTAINERS_STORAGE_CONF=$RN/storage.conf
 log() { echo "realnode: $* ($(date +%T))" >&2; }
 kbin() { bash "$PROJECT/scripts/kube-tools.sh" | tail -1; }
@@ -46,21 +46,29 @@ apt_packages() {
 
 free_gb() { df -Pk "$RN" | awk 'NR==2 {print int($4/1048576)}'; }
 
-make_room() {  # on a small disk, drop what only a rebuild needs once containerd holds the images
-  [ "$(free_gb)" -ge "${EMBEDFLEET_REALNODE_KEEP_GB:-12}" ] && return 0
-  log "$(free_gb) GB free: removing the wheelhouse and the built project images (containerd holds them; a change rebuilds)"
-  rm -rf "$RN/wheels" "$RN/wheels.pyproject"
-  podman rmi "$RUNTIME_IMAGE" "$OPERATOR_IMAGE" >/dev/null 2>&1 || true
-  buildah rmi --prune >/dev/null 2>&1 || true
+# On a small disk (CI's machines have about 38 GB free), drop what only a rebuild needs as soon as it is no
+# longer needed: the wheelhouse once the images are built, Go's build cache once the kubelet is, podman's
+# copies of the images once containerd holds them. A later change then rebuilds from the network.
+SLIM_BELOW_GB=${EMBEDFLEET_REALNODE_SLIM_BELOW_GB:-30}
+slim() {  # slim WHAT: wheels | gocache | podman, when free space is under SLIM_BELOW_GB
+  [ "$(free_gb)" -ge "$SLIM_BELOW_GB" ] && return 0
+  log "$(free_gb) GB free (under $SLIM_BELOW_GB): removing $1"
+  case "$1" in
+    wheels) rm -rf "$RN/wheels" "$RN/wheels.pyproject" ;;
+    gocache) go clean -cache ;;
+    podman) podman rmi "$RUNTIME_IMAGE" "$OPERATOR_IMAGE" >/dev/null 2>&1 || true
+            buildah rmi --prune >/dev/null 2>&1 || true ;;
+  esac
 }
 
 disk_check() {  # fail early, with the numbers, when the disk cannot hold the images twice over
   mkdir -p "$RN"
-  local have=0; [ -d "$RN/containerd/root" ] && have=1
+  local have=0; { [ -d "$RN/containerd/root" ] || [ -f "$RN/images.hash" ]; } && have=1   # space already taken
   if [ "$have" = 0 ] && [ "$(free_gb)" -lt "$NEED_GB" ]; then
-    echo "realnode: $(free_gb) GB free under $RN, the real-node tier needs about $NEED_GB GB (wheels 2.8 GB," \
-         "build storage about 7 GB, containerd about 13 GB for the runtime image). Free space, or set" \
-         "EMBEDFLEET_REALNODE_HOME to a larger disk." >&2
+    echo "realnode: $(free_gb) GB free under $RN, the real-node tier needs about $NEED_GB GB (at its peak" \
+         "containerd holds about 12 GB for the runtime image beside 7 GB of build storage; the wheelhouse and" \
+         "Go's build cache are removed as soon as they are not needed on a disk this small). Free space, or" \
+         "set EMBEDFLEET_REALNODE_HOME to a larger disk." >&2
     exit 4
   fi
 }
@@ -85,6 +93,7 @@ go_bins() {  # kubelet from the control plane's module workspace (shares its bui
     log "go install crictl $CRICTL"
     GOBIN="$BIN" CGO_ENABLED=0 GOFLAGS=-buildvcs=false go install -ldflags "-s -w" "sigs.k8s.io/cri-tools/cmd/crictl@$CRICTL" >&2
   fi
+  slim gocache   # every binary is cached in its versioned folder
 }
 
 storage_conf() {
@@ -158,6 +167,7 @@ project_images() {  # the Dockerfiles as written; only the base, the wheelhouse 
   buildah rmi --prune >/dev/null 2>&1 || true   # the previous build's layers (6 GB for the runtime)
   rm -rf "$ctx"
   echo "$hash" > "$RN/images.hash"
+  slim wheels
 }
 
 build() {
@@ -213,7 +223,7 @@ JSON
 }
 
 load_images() {  # podman storage -> containerd's k8s.io namespace, only what changed; the archive is removed
-  local img id idf tar t0
+  local img id idf t0
   mkdir -p "$RN/images"
   if [ "$(cat "$RN/images/loaded.hash" 2>/dev/null)" = "$(cat "$RN/images.hash" 2>/dev/null)" ] \
      && ! podman image exists "$RUNTIME_IMAGE"; then
@@ -224,11 +234,10 @@ load_images() {  # podman storage -> containerd's k8s.io namespace, only what ch
     idf="$RN/images/$(echo "$img" | tr '/:' '__').id"
     if [ -f "$idf" ] && [ "$(cat "$idf")" = "$id" ] && \
        [ -n "$(ctr --address "$SOCK" -n k8s.io images ls -q "name==$img" 2>/dev/null)" ]; then continue; fi
-    t0=$(date +%s); tar="$RN/images/import.tar"
-    # docker-archive keeps layers uncompressed (an oci-archive would gzip 6 GB first); ctr keeps its RepoTags
-    podman save --format docker-archive -o "$tar" "$img" >/dev/null
-    ctr --address "$SOCK" -n k8s.io images import "$tar" >&2
-    rm -f "$tar"
+    t0=$(date +%s)
+    # docker-archive keeps layers uncompressed (an oci-archive would gzip 6 GB first) and ctr keeps its
+    # RepoTags; streamed, so no archive of the image is ever written to disk
+    podman save --format docker-archive "$img" | ctr --address "$SOCK" -n k8s.io images import - >&2
     if [ -f "$idf" ] && [ "$(cat "$idf")" != "$id" ]; then   # the previous build's content
       ctr --address "$SOCK" -n k8s.io images rm "sha256:$(cat "$idf")" >/dev/null 2>&1 || true
     fi
@@ -236,7 +245,7 @@ load_images() {  # podman storage -> containerd's k8s.io namespace, only what ch
     log "imported $img into containerd in $(( $(date +%s) - t0 )) s"
   done
   cp "$RN/images.hash" "$RN/images/loaded.hash"
-  make_room
+  slim podman
 }
 
 up() {
