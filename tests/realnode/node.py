@@ -132,8 +132,8 @@ def runtime_selector(deployment: str) -> str:
     return f"embedfleet.dev/deployment={deployment},embedfleet.dev/component=runtime"
 
 
-def embed(ip: str, port: int, texts: list[str], timeout: float = 30.0) -> httpx.Response:
-    return httpx.post(f"http://{ip}:{port}/v1/embeddings", json={"model": MODEL, "input": texts}, timeout=timeout)
+def embed(ip: str, port: int, texts: list[str], timeout: float = 30.0, model: str = MODEL) -> httpx.Response:
+    return httpx.post(f"http://{ip}:{port}/v1/embeddings", json={"model": model, "input": texts}, timeout=timeout)
 
 
 class Load:
