@@ -298,7 +298,8 @@ def test_role_region_and_namespaces_reach_the_operator() -> None:
 
 
 def _runtime_image_env(objects: list[dict[str, Any]]) -> str:
-    (value,) = [e["value"] for e in operator_container(objects)["env"] if e["name"] == "EMBEDFLEET_DEFAULT_RUNTIME_IMAGE"]
+    env = operator_container(objects)["env"]
+    (value,) = [e["value"] for e in env if e["name"] == "EMBEDFLEET_DEFAULT_RUNTIME_IMAGE"]
     return value
 
 
