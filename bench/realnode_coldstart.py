@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), *(str(ROOT / p) for p in ("runtime", "operator", "client", "gateway"))]
 
 import yaml  # noqa: E402
+from tests.kube.controlplane import wait_until  # noqa: E402
 from tests.realnode.node import (  # noqa: E402
     GATEWAY_PORT,
     NAMESPACE,
@@ -41,7 +42,6 @@ from tests.realnode.node import (  # noqa: E402
     is_ready,
     realnode_home,
     runtime_selector,
-    wait_for,
 )
 from tests.realnode.test_user_path import (  # noqa: E402
     CHART,
@@ -70,7 +70,7 @@ def first_answer(node: RealNode, name: str, model: str, t0: float, timeout: floa
                     pass
         return None
 
-    return wait_for(answered, timeout, f"a first 200 from {name}", interval=0.1) - t0
+    return wait_until(answered, timeout, f"a first 200 from {name}", interval=0.1) - t0
 
 
 def phases(node: RealNode, name: str, t0: float, answered_at: float) -> dict[str, Any]:
@@ -99,11 +99,11 @@ def phases(node: RealNode, name: str, t0: float, answered_at: float) -> dict[str
 def cold_start(node: RealNode, doc: dict[str, Any]) -> dict[str, Any]:
     name = doc["metadata"]["name"]
     node.kubectl("delete", "embeddingdeployment", name, "--ignore-not-found", "--wait=true", timeout=300)
-    wait_for(lambda: not all_runtimes(node, name), 300, f"{name}'s pods gone")
+    wait_until(lambda: not all_runtimes(node, name), 300, f"{name}'s pods gone")
     t0 = time.time()
     node.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     took = first_answer(node, name, doc["spec"]["model"]["servedModelName"], t0)
-    wait_for(lambda: [p for p in all_runtimes(node, name) if is_ready(p)], 120, f"{name} Ready")
+    wait_until(lambda: [p for p in all_runtimes(node, name) if is_ready(p)], 120, f"{name} Ready")
     return phases(node, name, t0, t0 + took)
 
 
@@ -150,7 +150,7 @@ def main() -> int:
             image = next(c["image"] for p in all_runtimes(node, doc["metadata"]["name"])
                          for c in p["spec"]["containers"] if c["name"] == "runtime")
             node.kubectl("delete", "embeddingdeployment", doc["metadata"]["name"], "--wait=true", timeout=300)
-            wait_for(lambda: not all_runtimes(node, doc["metadata"]["name"]), 300, "pods gone")
+            wait_until(lambda: not all_runtimes(node, doc["metadata"]["name"]), 300, "pods gone")
             sock = home / "containerd" / "containerd.sock"
             subprocess.run(["ctr", "--address", str(sock), "-n", "k8s.io", "images", "rm", image], check=True,
                            capture_output=True)
@@ -166,7 +166,7 @@ def main() -> int:
             try:
                 http = http_deployment("minilm-http", served.url, served.digest)
                 rows["download"] = cold_start(node, http)
-                wait_for(lambda: any(k.startswith("cache.embedfleet.dev/") for k in
+                wait_until(lambda: any(k.startswith("cache.embedfleet.dev/") for k in
                                      node.get("node", "realnode-1")["metadata"]["labels"]), 300, "cache label")
                 rows["cached"] = cold_start(node, http)
                 node.kubectl("delete", "embeddingdeployment", "minilm-http", "--wait=true", timeout=300)
@@ -176,7 +176,7 @@ def main() -> int:
             node.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p",
                          '{"spec":{"autoscaling":{"minReplicas":0,"scaleToZero":true,"scaleToZeroGraceSeconds":5}}}')
             mem = memory(node)
-            wait_for(lambda: not all_runtimes(node, name), 600, "scaled to zero")
+            wait_until(lambda: not all_runtimes(node, name), 600, "scaled to zero")
             t0 = time.time()
             reply = embed(gateway_ip(node), GATEWAY_PORT, ["wake up"], timeout=600)
             rows["wake"] = {"total_s": round(time.time() - t0, 2), "status": reply.status_code}

@@ -12,7 +12,6 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,21 +32,6 @@ BRIDGE_IP = "198.18.252.1"
 def realnode_home() -> Path:
     done = subprocess.run(["bash", str(SCRIPT), "home"], capture_output=True, text=True, check=True)
     return Path(done.stdout.strip())
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
-    """Poll until ``predicate`` returns something true; fail naming ``what`` and the last value seen."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except Exception as exc:  # a server still starting, a pod not yet there
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
 @dataclass

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.kube.controlplane import wait_until
 from tests.realnode.node import (
     BRIDGE_IP,
     GATEWAY_PORT,
@@ -34,7 +35,6 @@ from tests.realnode.node import (
     is_ready,
     restarts,
     runtime_selector,
-    wait_for,
 )
 
 pytestmark = pytest.mark.timeout(5400)  # the first run builds the node and its images
@@ -64,9 +64,9 @@ def stays_up(node: RealNode, name: str, settle: float = 20.0, timeout: float = 3
         assert not crashing, f"{name} pods restarted: {crashing}\n{logs_of(node, pods)}"
         return pods if pods and all(is_ready(p) for p in pods) else None
 
-    wait_for(ready_pods, timeout, f"the chart's {name} pods Ready")
+    wait_until(ready_pods, timeout, f"the chart's {name} pods Ready")
     time.sleep(settle)
-    pods = wait_for(ready_pods, 30, f"the chart's {name} pods still Ready")
+    pods = wait_until(ready_pods, 30, f"the chart's {name} pods still Ready")
     return pods
 
 
@@ -137,21 +137,21 @@ def test_operator_readiness_fails_while_it_cannot_reach_the_api_server(release: 
             "--reject-with", "tcp-reset"]
     subprocess.run(["iptables", "-I", *rule], check=True)
     try:
-        wait_for(lambda: not is_ready(release.get("pod", "-n", NAMESPACE, pod["metadata"]["name"])), 180,
+        wait_until(lambda: not is_ready(release.get("pod", "-n", NAMESPACE, pod["metadata"]["name"])), 180,
                  "the operator pod NotReady while the API server refuses it")
     finally:
         subprocess.run(["iptables", "-D", *rule], check=True)
-    wait_for(lambda: is_ready(release.get("pod", "-n", NAMESPACE, pod["metadata"]["name"])), 300,
+    wait_until(lambda: is_ready(release.get("pod", "-n", NAMESPACE, pod["metadata"]["name"])), 300,
              "the operator pod Ready again")
 
 
 def test_example_serves_through_the_gateway_with_the_in_process_vectors(release: RealNode) -> None:
     release.kubectl("apply", "-f", str(EXAMPLE))
     name = example()["metadata"]["name"]
-    wait_for(lambda: ready_runtimes(release, name), 600, f"a Ready runtime pod of {name} (its real probes)")
+    wait_until(lambda: ready_runtimes(release, name), 600, f"a Ready runtime pod of {name} (its real probes)")
     release.kubectl("wait", "--for=condition=Available", f"embeddingdeployment/{name}", "--timeout=300s", timeout=320)
     gw = gateway_ip(release)
-    reply = wait_for(lambda: (r := embed(gw, GATEWAY_PORT, TEXTS)).status_code == 200 and r, 120,
+    reply = wait_until(lambda: (r := embed(gw, GATEWAY_PORT, TEXTS)).status_code == 200 and r, 120,
                      "a 200 from the gateway pod")
     got = np.array([row["embedding"] for row in sorted(reply.json()["data"], key=lambda d: d["index"])])
     want = reference_vectors(TEXTS)
@@ -168,7 +168,7 @@ def test_example_serves_through_the_gateway_with_the_in_process_vectors(release:
                                 "port-forward", "svc/embedfleet-gateway", f"{local}:80"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        reply = wait_for(lambda: (r := embed("127.0.0.1", local, TEXTS[:1])).status_code == 200 and r, 60,
+        reply = wait_until(lambda: (r := embed("127.0.0.1", local, TEXTS[:1])).status_code == 200 and r, 60,
                          "an answer through kubectl port-forward to the gateway Service")
         assert len(reply.json()["data"][0]["embedding"]) == 384
     finally:
@@ -180,20 +180,20 @@ def test_no_accepted_request_fails_while_scaling_1_3_1_and_a_runtime_is_killed(r
     name = example()["metadata"]["name"]
     patch = '{"spec":{"autoscaling":{"minReplicas":3,"maxReplicas":3,"scaleDown":{"stabilizationWindowSeconds":10}}}}'
     with Load(gateway_ip(release), GATEWAY_PORT, clients=3) as load:
-        wait_for(lambda: load.ok >= 3, 60, "the load answered")
+        wait_until(lambda: load.ok >= 3, 60, "the load answered")
         release.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p", patch)
-        wait_for(lambda: len(ready_runtimes(release, name)) == 3, 600, "3 Ready runtime pods")
+        wait_until(lambda: len(ready_runtimes(release, name)) == 3, 600, "3 Ready runtime pods")
         victim = ready_runtimes(release, name)[0]
         before = restarts(victim)
         pid = release.container_pid(victim, "runtime")
         subprocess.run(["kill", "-9", str(pid)], check=True)
-        wait_for(lambda: (p := release.get("pod", victim["metadata"]["name"])) and restarts(p) > before and is_ready(p),
-                 300, "the killed runtime container restarted and Ready")
+        wait_until(lambda: (p := release.get("pod", victim["metadata"]["name"])) and restarts(p) > before
+                   and is_ready(p), 300, "the killed runtime container restarted and Ready")
         served_before_scale_down = load.ok
         release.kubectl("patch", "embeddingdeployment", name, "--type", "merge",
                         "-p", '{"spec":{"autoscaling":{"minReplicas":1,"maxReplicas":3}}}')
-        wait_for(lambda: len(all_runtimes(release, name)) == 1, 600, "one runtime pod left (SIGTERM drain, preStop)")
-        wait_for(lambda: load.ok > served_before_scale_down + 3, 60, "the load answered after the scale-down")
+        wait_until(lambda: len(all_runtimes(release, name)) == 1, 600, "one runtime pod left (SIGTERM drain, preStop)")
+        wait_until(lambda: load.ok > served_before_scale_down + 3, 60, "the load answered after the scale-down")
     assert load.ok > 0
     assert not load.failures, f"accepted requests failed ({dict(load.outcomes)}): {load.failures[:5]}"
 
@@ -235,17 +235,17 @@ def test_node_cache_serves_the_second_cold_start_and_the_gateway_wakes_from_zero
     try:
         doc = yaml.safe_dump(http_deployment("minilm-http", served.url, served.digest))
         release.kubectl("apply", "-f", "-", input=doc)
-        wait_for(lambda: ready_runtimes(release, "minilm-http"), 600, "minilm-http Ready (weights downloaded)")
+        wait_until(lambda: ready_runtimes(release, "minilm-http"), 600, "minilm-http Ready (weights downloaded)")
 
         def cache_label() -> list[str]:
             labels = release.get("node", "realnode-1")["metadata"]["labels"]
             return [k for k, v in labels.items() if k.startswith("cache.embedfleet.dev/") and v == "ready"]
 
-        wait_for(cache_label, 300, "the node agent's cache label on the node")
+        wait_until(cache_label, 300, "the node agent's cache label on the node")
         release.kubectl("delete", "embeddingdeployment", "minilm-http", "--wait=true", timeout=300)
-        wait_for(lambda: not all_runtimes(release, "minilm-http"), 300, "minilm-http's pods gone")
+        wait_until(lambda: not all_runtimes(release, "minilm-http"), 300, "minilm-http's pods gone")
         release.kubectl("apply", "-f", "-", input=doc)
-        pod = wait_for(lambda: ready_runtimes(release, "minilm-http"), 600, "minilm-http Ready again")[0]
+        pod = wait_until(lambda: ready_runtimes(release, "minilm-http"), 600, "minilm-http Ready again")[0]
         init = pod["spec"]["initContainers"][0]["name"]
         log = release.kubectl("logs", pod["metadata"]["name"], "-c", init).stdout
         assert "(node cache)" in log, f"the second cold start did not use the node cache: {log}"
@@ -256,13 +256,13 @@ def test_node_cache_serves_the_second_cold_start_and_the_gateway_wakes_from_zero
     # scale to zero, then one request through the gateway wakes the deployment and is answered
     release.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p",
                     '{"spec":{"autoscaling":{"minReplicas":0,"scaleToZero":true,"scaleToZeroGraceSeconds":5}}}')
-    wait_for(lambda: not all_runtimes(release, name), 600, f"{name} scaled to zero")
+    wait_until(lambda: not all_runtimes(release, name), 600, f"{name} scaled to zero")
     reply = embed(gateway_ip(release), GATEWAY_PORT, TEXTS[:2], timeout=300)
     assert reply.status_code == 200, reply.text
     assert len(reply.json()["data"]) == 2
     release.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p",
                     '{"spec":{"autoscaling":{"minReplicas":1,"scaleToZero":false}}}')
-    wait_for(lambda: ready_runtimes(release, name), 300, f"{name} back at one replica")
+    wait_until(lambda: ready_runtimes(release, name), 300, f"{name} back at one replica")
 
 
 def test_helm_upgrade_to_a_new_runtime_tag_rolls_the_runtime_with_no_failed_request(release: RealNode) -> None:
@@ -277,7 +277,7 @@ def test_helm_upgrade_to_a_new_runtime_tag_rolls_the_runtime_with_no_failed_requ
                    check=True, capture_output=True)
     before = {p["metadata"]["name"] for p in all_runtimes(release, name)}
     with Load(gateway_ip(release), GATEWAY_PORT, clients=3) as load:
-        wait_for(lambda: load.ok >= 3, 60, "the load answered")
+        wait_until(lambda: load.ok >= 3, 60, "the load answered")
         release.helm("upgrade", "embedfleet", str(CHART), "-n", NAMESPACE, "--reuse-values",
                      "--set-string", f"runtimeImage.tag={new_tag}", "--wait", "--timeout", "10m", timeout=700)
 
@@ -287,9 +287,9 @@ def test_helm_upgrade_to_a_new_runtime_tag_rolls_the_runtime_with_no_failed_requ
             return bool(pods) and images == {f"ghcr.io/embedfleet/runtime:{new_tag}"} and all(map(is_ready, pods)) \
                 and not before & {p["metadata"]["name"] for p in pods}
 
-        wait_for(rolled, 600, "every runtime pod replaced by one of the new tag, Ready")
+        wait_until(rolled, 600, "every runtime pod replaced by one of the new tag, Ready")
         served = load.ok
-        wait_for(lambda: load.ok > served + 3, 60, "the load answered after the roll")
+        wait_until(lambda: load.ok > served + 3, 60, "the load answered after the roll")
     assert not load.failures, f"failed during the upgrade ({dict(load.outcomes)}): {load.failures[:5]}"
     stays_up(release, "operator", settle=5)
 
@@ -304,12 +304,12 @@ def test_no_chart_identity_was_refused(release: RealNode) -> None:
 
 def test_uninstall_leaves_nothing_behind(release: RealNode) -> None:
     release.kubectl("delete", "embeddingdeployments", "--all", "-A", "--wait=true", timeout=300)
-    wait_for(lambda: not release.pods("embedfleet.dev/component=runtime"), 300, "every runtime pod gone")
+    wait_until(lambda: not release.pods("embedfleet.dev/component=runtime"), 300, "every runtime pod gone")
     release.helm("uninstall", "embedfleet", "-n", NAMESPACE, "--wait", "--timeout", "5m", timeout=400)
     for crd in release.get("crd")["items"]:
         if crd["spec"]["group"] == "embedfleet.dev":
             release.kubectl("delete", "crd", crd["metadata"]["name"], "--wait=true", timeout=120)
-    wait_for(lambda: not (release.get("pods", "-A") or {"items": []})["items"], 300, "no pod left in any namespace")
+    wait_until(lambda: not (release.get("pods", "-A") or {"items": []})["items"], 300, "no pod left in any namespace")
     for kind in ("deployments", "daemonsets", "replicasets", "services", "configmaps"):
         left = [f"{o['metadata']['namespace']}/{o['metadata']['name']}"
                 for o in release.get(kind, "-A")["items"]
