@@ -22,6 +22,7 @@ BIN=$RN/bin
 BRIDGE=rn0; GW=198.18.252.1; POD_CIDR=198.18.252.0/22; SVC_CIDR=198.19.128.0/20; SVC_KUBE=198.19.128.1
 NODE=realnode-1; KUBELET_PORT=20250; KUBELET_HEALTH=20248
 SOCK=$RN/containerd/containerd.sock
+NAT_CHAIN=EMBEDFLEET-RN
 APP_VERSION=$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' charts/embedfleet/Chart.yaml)
 RUNTIME_IMAGE=ghcr.io/embedfleet/runtime:$APP_VERSION
 OPERATOR_IMAGE=ghcr.io/embedfleet/operator:$APP_VERSION
@@ -185,6 +186,21 @@ bg() {  # bg NAME CMD...: start in the background, log to $D/NAME.log, record th
   local name=$1; shift; "$@" > "$D/$name.log" 2>&1 & echo "$! $name" >> "$D/pids"
 }
 
+service_nat() {  # service_nat PORT: the `kubernetes` ClusterIP to this run's API server, in a chain of our own
+  # Reset at every `up`, so a rule left by a run that never reached `down` (a killed test) cannot point the
+  # ClusterIP at a dead API server ahead of ours: every pod would then see "connection refused".
+  iptables -t nat -N "$NAT_CHAIN" 2>/dev/null || iptables -t nat -F "$NAT_CHAIN"
+  iptables -t nat -C PREROUTING -d "$SVC_KUBE/32" -j "$NAT_CHAIN" 2>/dev/null \
+    || iptables -t nat -I PREROUTING -d "$SVC_KUBE/32" -j "$NAT_CHAIN"
+  local rule  # rules written straight into PREROUTING by older versions of this script
+  iptables -t nat -S PREROUTING | grep -- "-d $SVC_KUBE/32 .*-j DNAT" | sed 's/^-A //' | while read -r rule; do
+    # shellcheck disable=SC2086
+    iptables -t nat -D $rule; done
+  iptables -t nat -A "$NAT_CHAIN" -p tcp --dport 443 -j DNAT --to-destination "$GW:$1"
+  printf -- '-t nat -D PREROUTING -d %s/32 -j %s\n-t nat -F %s\n-t nat -X %s\n' "$SVC_KUBE" "$NAT_CHAIN" \
+    "$NAT_CHAIN" "$NAT_CHAIN" >> "$D/iptables"
+}
+
 containerd_config() {
   mkdir -p "$RN/containerd" "$RN/cni/net.d"
   cat > "$RN/containerd/config.toml" <<TOML
@@ -301,8 +317,7 @@ KC
     --use-service-account-credentials --controllers='*'
   bg scheduler "$KB/kube-scheduler" --kubeconfig "$D/kubeconfig" --leader-elect=false --bind-address=127.0.0.1 --secure-port="$(port)"
   # No kube-proxy: the one Service pods use is `kubernetes` (in-cluster config); DNAT its ClusterIP as kube-proxy would
-  iptables -t nat -A PREROUTING -d "$SVC_KUBE/32" -p tcp --dport 443 -j DNAT --to-destination "$GW:$ap"
-  echo "-t nat -D PREROUTING -d $SVC_KUBE/32 -p tcp --dport 443 -j DNAT --to-destination $GW:$ap" >> "$D/iptables"
+  service_nat "$ap"
   containerd_config
   bg containerd containerd --config "$RN/containerd/config.toml"
   for i in $(seq 1 60); do ctr --address "$SOCK" version >/dev/null 2>&1 && break; sleep 0.5; done

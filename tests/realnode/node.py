@@ -91,6 +91,26 @@ class RealNode:
                 return int(self.crictl("inspect", "-o", "go-template", "--template", "{{.info.pid}}", cid).strip())
         raise AssertionError(f"pod {pod['metadata']['name']} has no running container {container}")
 
+    def diagnose(self) -> str:
+        """What a person would look at when a step fails: pods, recent events, logs of pods not Ready, the
+        kubelet's last lines and the `kubernetes` Service's NAT (pods reach the API server only through it)."""
+        parts = [self.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout,
+                 self.kubectl("get", "events", "-A", "--sort-by=.lastTimestamp", check=False).stdout[-4000:]]
+        for pod in (self.get("pods", "-A") or {"items": []})["items"]:
+            if is_ready(pod):
+                continue
+            meta = pod["metadata"]
+            for c in pod["spec"]["containers"]:
+                text = self.kubectl("logs", "-n", meta["namespace"], meta["name"], "-c", c["name"], "--tail=12",
+                                    check=False).stdout
+                parts.append(f"--- logs {meta['namespace']}/{meta['name']}/{c['name']}\n{text}")
+        kubelet = self.workdir / "kubelet.log"
+        if kubelet.exists():
+            parts.append("--- kubelet.log\n" + "\n".join(kubelet.read_text(errors="replace").splitlines()[-25:]))
+        nat = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True, check=False).stdout
+        parts.append("--- iptables -t nat -S\n" + nat)
+        return "\n".join(parts)
+
     def audit(self) -> list[AuditEvent]:
         events = []
         for line in self.audit_path.read_bytes().splitlines():

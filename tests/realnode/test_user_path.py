@@ -110,9 +110,10 @@ def reference_vectors(texts: list[str]) -> np.ndarray:
 def release(realnode: RealNode) -> RealNode:
     """Step 1: `helm install` with its namespace, images from the node; every workload up, 0 restarts."""
     cache_root = realnode.home / "nodecache"
-    realnode.helm("upgrade", "--install", "embedfleet", str(CHART), "-n", NAMESPACE, "--create-namespace",
-                  *CHART_VALUES, "--set", f"platform.cacheRoot={cache_root}", "--wait", "--timeout", "10m",
-                  timeout=700)
+    done = realnode.helm("upgrade", "--install", "embedfleet", str(CHART), "-n", NAMESPACE, "--create-namespace",
+                         *CHART_VALUES, "--set", f"platform.cacheRoot={cache_root}", "--wait", "--timeout", "10m",
+                         timeout=700, check=False)
+    assert done.returncode == 0, f"helm install failed: {done.stderr.strip()}\n{realnode.diagnose()}"
     return realnode
 
 
