@@ -20,7 +20,7 @@ each query (server-timing: tokenize, queue, inference) gives a second figure, `o
 each query's client time less the forward pass the server timed for it, less the in-process
 tokenization, as a median; the model's time then comes from the process that served the query.
 
-And a floor, in the same run: a bare server on embedfleet's HTTP server (front.py) whose handler hands a
+And a floor, in the same run: a bare server on embedfleet's HTTP server (httpserver.py) whose handler hands a
 pause as long as the in-process forward pass to a thread like the engine's (core/engine_thread.py) and
 answers a canned embedding of the same size, with the same client. Its client time less its pause,
 `floor_ms`, is what any Python server with an engine thread costs here (the client's send and read, the
@@ -189,7 +189,8 @@ def floor_server(port: int, pause_s: float) -> None:
     import orjson
     import uvloop
 
-    from embedfleet.front import Front, Reply
+    from embedfleet.calls import CallApp, Reply
+    from embedfleet.httpserver import Limits, server
     from embedfleet.runtime.core.engine_thread import EngineThread
 
     body = orjson.dumps({"object": "list", "model": "floor", "data": [{"object": "embedding", "index": 0,
@@ -214,8 +215,8 @@ def floor_server(port: int, pause_s: float) -> None:
                                  ("server-timing", f"total;dur={took * 1000:.3f}, inference;dur={took * 1000:.3f}")])
 
     async def main() -> None:
-        front = Front(handler, 1 << 20)
-        await front.start("127.0.0.1", port)
+        http = server(CallApp(handler, 1 << 20), "127.0.0.1", port, Limits())
+        await http.startup()
         await asyncio.Event().wait()
 
     uvloop.run(main())

@@ -3,7 +3,7 @@ nothing when off, and a real OTLP/HTTP export from `embedfleet serve` to a colle
 
 The span-structure test needs the SDK's in-memory exporter, which lives in this process, so there the
 runtime and the gateway are this checkout's real apps served in-process on real loopback sockets
-(uvicorn.Server on a thread; the gateway's own server, front.py, on an event loop of its own thread), wired as
+(uvicorn.Server on a thread; the gateway's server (calls.py on httpserver.py) on an event loop of its own thread), wired as
 `embedfleet serve` and `embedfleet gateway --otel` wire them, with a TracerProvider carrying the
 in-memory exporter. Requests go over real sockets, and the gateway reaches the runtime over one, so
 `traceparent` crosses a real HTTP hop. The export tests start real `embedfleet serve` processes.
@@ -33,12 +33,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from embedfleet.front import Front
+from embedfleet.calls import CallApp
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.fleet import Fleet
 from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
 from embedfleet.gateway.tracing import GatewayTracing
+from embedfleet.httpserver import Limits, server
 from embedfleet.otel import TracingConfigError, exporters
 from embedfleet.runtime.api.app import create_app
 from embedfleet.runtime.api.gate import GateState
@@ -118,12 +119,13 @@ class InProcessGateway:
         rng = random.Random(0)
         fleet = Fleet(self.config, polls, rng)
         gateway = Gateway(self.config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng)
-        front = Front(gateway.handle if tracing is None else tracing.wrap(gateway.handle), self.config.payload_limit)
+        app = CallApp(gateway.handle if tracing is None else tracing.wrap(gateway.handle), self.config.payload_limit)
+        http = server(app, "127.0.0.1", self.port, Limits())
         poller = asyncio.create_task(fleet.upstreams.run())
-        await front.start("127.0.0.1", self.port)
+        await http.startup()
         await self.stopped.wait()
         poller.cancel()
-        await front.close()
+        await http.shutdown()
         await work.close()
         await polls.close()
 

@@ -23,7 +23,7 @@ import sys
 
 import aiohttp
 
-from embedfleet.front import Front
+from embedfleet.calls import CallApp
 from embedfleet.gateway.config import (
     BALANCES,
     ConfigError,
@@ -38,6 +38,7 @@ from embedfleet.gateway.metrics import GatewayMetrics
 from embedfleet.gateway.proxy import Gateway
 from embedfleet.gateway.tracing import GatewayTracing, TracingConfigError, exporters, provider_from_env
 from embedfleet.gateway.wire import WireClient
+from embedfleet.httpserver import add_limit_arguments, limits_from_args, server
 
 log = logging.getLogger("embedfleet.gateway")
 KEEPALIVE_S = 4.0  # under uvicorn's 5 s keep-alive, so the gateway closes an idle connection before a replica does
@@ -94,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the time held (default: none; a client's X-Request-Timeout is honoured either way)")
     parser.add_argument("--payload-limit", type=int, default=D.payload_limit,
                         help=f"largest request body in bytes; 413 beyond (default: {D.payload_limit})")
+    add_limit_arguments(parser, keep_alive_default=D.limits.keep_alive_s)
     parser.add_argument("--max-connections-per-replica", type=int, default=D.max_connections_per_replica,
                         help="keep-alive connections to one replica at most; 0: no limit (default: 0)")
     parser.add_argument("--drain-timeout", type=float, default=D.drain_timeout,
@@ -161,7 +163,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstreams=upstreams, host=args.host, port=args.port, poll_interval=args.poll_interval,
         held_poll_interval=args.held_poll_interval, poll_timeout=args.poll_timeout, max_held=args.max_held,
         hold_timeout=args.hold_timeout, cold_start_default=args.cold_start_default,
-        request_timeout=args.request_timeout, payload_limit=args.payload_limit,
+        request_timeout=args.request_timeout, payload_limit=args.payload_limit, limits=limits_from_args(args),
         max_connections_per_replica=args.max_connections_per_replica, drain_timeout=args.drain_timeout,
         kubernetes=args.kubernetes, namespaces=tuple(args.namespace), region=args.region, spill=spill,
         vector_spaces=spaces, bounds=bounds,
@@ -185,7 +187,8 @@ async def serve(config: GatewayConfig) -> int:
     wire = WireClient(config.max_connections_per_replica, KEEPALIVE_S) if tracing is None else None
     gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng, wire)
     # off, no tracing code runs on the proxy path at all
-    front = Front(gateway.handle if tracing is None else tracing.wrap(gateway.handle), config.payload_limit)
+    app = CallApp(gateway.handle if tracing is None else tracing.wrap(gateway.handle), config.payload_limit)
+    http = server(app, config.host, config.port, config.limits, graceful_s=config.drain_timeout)
     poller = asyncio.create_task(fleet.upstreams.run(), name="poll")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -193,7 +196,7 @@ async def serve(config: GatewayConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await front.start(config.host, config.port, backlog=1024)
+        await http.startup()
         log.info("gateway on %s:%d for %s", config.host, config.port,
                  ", ".join(f"{name} ({len(urls)} replicas)" for name, urls in config.upstreams.items())
                  or f"the EmbeddingDeployments of {', '.join(config.namespaces) or 'every namespace'}")
@@ -210,7 +213,8 @@ async def serve(config: GatewayConfig) -> int:
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
-        await front.close()
+        if http.started:
+            await http.shutdown()
         if wire is not None:
             wire.close()
         await work.close()

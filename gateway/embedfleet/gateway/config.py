@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from embedfleet.gateway.coldstart import DEFAULT_COLD_START_S
+from embedfleet.httpserver import Limits
 
 BALANCES = ("least-wait", "round-robin")
 
@@ -28,6 +29,7 @@ class GatewayConfig:
     cold_start_default: float = DEFAULT_COLD_START_S  # expected cold start before one is observed
     request_timeout: float | None = None  # the gateway's own deadline per request (sent down reduced)
     payload_limit: int = 2_000_000  # bytes; 413 beyond
+    limits: Limits = field(default_factory=lambda: Limits(keep_alive_s=75.0))  # the client connections' bounds
     max_connections_per_replica: int = 0  # 0: no limit
     drain_timeout: float = 30.0  # on SIGTERM: how long in-flight (and held) requests may finish
     region: str = ""  # this gateway's region: named on the requests it spills, and in metrics

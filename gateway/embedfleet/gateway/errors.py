@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import orjson
 
-from embedfleet.front import JSON, Reply
+from embedfleet.calls import JSON, Reply
 
 TYPES = {
     400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",

@@ -30,8 +30,8 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
 
+from embedfleet.calls import JSON, Call, Reply, Stream, json_reply
 from embedfleet.compat.names import split_model
-from embedfleet.front import JSON, Call, Reply, Stream, json_reply
 from embedfleet.gateway.classes import input_count, is_bulk
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.eject import is_failure
@@ -91,7 +91,7 @@ class Gateway:
                      "/gateway/load": self.load, "/v1/models": self.models}
 
     async def handle(self, call: Call) -> Reply | Stream:
-        """The server's handler (front.py): the gateway's own routes by GET or HEAD, all else is work."""
+        """The server's handler (calls.py): the gateway's own routes by GET or HEAD, all else is work."""
         if call.method in ("GET", "HEAD"):
             own = self._own.get(call.path)
             if own is not None:
@@ -184,10 +184,10 @@ class Gateway:
 
     def _refuse(self, refused: Refused, deployment: str) -> Reply:
         self.metrics.requests.labels(deployment, str(refused.status)).inc()
-        return error_reply(refused)  # (after a 413 the front closes the connection: the body was left unread)
+        return error_reply(refused)  # (after a 413 the connection closes: the body was left unread)
 
     def _body(self, request: Call) -> bytes:
-        """The request's body, read whole by the front up to --payload-limit (an oversized one is not)."""
+        """The request's body, read whole by calls.py up to --payload-limit (an oversized one is not)."""
         if request.oversized is not None:
             limit = self.config.payload_limit
             size = f" of {request.oversized} bytes" if request.oversized >= 0 else ""

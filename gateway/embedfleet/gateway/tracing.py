@@ -21,7 +21,7 @@ from opentelemetry import context, propagate
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span, set_span_in_context
 
-from embedfleet.front import Call, Handler, Reply, Stream
+from embedfleet.calls import Call, Handler, Reply, Stream
 from embedfleet.otel import TracingConfigError, exporters, provider_from_env
 
 __all__ = ["OWN_PATHS", "GatewayTracing", "TracingConfigError", "exporters", "provider_from_env"]

@@ -1,7 +1,7 @@
-"""`embedfleet serve`: settings -> service -> app -> embedfleet's HTTP server, with a graceful drain on SIGTERM.
+"""`embedfleet serve`: settings -> service -> app -> the HTTP server, with a graceful drain on SIGTERM.
 
-The ASGI application (api/app.py) is served by front.py through runtime/asgi.py rather than uvicorn:
-the single-query path is short enough that the server's own layers show (bench/fastpath.py).
+The ASGI application (api/app.py) is served by uvicorn with the bounds of httpserver.py (head size and
+timeouts, pipelining, body stalls); the request body limit is the application's gate's (api/gate.py).
 
 Kubernetes sends SIGTERM and keeps routing for a moment; closing the socket at once would fail
 requests still being routed here. We first turn /ready false and answer new work with 503, let
@@ -19,12 +19,11 @@ import signal
 import sys
 from collections.abc import Coroutine
 
-from embedfleet.front import Call, Front, Reply
+from embedfleet.httpserver import Limits, bound_port, server
 from embedfleet.otel import TracingConfigError, exporters, provider_from_env
 from embedfleet.runtime.api.app import create_app
-from embedfleet.runtime.api.errors import error_body
 from embedfleet.runtime.api.gate import GateState
-from embedfleet.runtime.asgi import AsgiHandler, Lifespan
+from embedfleet.runtime.lifespan import Lifespan
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.service import Models
 from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments, settings_or_exit_code
@@ -34,7 +33,7 @@ log = logging.getLogger("embedfleet.serve")
 
 
 class Server:
-    """The application on front.py, with a graceful drain on SIGTERM and a clean stop on SIGINT."""
+    """The application on the HTTP server, with a graceful drain on SIGTERM and a clean stop on SIGINT."""
 
     def __init__(self, app, settings: RuntimeSettings, gate: GateState, metrics: RuntimeMetrics) -> None:
         self.app = app
@@ -48,15 +47,6 @@ class Server:
     def load_failed(self) -> None:
         self.failed = True
         self.stop.set()
-
-    def oversized(self, call: Call) -> Reply:
-        """A body over --payload-limit, in the runtime's error shape (the gate's own 413 for bodies it reads)."""
-        limit = self.settings.payload_limit
-        self.metrics.errors.labels("413").inc()
-        size = f"request body of {call.oversized} bytes is" if call.oversized and call.oversized > 0 else \
-            "request body is"
-        return Reply(413, error_body(413, f"{size} over the payload limit of {limit} bytes", "payload_too_large"),
-                     [("content-type", "application/json")])
 
     def on_sigterm(self) -> None:
         if self._drain is not None or self.stop.is_set():
@@ -82,18 +72,20 @@ class Server:
         s = self.settings
         lifespan = Lifespan(self.app)
         await lifespan.startup()
-        front = Front(AsgiHandler(self.app, self.oversized, (s.host, s.port), access_log=s.log_level == "debug"),
-                      s.payload_limit, idle_timeout_s=s.keep_alive_seconds, cancel_on_disconnect=False)
+        limits = Limits(head_timeout_s=s.head_timeout_seconds, head_total_s=s.head_total_seconds,
+                        body_timeout_s=s.body_timeout_seconds, keep_alive_s=s.keep_alive_seconds)
+        http = server(self.app, s.host, s.port, limits, graceful_s=s.drain_timeout)
         loop = asyncio.get_running_loop()
         try:
-            await front.start(s.host, s.port)
-            log.info("listening on http://%s:%d", s.host, front.port)
+            await http.startup()
+            log.info("listening on http://%s:%d", s.host, bound_port(http))
             loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
             loop.add_signal_handler(signal.SIGINT, self.stop.set)
             await self.stop.wait()
         finally:
             # Accepted requests finish (bounded by --drain-timeout); new connections are refused from here.
-            await front.close(grace_s=s.drain_timeout)
+            if http.started:
+                await http.shutdown()
             if self.gate.tracing is not None:  # the spans still buffered go out now
                 await asyncio.to_thread(self.gate.tracing.shutdown)
             await lifespan.shutdown()

@@ -118,6 +118,13 @@ class RuntimeSettings(BaseSettings):
         65.0, gt=0, description="seconds an idle client connection is kept open: longer than a load balancer's idle "
         "time-out (60 s on most) and than the Retry-After a 429 sends, so a client that waited as told never "
         "reuses a connection the server is closing at that moment (a reset)")
+    head_timeout_seconds: float = Field(
+        5.0, gt=0, description="longest pause between bytes of a request head; 408 and closed after")
+    head_total_seconds: float = Field(
+        30.0, gt=0, description="time a whole request head may take from its first byte; 408 and closed after")
+    body_timeout_seconds: float = Field(
+        30.0, gt=0, description="longest pause in a request body being read; the connection is closed after "
+        "(an upload that keeps moving is never cut)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     # GPU engine (docs/gpu.md)
     fp8_min_cosine: float = Field(
