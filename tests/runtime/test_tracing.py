@@ -3,7 +3,8 @@ nothing when off, and a real OTLP/HTTP export from `embedfleet serve` to a colle
 
 The span-structure test needs the SDK's in-memory exporter, which lives in this process, so there the
 runtime and the gateway are this checkout's real apps served in-process on real loopback sockets
-(uvicorn.Server on a thread; the gateway's server (calls.py on httpserver.py) on an event loop of its own thread), wired as
+(uvicorn.Server on a thread; the gateway's server, calls.py on httpserver.py, on an event loop of its own
+thread), wired as
 `embedfleet serve` and `embedfleet gateway --otel` wire them, with a TracerProvider carrying the
 in-memory exporter. Requests go over real sockets, and the gateway reaches the runtime over one, so
 `traceparent` crosses a real HTTP hop. The export tests start real `embedfleet serve` processes.
