@@ -9,7 +9,8 @@ httpserver.py (uvicorn), and:
   `Call.oversized` and answers 413, and the connection closes after it;
 - a handler that fails before answering gets a 500 in the error shape; after its head is out, the
   connection is closed (the client sees a broken answer, never a wrong one);
-- `Call.disconnected()` resolves when the client goes away (ASGI's `http.disconnect`).
+- a client that goes away cancels its handler (ASGI's `http.disconnect`, watched while the handler runs):
+  a held request stops counting, an upstream request is abandoned.
 """
 
 from __future__ import annotations
@@ -171,10 +172,17 @@ class CallApp:
         if scope["type"] != "http":
             return
         call = Call(scope, receive, send)
-        await self._read_body(call)
+        if not await self._read_body(call):
+            return  # the client left while sending
+        me = asyncio.current_task()
+        assert me is not None
+        watcher = asyncio.get_running_loop().create_task(self._cancel_when_gone(call, me))
         try:
             answer = await self.handler(call)
         except asyncio.CancelledError:
+            if watcher.done() and not watcher.cancelled():  # the client left: its request stops here
+                me.uncancel()
+                return
             raise
         except Exception:
             log.exception("%s %s failed", call.method, call.path)
@@ -182,6 +190,8 @@ class CallApp:
                 raise Aborted("the answer broke off") from None
             answer = json_reply({"error": {"message": "internal error in the server", "type": "server_error",
                                            "code": "internal_error"}}, 500)
+        finally:
+            watcher.cancel()
         if isinstance(answer, Stream):
             if call.aborted or not answer.ended:
                 raise Aborted("the answer broke off")
@@ -195,24 +205,33 @@ class CallApp:
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         await send({"type": "http.response.body", "body": b"" if reply.status in NO_BODY_STATUS else reply.body})
 
-    async def _read_body(self, call: Call) -> None:
+    @staticmethod
+    async def _cancel_when_gone(call: Call, handler: asyncio.Task) -> None:
+        """A client that goes away takes its request with it (a held request stops counting, an upstream
+        request is abandoned), as aiohttp's `handler_cancellation` does."""
+        await call.disconnected()
+        handler.cancel()
+
+    async def _read_body(self, call: Call) -> bool:
+        """The body into `call.body`, or `call.oversized` set; False when the client left meanwhile."""
         length = call.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.payload_limit:
             call.oversized = int(length)  # refused before its body is read
-            return
+            return True
         parts: list[bytes] = []
         size = 0
         while True:
             message = await call._receive()
             if message["type"] != "http.request":
-                return  # the client left; the handler's answer goes nowhere
+                return False
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.payload_limit:
                 call.oversized = -1  # refused now, while the client may still be sending
-                return
+                return True
             if chunk:
                 parts.append(chunk)
             if not message.get("more_body", False):
                 break
         call.body = parts[0] if len(parts) == 1 else b"".join(parts)
+        return True

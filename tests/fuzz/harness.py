@@ -109,7 +109,9 @@ def promised(response: httpx.Response) -> bool:
     if response.status_code != 504:
         return False
     try:
-        return orjson.loads(response.content)["error"]["code"] == "deadline_exceeded"
+        doc = orjson.loads(response.content)
+        error = doc["error"] if "error" in doc else doc  # Cohere's routes: {"id", "message", "code"}
+        return error["code"] == "deadline_exceeded"
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return False
 

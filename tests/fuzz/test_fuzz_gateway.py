@@ -11,21 +11,15 @@ from tests.fuzz.harness import fuzz
 
 pytestmark = pytest.mark.timeout(900)
 
-# The gateway's own refusals (malformed JSON, an unknown model) are in the common error shape on every
-# path, where the document promises Cohere's {"id", "message", "code"} on /v2/*: see the xfail below.
-COHERE = frozenset({"POST /v2/embed", "POST /v2/rerank"})
-
 
 def test_through_the_gateway(gateway):
-    report = fuzz(gateway.url, skip=COHERE)
+    report = fuzz(gateway.url)
     print(report.summary())
-    assert set(report.statuses) == set(report.operations) - COHERE, report.summary()
+    assert set(report.statuses) == set(report.operations), report.summary()
     assert report.statuses["POST /v1/embeddings"].get(200), report.summary()
     assert not report.failures, report.summary()
 
 
-@pytest.mark.xfail(strict=True, reason="the gateway answers its own refusals on /v2/* in the common error "
-                                       "shape, not Cohere's {id, message, code} that the document declares")
 @pytest.mark.parametrize("body", [b"\x00", b'{"model": "", "texts": ["a"], "input_type": "search_query", '
                                            b'"embedding_types": ["float"]}'], ids=["malformed", "unknown model"])
 def test_gateway_refusals_on_cohere_routes_are_cohere_shaped(gateway, body):

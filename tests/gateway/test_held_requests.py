@@ -162,3 +162,22 @@ def test_sigterm_stops_the_gateway_cleanly(gateway_factory):
     gateway = gateway_factory("--upstream", f"m=http://127.0.0.1:{free_port()}")
     stop_process(gateway.proc)
     assert gateway.proc.returncode == 0
+
+
+def test_a_client_that_leaves_mid_request_stops_counting(gateway_factory, stub_factory):
+    """A client gone while its request is at a replica: the gateway abandons it (in flight drops to 0 long
+    before the replica's answer, 30 s away, could end it)."""
+    stub = stub_factory("--name", "slow", "--model", "m", "--delay", "30")
+    gateway = gateway_factory("--upstream", f"m={stub.url}")
+    wait_for(lambda: gateway.load()["m"]["ready_replicas"] == 1, "the replica ready")
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            task = asyncio.create_task(client.post("/v1/embeddings", json={"model": "m", "input": "x"}))
+            await until(lambda: gateway.load()["m"]["in_flight"] == 1, "the request at the replica")
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+    wait_for(lambda: gateway.load()["m"]["in_flight"] == 0, "the abandoned request no longer in flight", timeout=15)
+    assert httpx.get(f"{gateway.url}/ready", timeout=10).status_code == 200

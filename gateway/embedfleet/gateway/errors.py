@@ -1,10 +1,13 @@
-"""The gateway's own answers use the runtime's one error shape: {"error": {"message", "type", "code"}}.
+"""The gateway's own answers use the runtime's error shapes: {"error": {"message", "type", "code"}}, and on
+Cohere's routes (/v2/*) Cohere's {"id", "message", "code"}, which its SDK hands to the caller.
 
 Kept here rather than imported from the runtime, so that the gateway never imports the runtime's web
 stack; the shape is the contract (the types mirror runtime/api/errors.py).
 """
 
 from __future__ import annotations
+
+import uuid
 
 import orjson
 
@@ -29,8 +32,13 @@ def error_body(status: int, message: str, code: str) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": TYPES.get(status, "error"), "code": code}})
 
 
-def error_reply(refused: Refused) -> Reply:
+COHERE_PREFIX = "/v2/"
+
+
+def error_reply(refused: Refused, cohere: bool = False) -> Reply:
     headers = [("content-type", JSON)]
     if refused.retry_after is not None:
         headers.append(("retry-after", str(refused.retry_after)))
-    return Reply(refused.status, error_body(refused.status, refused.message, refused.code), headers)
+    body = orjson.dumps({"id": str(uuid.uuid4()), "message": refused.message, "code": refused.code}) if cohere \
+        else error_body(refused.status, refused.message, refused.code)
+    return Reply(refused.status, body, headers)

@@ -35,7 +35,7 @@ from embedfleet.compat.names import split_model
 from embedfleet.gateway.classes import input_count, is_bulk
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.gateway.eject import is_failure
-from embedfleet.gateway.errors import Refused, error_reply
+from embedfleet.gateway.errors import COHERE_PREFIX, Refused, error_reply
 from embedfleet.gateway.fleet import Deployment, Fleet, Ticket
 from embedfleet.gateway.metrics import UNKNOWN, GatewayMetrics
 from embedfleet.gateway.pick import State, pick
@@ -166,7 +166,7 @@ class Gateway:
             pin = request.headers.get(HEADER_VECTOR_SPACE, "").strip() or None  # spilled in: keep its space
             deployment = self.fleet.resolve(model, pin)
         except Refused as refused:
-            return self._refuse(refused, UNKNOWN)
+            return self._refuse(refused, UNKNOWN, request.path)
         ticket = self.fleet.begin(deployment)
         ticket.model, ticket.space, ticket.pinned = model or deployment.name, pin, pin is not None
         ticket.may_spill = SPILLED_FROM not in request.headers
@@ -178,13 +178,14 @@ class Gateway:
             if refused.code == "overloaded":
                 reason = "expected_wait_bulk" if ticket.bulk else "expected_wait"
                 self.metrics.shed.labels(deployment.name, reason).inc()
-            return self._refuse(refused, deployment.name)
+            return self._refuse(refused, deployment.name, request.path)
         finally:
             self.fleet.end(deployment)
 
-    def _refuse(self, refused: Refused, deployment: str) -> Reply:
+    def _refuse(self, refused: Refused, deployment: str, path: str) -> Reply:
         self.metrics.requests.labels(deployment, str(refused.status)).inc()
-        return error_reply(refused)  # (after a 413 the connection closes: the body was left unread)
+        # (after a 413 the connection closes: the body was left unread)
+        return error_reply(refused, cohere=path.startswith(COHERE_PREFIX))
 
     def _body(self, request: Call) -> bytes:
         """The request's body, read whole by calls.py up to --payload-limit (an oversized one is not)."""
