@@ -125,6 +125,8 @@ def error_body_problem(case: schemathesis.Case, response: httpx.Response) -> str
         body = orjson.loads(response.content)
     except orjson.JSONDecodeError:
         return f"a {response.status_code} whose body is not JSON"
+    if case.operation.path.startswith("/v2/") and isinstance(body, dict) and set(body) == {"id", "message", "code"}:
+        return None if body["message"] else f"a {response.status_code} with an empty error message"  # Cohere's
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict) or set(error) != ERROR_KEYS or not all(isinstance(error[k], str)
                                                                           for k in ERROR_KEYS):
