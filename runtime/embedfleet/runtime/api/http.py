@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
-from starlette.responses import Response
+from starlette.responses import JSONResponse
 
 from embedfleet.runtime.api import errors
 from embedfleet.runtime.api.gate import ARRIVED, tenant_of
@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 
-class JSON(Response):
-    """orjson, numpy arrays included: vectors are serialised without a detour through Python floats."""
+class JSON(JSONResponse):
+    """orjson, numpy arrays included: vectors are serialised without a detour through Python floats. A
+    JSONResponse, so that the OpenAPI document declares each route's `response_model` for its 200."""
 
     media_type = "application/json"
 

@@ -7,7 +7,7 @@ import math
 
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from embedfleet.compat.gate import compare
 from embedfleet.runtime.api import errors
@@ -115,7 +115,7 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
         return JSON({"ready": now == "ready", "status": now, "draining": gate_state.draining,
                      "in_flight": gate_state.in_flight, "models": models.load_report()})
 
-    @router.get("/metrics", tags=["probes"])
+    @router.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
