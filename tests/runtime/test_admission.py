@@ -1,4 +1,5 @@
-"""Properties of the pure admission decision (core/admission.py) and the batcher's running totals."""
+"""Properties of the pure admission decision (core/admission.py), the drain rate it divides by
+(core/drain_rate.py) and the batcher's running totals."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from embedfleet.runtime.core.admission import decide
 from embedfleet.runtime.core.batcher import BatchManager, DeadlineUnmet, QueueFull
+from embedfleet.runtime.core.drain_rate import BATCHES, DrainRate, estimate
 from embedfleet.runtime.metrics import RuntimeMetrics
 
 tokens = st.integers(0, 5_000_000)
@@ -171,5 +173,98 @@ def test_bulk_work_is_judged_by_what_the_queries_leave_of_the_engine():
             assert bm.drain_rate(urgent=False) == pytest.approx(100)
             with pytest.raises(QueueFull):  # 103,800 tokens ahead at 100 tokens/s is far past 30 s
                 bm.submit([[1] * 10], urgent=False, max_wait=30.0)
+
+    asyncio.run(scenario())
+
+
+# -- the drain rate admission divides by (core/drain_rate.py) ---------------------------------------------
+rates = st.floats(1.0, 1e6, allow_nan=False)
+figures = st.tuples(st.integers(0, 1_000_000), st.floats(0.0, 100.0, allow_nan=False))
+batch = st.tuples(st.integers(1, 100_000), st.floats(0.001, 10.0, allow_nan=False))
+
+
+@given(rates, figures, figures, st.integers(0, 100_000), st.floats(0.0, 100.0, allow_nan=False))
+def test_the_estimate_is_the_most_pessimistic_figure(long_run, window, last, running, elapsed):
+    r = estimate(long_run, window, last, running, elapsed)
+    assert 0 < r <= long_run
+    for tokens, seconds in (window, last):
+        if tokens > 0 and seconds > 0:
+            assert r <= tokens / seconds * (1 + EPS)
+    if running and elapsed * r > running * (1 + EPS):
+        raise AssertionError("a batch running longer than the rate allows brings the rate down to its own")
+
+
+@given(rates, figures, st.integers(1, 100_000), st.floats(0.001, 100.0, allow_nan=False))
+def test_a_running_batch_within_the_rate_changes_nothing(long_run, window, running, elapsed):
+    base = estimate(long_run, window)
+    if elapsed * base <= running:
+        assert estimate(long_run, window, running_tokens=running, running_s=elapsed) == base
+    else:
+        assert estimate(long_run, window, running_tokens=running, running_s=elapsed) == pytest.approx(running / elapsed)
+
+
+@given(rates, st.lists(batch, max_size=20), batch, st.floats(0.0, 1.0))
+def test_a_slower_batch_never_raises_the_rate(seed, history, new, share):
+    """The same batch draining fewer tokens in the same time (the machine got slower) never makes the
+    estimate faster."""
+    def after(tokens: int) -> float:
+        d = DrainRate()
+        d.seed(int(seed), 1.0)
+        t = 0.0
+        for n, s in history:
+            t += s
+            d.observe(t, n, s)
+        d.observe(t + new[1], tokens, new[1])
+        return d.rate(t + new[1])
+
+    assert after(max(1, int(new[0] * share))) <= after(new[0]) * (1 + 1e-9)
+
+
+@given(rates, st.lists(batch, max_size=20), st.integers(1, 100_000), st.floats(0.01, 2.0))
+def test_a_slowed_engine_is_seen_within_two_batches(seed, history, tokens, seconds):
+    """However fast the engine was (the seed, the history), after two batches at the slow rate the
+    estimate is no faster than that rate."""
+    d = DrainRate()
+    d.seed(int(seed), 0.01)
+    t = 0.0
+    for n, s in history:
+        t += s
+        d.observe(t, n, s)
+    for _ in range(BATCHES):
+        t += seconds
+        d.observe(t, tokens, seconds)
+    assert d.rate(t) <= tokens / seconds * (1 + 1e-9)
+
+
+def test_the_recent_figures_forget_old_batches_and_the_seed_is_long_run_only():
+    d = DrainRate(window_s=3.0)
+    d.seed(10_000, 1.0)
+    assert d.rate(0.0) == 10_000, "a seed alone: the long-run rate"
+    d.observe(1.0, 100, 1.0)  # slow
+    assert d.rate(1.0) == pytest.approx(100)
+    d.observe(10.0, 50_000, 1.0)  # much later, fast again: the slow batch has left the window
+    assert d.rate(10.0) == pytest.approx(d.long_run)
+    assert d.rate(100.0) == pytest.approx(d.long_run), "an idle engine keeps its long-run rate"
+    assert DrainRate().rate(0.0) == 0, "unmeasured"
+
+
+def test_a_request_admitted_before_the_engine_slowed_is_refused_not_answered_late():
+    """Queued on a fast rate, then the engine is measured slow: at the next plan, a query that would
+    now finish past its bound is refused (429, Retry-After) instead of run; the one at the head runs."""
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            bm = BatchManager(lambda batch: batch, 16384, 1, 10**6, RuntimeMetrics().for_model("m"), pool)
+            bm.seed_rate(10_000, 1.0)  # 10,000 tokens/s: 3,000 tokens ahead are 0.3 s
+            first = bm.submit([[1] * 1000], urgent=True, max_wait=1.0)
+            jobs = [bm.submit([[1] * 1000], urgent=True, max_wait=1.0) for _ in range(3)]
+            bm._observe(time.perf_counter(), 1000, 1.0)  # a batch of 1,000 tokens took 1 s
+            assert bm.drain_rate() == pytest.approx(1000, rel=0.01)
+            batch = bm._take_batch()
+            assert [item.job for item in batch] == [first], "nothing ahead of it: it runs"
+            for job in jobs:
+                assert job.future.done() and isinstance(job.future.exception(), QueueFull)
+                assert job.future.exception().retry_after >= 1
+            assert bm.queued_tokens == 0 and bm._queued_jobs == 0
 
     asyncio.run(scenario())

@@ -15,8 +15,14 @@ few milliseconds, on caches the forward pass had just evicted.
 Admission (`core/admission.py`) needs the tokens queued ahead of a request and the engine's drain
 rate on every submit, so both are running figures: totals kept as items enter and leave (a submit
 costs the size of its own request, never a scan of the queue), and a rate measured over recent
-batches. A dropped job leaves its items in the queue, marked; the next batch plan skips them, so
-dropping is O(1) too.
+batches (`core/drain_rate.py`: the most pessimistic of the long-run rate, the last seconds' and the
+last batches', and the batch in the engine). A dropped job leaves its items in the queue, marked; the
+next batch plan skips them, so dropping is O(1) too.
+
+A request is admitted on the rate of that moment; if the engine then slows (another process takes
+a core), work still queued may no longer finish within its bound. Every plan checks the queue
+against the rate it has just measured, and a request that has not started and would now finish
+past its bound is refused (429 with Retry-After) at once, instead of being answered late.
 """
 
 from __future__ import annotations
@@ -34,13 +40,13 @@ import numpy as np
 
 from embedfleet.runtime.core.admission import decide
 from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch
+from embedfleet.runtime.core.drain_rate import DrainRate
 from embedfleet.runtime.metrics import ModelMetrics
 from embedfleet.runtime.tracing import RequestTrace, trace_batch
 
 log = logging.getLogger(__name__)
 
 MIN_BULK_TOKENS = 512
-RATE_WINDOW_S = 2.0  # the drain rate is measured over about this much recent time (exponential decay)
 QUERIES_RECENT_S = 1.0  # urgent work seen this recently: bulk batches are cut to the shared slice
 SERVED_WINDOW_S = 10.0  # tenants' fair shares are judged over about this much recent engine time
 ARRIVALS_WINDOW_S = 5.0  # the urgent arrival rate is measured over about this much recent time
@@ -75,6 +81,8 @@ class Job:
     cancelled: bool = False
     deadline: float | None = None  # time.monotonic() after which nobody reads the answer
     promote_at: float | None = None  # bulk work waiting past its bound (time.monotonic()) is served as urgent
+    bound: float | None = None  # the expected-wait bound it was admitted under (seconds)
+    promised: float | None = None  # time.monotonic() by which it was promised to finish (from its arrival)
     queued_tokens: int = 0  # of this job's inputs still waiting (not yet taken into a batch)
     queued_items: int = 0
     dropped: bool = False  # its remaining queue items are skipped by the planner
@@ -135,11 +143,11 @@ class BatchManager:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); None: nothing is dispatched
         self._busy = False  # a batch is on the engine thread
         self._kick_pending = False  # a _kick is scheduled on the loop
-        self._tokens_per_s = 0.0
-        self._sum_tokens = 0.0  # time-decayed sums of tokens drained and seconds taken; their ratio is the rate
-        self._sum_seconds = 0.0
+        self._drain = DrainRate()  # clock: time.perf_counter()
+        self._tokens_per_s = 0.0  # the long-run rate (sizes bulk batches)
         self._running_since = 0.0  # time.perf_counter() when the batch in the engine started
         self._last_end: float | None = None  # when the last batch finished, if work was waiting then
+        self._last_batch_s = 0.0  # the drain seconds of the last batch (the promise's "one batch")
         self._served: dict[str, float] = {}  # tokens run per tenant, decayed over SERVED_WINDOW_S
         self._served_at = time.monotonic()
         self._urgent_arrivals = 0.0  # urgent tokens submitted, decayed over ARRIVALS_WINDOW_S
@@ -185,7 +193,7 @@ class BatchManager:
 
     @property
     def tokens_per_s(self) -> float:
-        """The measured drain rate (0 until seeded or measured)."""
+        """The long-run drain rate (0 until seeded or measured); admission reads `drain_rate()`."""
         return self._tokens_per_s
 
     @property
@@ -207,18 +215,16 @@ class BatchManager:
         return self._urgent_arrivals * math.exp(-(now - self._arrivals_at) / ARRIVALS_WINDOW_S) / ARRIVALS_WINDOW_S
 
     def drain_rate(self, urgent: bool = True) -> float:
-        """The measured rate, lowered while the batch in the engine overruns it: a machine that just got
-        slower (another process took the cores) is believed at once, not several batches later.
+        """The measured rate (core/drain_rate.py: the most pessimistic of the long-run rate, the last
+        seconds' and last batches' rates, and the batch in the engine, which lowers it while it overruns
+        it): a machine that just got slower (another process took a core) is believed within a batch.
 
         For bulk work (`urgent` false), less the rate at which urgent work is arriving: queries go
         first, so queued bulk work drains only with what they leave of the engine (a bulk request with
         Q tokens ahead finishes after Q / (rate - arrivals), not Q / rate). Never below MIN_BULK_SHARE
         of the rate, since bulk work waiting past its promotion time runs as urgent."""
-        rate = self._tokens_per_s
-        if rate and self._running_tokens:
-            elapsed = time.perf_counter() - self._running_since
-            if elapsed * rate > self._running_tokens:
-                rate = self._running_tokens / elapsed
+        now = time.perf_counter()
+        rate = self._drain.rate(now, self._running_tokens, now - self._running_since if self._running_tokens else 0.0)
         if not urgent and rate:
             rate = max(rate - self.urgent_arrival_rate(), MIN_BULK_SHARE * rate)
         return rate
@@ -230,7 +236,8 @@ class BatchManager:
     def seed_rate(self, tokens: int, seconds: float) -> None:
         """Start the drain rate from a timed batch (ModelService.load runs one at start-up), so the
         first requests are judged by a measurement instead of being admitted blind."""
-        self._observe(tokens, seconds)
+        self._drain.seed(tokens, seconds)
+        self._tokens_per_s = self._drain.long_run
 
     def submit(self, inputs: Sequence, urgent: bool, max_wait: float | None = None,
                deadline: float | None = None, tenant: str = "", arrived: float | None = None,
@@ -274,7 +281,7 @@ class BatchManager:
                   results=[None] * len(inputs), deadline=deadline, queued_tokens=tokens,
                   queued_items=len(inputs), promote_at=None if urgent or max_wait is None else
                   now + self._promote_after(max_wait, tokens, self.drain_rate()), tenant=tenant, admitted_at=now,
-                  trace=trace)
+                  trace=trace, bound=bound, promised=None if max_wait is None else now + max_wait)
         for i in range(len(inputs)):
             self._queue.append(Item(job, i, self._seq))
             self._seq += 1
@@ -365,7 +372,56 @@ class BatchManager:
                     item.seq = self._seq
                     self._seq += 1
                 live.append(item)
-        return live
+        return self._refuse_late(live, now)
+
+    def _refuse_late(self, live: list[Item], now: float) -> list[Item]:
+        """Refuse (429) the bounded jobs in `live` that would be answered later than their bound plus
+        one batch: those with inputs still queued one batch (the last one's time) past their bound, and
+        urgent ones not started that, at the rate measured now, would finish past their bound (admitted
+        on a rate the engine no longer keeps: it slowed since). Work ahead of a job is counted as the
+        planner serves it (urgent work first, in queue order). A job with nothing ahead is judged by the
+        first rule only (an empty queue admits); bulk work by the first only (promotion keeps its bound);
+        a job whose deadline comes before its bound by its deadline only (`expire`). The rates are
+        computed only when some job is judged. Cost: O(len(live))."""
+        urgent_ahead, bulk_ahead = self.ahead_of(urgent=True) - self._urgent_tokens, self.ahead_of(urgent=False)
+        bulk_ahead -= self._queued_tokens  # the batches in the engine: what each class waits for of them
+        rates: tuple[float, float] | None = None
+        late: list[tuple[Job, int, float]] = []
+        seen: set[int] = set()
+        for item in live:
+            job = item.job
+            if id(job) in seen:
+                continue
+            seen.add(id(job))
+            ahead = urgent_ahead if job.urgent else bulk_ahead + self._urgent_tokens
+            promised = job.promised
+            if promised is not None and (job.deadline is None or job.deadline > promised):
+                passed = now > promised + self._last_batch_s
+                judged = job.urgent and ahead and job.queued_items == len(job.inputs)
+                if passed or judged:
+                    if rates is None:
+                        rates = (self.drain_rate(True), self.drain_rate(False))
+                    rate = rates[0] if job.urgent else rates[1]
+                    if passed or (rate and now + (ahead + job.queued_tokens) / rate > promised):
+                        late.append((job, ahead, rate))
+                        continue
+            if job.urgent:
+                urgent_ahead += job.queued_tokens
+            else:
+                bulk_ahead += job.queued_tokens
+        if not late:
+            return live
+        for job, ahead, rate in late:
+            finish = now - job.admitted_at + ((ahead + job.queued_tokens) / rate if rate else 0.0)
+            retry = decide(ahead, job.queued_tokens, rate, job.bound).retry_after or 1
+            self._drop(job)
+            self.metrics.shed_expected_wait.inc()
+            job.future.set_exception(QueueFull(
+                f"the server is overloaded: the engine slowed after this request was admitted, and it would "
+                f"finish after about {finish:.1f}s, over the bound of {job.bound:g}s "
+                f"(--max-queue-seconds{'' if job.urgent else '-bulk'}); retry in {retry}s",
+                retry_after=retry, reason="expected_wait"))
+        return [item for item in live if not item.job.dropped]
 
     def _plan(self) -> list[Item]:
         """The next batch, taken off the queue with admission's running totals updated."""
@@ -609,16 +665,12 @@ class BatchManager:
         self._served_at = now
         self._served = {t: v * keep for t, v in self._served.items() if v * keep >= 1.0}
 
-    def _observe(self, tokens: int, seconds: float) -> None:
-        """Add one batch to time-decayed sums of tokens and seconds and divide: the rate of about the
-        last RATE_WINDOW_S seconds of draining. A tiny batch (a lone query, mostly fixed overhead) weighs
-        as little as it takes, and a start-up seed is forgotten after a few seconds of real traffic."""
-        if seconds <= 0 or tokens <= 0:
-            return
-        keep = math.exp(-seconds / RATE_WINDOW_S)
-        self._sum_tokens = keep * self._sum_tokens + tokens
-        self._sum_seconds = keep * self._sum_seconds + seconds
-        self._tokens_per_s = self._sum_tokens / self._sum_seconds
+    def _observe(self, ended: float, tokens: int, seconds: float) -> None:
+        """One batch into the drain rate (core/drain_rate.py): `tokens` left the engine at `ended`
+        (time.perf_counter()) after `seconds` of draining."""
+        self._drain.observe(ended, tokens, seconds)
+        self._last_batch_s = seconds
+        self._tokens_per_s = self._drain.long_run
 
     def _record(self, batch: list[Item], inputs: list, started: float, ended: float, paused: float = 0.0,
                 scheduled: bool = True) -> None:
@@ -629,10 +681,10 @@ class BatchManager:
         self.metrics.tokens.inc(tokens)
         self.metrics.engine_busy.inc(ended - started - paused)
         if not scheduled:  # run during a pause: its own time only (the pause is not the bulk batch's)
-            self._observe(tokens, ended - started)
+            self._observe(ended, tokens, ended - started)
             return
         # The drain rate counts the gap since the previous batch when work was already waiting then:
         # time the event loop spent before it could plan this batch drains nothing either.
         since = self._last_end if self._last_end is not None else started
-        self._observe(tokens, ended - since - paused)
+        self._observe(ended, tokens, ended - since - paused)
         self._last_end = ended if self._queued_tokens else None

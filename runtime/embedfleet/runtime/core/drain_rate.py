@@ -1,0 +1,118 @@
+"""The engine's drain rate (tokens per second) that admission divides the work ahead by.
+
+A rate averaged over a long time is right on a machine whose speed does not change, and wrong by
+as much as the machine has changed since: when a neighbour process takes a core, the engine's
+threads run at the pace of the one that shares it, batches take several times as long, and work
+admitted on the old rate is answered long past its bound. So three figures are kept, and the most
+pessimistic one is believed:
+
+- long run: time-decayed sums of tokens drained and seconds taken (about `smooth_s` seconds of
+  draining), their ratio; a lone tiny batch weighs as little as it takes;
+- recent: the tokens that left the engine in the last `window_s` seconds of wall clock, over the
+  seconds spent draining them, and the same over the last `batches` batches alone, so that a slowed
+  engine is seen within a batch or two;
+- running: a batch still in the engine that has taken longer than the rate predicts lowers the rate
+  to what it has done so far (its tokens over its elapsed time), before it ends.
+
+A batch's seconds are wall clock: its engine time, plus the gap before it while work was already
+waiting (time the event loop spent before it could plan the batch drains nothing either). A lone
+tiny batch (mostly the engine's fixed cost per call) reads as a slow rate, and may make admission
+pessimistic for a moment; it only ever happens on a short queue, which admission lets through anyway.
+
+`estimate` is the decision, a pure function of the figures; `DrainRate` keeps the figures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from itertools import islice
+
+SMOOTH_S = 2.0  # the long-run rate decays over about this much draining
+WINDOW_S = 3.0  # the recent rate: batches that ended in about this much wall clock
+BATCHES = 2  # ... and the last this many batches in that window alone
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """One batch that left the engine: when, how many tokens, and the wall seconds they took."""
+
+    ended: float
+    tokens: int
+    seconds: float
+
+
+def estimate(long_run: float, window: tuple[float, float] = (0.0, 0.0), last: tuple[float, float] = (0.0, 0.0),
+             running_tokens: int = 0, running_s: float = 0.0) -> float:
+    """The rate to judge work by: the least of the long-run rate, the recent figures (`window`: the
+    tokens and seconds of the batches that ended in the last seconds; `last`: the same of the last few
+    batches alone; (0, 0) where there are none) and what the batch in the engine (`running_tokens`,
+    started `running_s` ago) has done so far. 0 while nothing is measured.
+
+    Properties (tested with hypothesis): never above the long-run rate, nor above any recent figure;
+    slower recent batches never raise it; a running batch that has taken longer than the rate allows
+    brings the rate down to its tokens over its elapsed time, and one within it changes nothing.
+    """
+    rate = long_run
+    for tokens, seconds in (window, last):
+        if tokens > 0 and seconds > 0:
+            figure = tokens / seconds
+            rate = figure if rate <= 0 else min(rate, figure)
+    if rate > 0 and running_tokens > 0 and running_s * rate > running_tokens:
+        rate = running_tokens / running_s
+    return rate
+
+
+class DrainRate:
+    """The figures `estimate` reads, kept as batches leave the engine: O(1) per batch and per read
+    (running sums over the window; old batches leave it as time passes, each once)."""
+
+    def __init__(self, smooth_s: float = SMOOTH_S, window_s: float = WINDOW_S, batches: int = BATCHES) -> None:
+        self.smooth_s = smooth_s
+        self.window_s = window_s
+        self.batches = batches
+        self.long_run = 0.0
+        self._sum_tokens = 0.0  # time-decayed sums of tokens drained and seconds taken; their ratio is long_run
+        self._sum_seconds = 0.0
+        self._window: deque[Drained] = deque()
+        self._window_tokens = 0
+        self._window_seconds = 0.0
+
+    def seed(self, tokens: int, seconds: float) -> None:
+        """A timed batch before any traffic (start-up): the long-run rate only, forgotten after a few
+        seconds of real draining; the recent figures are measured, never seeded."""
+        self._decay_in(tokens, seconds)
+
+    def observe(self, ended: float, tokens: int, seconds: float) -> None:
+        """A batch left the engine at `ended` with `tokens`, after `seconds` of draining."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        self._decay_in(tokens, seconds)
+        self._window.append(Drained(ended, tokens, seconds))
+        self._window_tokens += tokens
+        self._window_seconds += seconds
+        self._forget(ended)
+
+    def rate(self, now: float, running_tokens: int = 0, running_s: float = 0.0) -> float:
+        """The rate at `now` (the clock of `observe`'s `ended`)."""
+        self._forget(now)
+        last = list(islice(reversed(self._window), self.batches))
+        return estimate(self.long_run, (self._window_tokens, self._window_seconds),
+                        (sum(b.tokens for b in last), sum(b.seconds for b in last)), running_tokens, running_s)
+
+    def _forget(self, now: float) -> None:
+        while self._window and self._window[0].ended < now - self.window_s:
+            old = self._window.popleft()
+            self._window_tokens -= old.tokens
+            self._window_seconds -= old.seconds
+        if not self._window:
+            self._window_tokens, self._window_seconds = 0, 0.0  # no float residue
+
+    def _decay_in(self, tokens: int, seconds: float) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        keep = math.exp(-seconds / self.smooth_s)
+        self._sum_tokens = keep * self._sum_tokens + tokens
+        self._sum_seconds = keep * self._sum_seconds + seconds
+        self.long_run = self._sum_tokens / self._sum_seconds
