@@ -6,13 +6,20 @@ passages (25%, still urgent: --urgent-max-inputs is 4) or a bulk batch of 32 pas
 a client gives up after 60 s. Before admission by expected wait, this storm got no 429s, 191 client
 time-outs and a p99 of 59 s.
 
-Prints one JSON line: counts of 200/429/504/time-outs/other, accepted p50/p99 per kind, the mean
-engine batch time from /metrics, and p99 / (bound + one batch) per kind (1.0 is the admission
+Prints one JSON line: counts of 200/429/504/time-outs/other, accepted p50/p99 per kind (`single`: the
+lone queries; `query`: two to four inputs; `bulk`), the mean engine batch time from /metrics, and
+p99 / (bound + one batch) per kind (1.0 is the admission
 promise met exactly; it is a behaviour figure, not a speed figure). Each kind is measured twice: as
 the client saw it, and as the server timed it (`server-timing`, from the gate's accepting the request
 to its answer). On one small machine the 256 clients share the cores with the server, so the
 client's figure also holds the client's own delays (its event loop, the kernel's accept queue).
 The clients use aiohttp, the lightest of the usual Python HTTP clients, to keep those delays small.
+
+`--hog` adds a noisy neighbour: another process spinning on one of the machine's cores for the whole
+storm (pinned there with sched_setaffinity), started once the server is ready, so the engine's speed
+measured at start-up is out of date from the storm's first request. The server and the clients keep
+every core, as a pod beside a busy neighbour does: the engine's threads share the hog's core and run
+at the pace of the slower one.
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -28,7 +38,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from _common import Server, corpus
+from _common import Server, corpus, pinned_to
 from embedfleet.gateway.upstreams import server_timing
 
 
@@ -37,10 +47,16 @@ def metric(url: str, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
+def start_hog() -> subprocess.Popen:
+    """A process that keeps one core (the last this process may use) busy until killed."""
+    core = max(os.sched_getaffinity(0))
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pinned_to({core}))
+
+
 def pick(rng: random.Random, texts: list[str]) -> tuple[str, list[str]]:
     r = rng.random()
     if r < 0.6:
-        return "query", [rng.choice(texts)]
+        return "single", [rng.choice(texts)]
     if r < 0.85:
         return "query", rng.sample(texts, rng.randint(2, 4))
     return "bulk", rng.sample(texts, 32)
@@ -84,14 +100,20 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=256)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--hog", action="store_true", help="another process spins on one core for the whole storm")
+    p.add_argument("--note", help="a note added to the JSON line (machine, commit)")
     p.add_argument("--raw", help="also write every request (kind, status, client s, server s, start, inputs) here")
     a = p.parse_args()
     from embedfleet.runtime.settings import RuntimeSettings
 
     defaults = RuntimeSettings()
-    bounds = {"query": defaults.max_queue_seconds, "bulk": defaults.max_queue_seconds_bulk}
+    bounds = {"single": defaults.max_queue_seconds, "query": defaults.max_queue_seconds,
+              "bulk": defaults.max_queue_seconds_bulk}
     srv = Server()
+    hog = start_hog() if a.hog else None
     try:
+        if hog is not None:
+            time.sleep(1.0)  # the hog has its core before the first request
         started = time.monotonic()
         results = asyncio.run(storm(srv.url, a.clients, a.seconds, a.timeout))
         wall = time.monotonic() - started
@@ -99,6 +121,9 @@ def main() -> None:
         batch_s = metric(srv.url, "embedfleet_engine_busy_seconds_total") / max(batches, 1)
         after = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "after the storm"}, timeout=60).status_code
     finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
         srv.stop()
     counts: dict[str, int] = {}
     if a.raw:
@@ -106,7 +131,7 @@ def main() -> None:
             json.dump(results, f)
     for _, status, *_ in results:
         counts[str(status)] = counts.get(str(status), 0) + 1
-    figure = {"figure": "storm", "clients": a.clients, "seconds": a.seconds, "wall_s": round(wall, 1),
+    figure = {"figure": "storm", "hog": a.hog, "clients": a.clients, "seconds": a.seconds, "wall_s": round(wall, 1),
               "client_timeout_s": a.timeout, "requests": len(results),
               "ok_200": counts.pop("200", 0), "shed_429": counts.pop("429", 0),
               "deadline_504": counts.pop("504", 0), "timeouts": counts.pop("timeout", 0), "other": counts,
@@ -123,6 +148,8 @@ def main() -> None:
                         "p99_over_bound_plus_batch": round(p99 / (limit + batch_s), 3),
                         "server_p99_s": round(s99, 3),
                         "server_p99_over_bound_plus_batch": round(s99 / (limit + batch_s), 3)}
+    if a.note:
+        figure["note"] = a.note
     print(json.dumps(figure))
 
 
