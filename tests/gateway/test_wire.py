@@ -4,17 +4,20 @@ What the proxy relies on: a kept-alive connection is reused; a connection the re
 idle is not handed out, and one closed after the request was sent fails as `Disconnected` (so the
 request goes elsewhere); refused connections fail as `ConnectFailed`; long and chunked answers stream
 whole; the total time bounds the exchange; `connection: close` is honoured; the per-replica limit
-holds.
+holds; https gets TLS; a traced request carries its span's traceparent; a HEAD answer ends with its
+head; a head is bounded. (The gateway's answers to replicas that misbehave: test_upstream_faults.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
+import subprocess
 
 import pytest
 
-from embedfleet.gateway.wire import BadAnswer, ConnectFailed, Disconnected, WireClient
+from embedfleet.gateway.wire import UPSTREAM_TRACE, BadAnswer, ConnectFailed, Disconnected, WireClient
 
 
 class Replica:
@@ -213,9 +216,122 @@ def test_the_per_replica_limit_holds_and_waiters_get_the_released_connection():
     asyncio.run(main())
 
 
-def test_only_plain_http_is_spoken():
-    assert WireClient.speaks("http://10.0.0.1:8080")
-    assert not WireClient.speaks("https://embed.eu.example")
+def _self_signed(tmp_path):
+    """A certificate for 127.0.0.1 and its key, made by openssl."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+def test_https_targets_get_tls_and_a_certificate_not_trusted_is_a_connect_failure(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+    trusting = ssl.create_default_context(cafile=str(cert))
+
+    async def main():
+        async def serve(reader, writer):
+            try:
+                while True:
+                    await reader.readuntil(b"\r\n\r\n")
+                    await reader.readexactly(13)
+                    writer.write(ok())
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=served)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = WireClient(tls=trusting)
+        try:
+            for _ in range(2):
+                assert (await fetch(client, url))[0] == 200
+            (pool,) = client.pools.values()
+            assert pool.open == 1 and pool.host_header == url.removeprefix("https://")
+            with pytest.raises(ConnectFailed):  # the system's CAs do not know this certificate
+                await fetch(WireClient(), url)
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+class Spans:
+    """A stand-in for tracing.py's spans: records what the client tells it, injects a traceparent."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def start(self, method, url, host, port, headers):
+        headers["traceparent"] = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+        self.events.append(("start", method, url, host, port))
+        return len(self.events)
+
+    def end(self, handle, status):
+        self.events.append(("end", handle, status))
+
+    def failed(self, handle, error):
+        self.events.append(("failed", handle, type(error).__name__))
+
+
+def test_a_traced_request_carries_its_span_and_an_untraced_one_nothing():
+    async def main():
+        async def respond(_req):
+            return ok()
+
+        async with serving(respond) as (replica, url, client):
+            assert (await fetch(client, url))[0] == 200
+            spans = Spans()
+            hook = UPSTREAM_TRACE.set(spans)
+            try:
+                headers = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
+                answer = await client.request(url, "POST", "/v1/embeddings?x=1", headers, b"{}", total_s=5,
+                                              connect_timeout=2)
+                async with answer:
+                    await answer.read()
+                await replica.stop()
+                with pytest.raises(ConnectFailed):
+                    await fetch(WireClient(), url)
+            finally:
+                UPSTREAM_TRACE.reset(hook)
+        port = int(url.rsplit(":", 1)[1])
+        assert spans.events == [("start", "POST", f"{url}/v1/embeddings", "127.0.0.1", port), ("end", 1, 200),
+                                ("start", "POST", f"{url}/v1/embeddings", "127.0.0.1", port),
+                                ("failed", 3, "ConnectFailed")]
+        untraced, traced = replica.requests
+        assert b"traceparent" not in untraced
+        assert b"traceparent: 00-" + b"1" * 32 in traced and b"a" * 32 not in traced
+        assert headers["traceparent"].startswith("00-aaa")  # the caller's headers are left as they were
+
+    asyncio.run(main())
+
+
+def test_a_head_answer_ends_with_its_head():
+    async def main():
+        async def respond(_req):
+            return b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n"  # a HEAD answer: the length, no body
+
+        async with serving(respond) as (_replica, url, client):
+            answer = await client.request(url, "HEAD", "/v1/models", {}, b"", total_s=2, connect_timeout=2)
+            async with answer:
+                assert answer.status == 200 and await answer.read() == b""
+
+    asyncio.run(main())
+
+
+def test_an_endless_head_is_a_bad_answer():
+    async def main():
+        async def respond(_req):
+            return b"HTTP/1.1 200 OK\r\n" + b"x-filler: 0123456789\r\n" * 10_000  # 220 KB, never ended
+
+        async with serving(respond) as (_replica, url, client):
+            with pytest.raises(BadAnswer, match="head over"):
+                await fetch(client, url)
+
+    asyncio.run(main())
 
 
 def test_a_refused_header_takes_no_connection():

@@ -184,7 +184,10 @@ async def serve(config: GatewayConfig) -> int:
     fleet = Fleet(config, polls, rng)
     # the lean client for work to plain-http replicas (wire.py); with tracing on, aiohttp's client makes
     # the client spans and carries the trace, so all work goes through it
-    wire = WireClient(config.max_connections_per_replica, KEEPALIVE_S) if tracing is None else None
+    # benchmark switch (bench/gateway_upstream.py): EMBEDFLEET_GATEWAY_UPSTREAM_CLIENT=aiohttp sends all work
+    # through aiohttp's client
+    lean = os.environ.get("EMBEDFLEET_GATEWAY_UPSTREAM_CLIENT", "wire") != "aiohttp"
+    wire = WireClient(config.max_connections_per_replica, KEEPALIVE_S) if tracing is None and lean else None
     gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng, wire)
     # off, no tracing code runs on the proxy path at all
     app = CallApp(gateway.handle if tracing is None else tracing.wrap(gateway.handle), config.payload_limit)

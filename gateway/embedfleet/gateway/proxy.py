@@ -322,9 +322,10 @@ class Gateway:
         async with upstream:
             first_byte = self.fleet.now()
             length = upstream.content_length
-            if upstream.status in (409, 503) or (length is not None and length <= WHOLE_BELOW):
-                # read whole: a 503 to see whether it is `draining`, a 409 whether it is a refusal for the
-                # request's vector space; a short answer to pass on in one write
+            if length is not None and length <= WHOLE_BELOW:
+                # read whole (never more than WHOLE_BELOW: a longer or endless answer streams with back-
+                # pressure): a 503 to see whether it is `draining`, a 409 whether it is a refusal for the
+                # request's vector space (both short, with a length); a short answer to pass on in one write
                 try:
                     raw = await upstream.read()
                 except (aiohttp.ClientError, WireError, TimeoutError) as exc:
@@ -359,7 +360,10 @@ class Gateway:
             try:
                 async for chunk in chunks:
                     await response.write(chunk)
-            except (aiohttp.ClientError, WireError, TimeoutError) as exc:  # the answer broke off after we began ours
+            except (aiohttp.ClientError, WireError, TimeoutError) as exc:
+                if not response.started:  # nothing of it went to the client yet: the gateway's own answer
+                    raise Refused(502, f"the answer from a replica of {deployment.name} broke off: {exc}",
+                                  "upstream_broke_off") from None
                 log.warning("%s: answer from %s broke off: %s", deployment.name, replica.url, exc)
                 request.abort()
                 return response

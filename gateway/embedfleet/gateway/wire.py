@@ -1,23 +1,26 @@
-"""The gateway's lean HTTP/1.1 client to the replicas: keep-alive connections, httptools to parse.
+"""The gateway's HTTP/1.1 client to the replicas (and to other regions' gateways): keep-alive
+connections, httptools to parse. All of the gateway's work goes through it.
 
-Why not aiohttp's client, which the gateway uses for everything else: on the hop to a replica it was
-most of the gateway's cost. At concurrency 1 on two shared cores (bench/gateway.py), a request through
-an aiohttp-to-aiohttp proxy took 1.2 ms more than the same request sent straight to the runtime; the
-same aiohttp server with this client, 0.55 ms. The hop runs once per request after the gateway has
-slept through the replica's forward pass, on cold caches, where every layer of a general client
-(timers, tracing hooks, cookie jar, header normalisation, streams) costs many times its warm price.
+Why not aiohttp's client, which the gateway keeps for its polls: on the hop to a replica it was most
+of the gateway's cost. The hop runs once per request after the gateway has slept through the
+replica's forward pass, on cold caches, where every layer of a general client (timers, tracing hooks,
+cookie jar, header normalisation, streams) costs many times its warm price (bench/gateway_upstream.py,
+docs/gateway.md). And it is held to the same fault and abuse cases aiohttp's client was
+(tests/gateway/test_upstream_faults.py).
 
 So this client does only what the hop needs: one request at a time per connection (no pipelining),
 bodies sent whole with a Content-Length, answers parsed by httptools (the C parser uvicorn uses),
-passed on whole when short or streamed chunk by chunk (with back-pressure) when long or chunked.
-It speaks plain HTTP only (replica pod IPs); https URLs (another region's gateway behind TLS) and
-traced requests (client spans) go through aiohttp as before (proxy.py).
+passed on whole when short or streamed chunk by chunk (with back-pressure) when long or chunked; an
+answer's head is bounded (MAX_HEAD). https targets get TLS (`tls`: the system's CAs by default). While
+a traced request is handled, `UPSTREAM_TRACE` holds what makes each attempt's CLIENT span and its
+`traceparent` (tracing.py); otherwise no tracing code runs.
 
 Failures are told apart the way the proxy needs them (a replica that never saw the request is tried
-again; one that may have run it never is): `ConnectFailed` (refused, unreachable, or not accepted
-within the connect timeout), `Disconnected` (closed or reset before any byte of an answer: most often
-a kept-alive connection the replica had just closed), `BadAnswer` (not HTTP), `BrokeOff` (the answer
-stopped part way), TimeoutError (no answer within the request's total time).
+again; one that may have run it never is): `ConnectFailed` (refused, unreachable, a TLS handshake
+refused, or not accepted within the connect timeout), `Disconnected` (closed or reset before any byte
+of an answer: most often a kept-alive connection the replica had just closed), `BadAnswer` (not HTTP,
+or a head past MAX_HEAD), `BrokeOff` (the answer stopped part way), TimeoutError (no answer within the
+request's total time).
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import ssl
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httptools
@@ -35,7 +41,24 @@ from multidict import CIMultiDict
 log = logging.getLogger("embedfleet.gateway.wire")
 
 PAUSE_ABOVE = 1 << 20  # bytes of a streamed answer buffered before reading from the replica pauses
+MAX_HEAD = 64 << 10  # bytes of an answer's head at most (status line and headers); beyond, a BadAnswer
 MAX_IDLE_PER_HOST = 128  # idle keep-alive connections kept per replica; more are closed when released
+
+
+class UpstreamTrace(Protocol):
+    """What traces the requests sent (tracing.py): `start` may add headers (`traceparent`) and returns a
+    handle that `end` (the answer's head is in) or `failed` (no answer) is then given once."""
+
+    def start(self, method: str, url: str, host: str, port: int, headers: dict[str, str]) -> object: ...
+
+    def end(self, handle: object, status: int) -> None: ...
+
+    def failed(self, handle: object, error: BaseException) -> None: ...
+
+
+# set, while a traced request is handled, by the tracing wrapper of the server's handler (tracing.py);
+# None (tracing off, or the request not sampled): no tracing code runs here
+UPSTREAM_TRACE: ContextVar[UpstreamTrace | None] = ContextVar("embedfleet_upstream_trace", default=None)
 
 
 class WireError(Exception):
@@ -169,12 +192,16 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._reason = ""
         self._got_bytes = False
+        self._head_bytes = 0  # bytes received while the answer's head is incomplete
+        self._head_only = False
         self._paused = False
         self.keep_alive = False  # the answer's head allows reuse (known only while the head is parsed)
         self.forgotten = False  # no longer counted among its pool's open connections
 
-    def start(self, answer: Answer, data: bytes) -> asyncio.Future[None]:
+    def start(self, answer: Answer, data: bytes, head_only: bool = False) -> asyncio.Future[None]:
         self.answer, self._headers, self._reason, self._got_bytes, self.keep_alive = answer, [], "", False, False
+        self._head_only = head_only  # a HEAD request: the answer ends with its head
+        self._head_bytes = 0
         self.head = asyncio.get_running_loop().create_future()
         assert self.transport is not None
         self.transport.write(data)
@@ -220,6 +247,12 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(BadAnswer(f"not an HTTP answer: {exc}"))
             self.close()
+            return
+        if self.head is not None and not self.head.done():  # httptools bounds no head: this does
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD:
+                self._fail(BadAnswer(f"an answer's head over {MAX_HEAD} bytes"))
+                self.close()
 
     def eof_received(self) -> bool:
         return False  # close; connection_lost reports it
@@ -270,6 +303,10 @@ class _Connection(asyncio.Protocol):
             answer.content_length = int(length)
         if not self.head.done():
             self.head.set_result(None)
+        if self._head_only:  # httptools would wait for the body a GET would get: end here, and never reuse
+            self.keep_alive = False
+            answer.content_length = 0
+            answer._end(None)
 
     def on_body(self, body: bytes) -> None:
         if self.answer is not None:
@@ -291,14 +328,16 @@ class _Connection(asyncio.Protocol):
 class _HostPool:
     """Connections to one replica: idle ones reused newest first, at most `limit` open (0: no limit)."""
 
-    def __init__(self, host: str, port: int, limit: int, keepalive_s: float) -> None:
+    def __init__(self, host: str, port: int, limit: int, keepalive_s: float, tls: ssl.SSLContext | None) -> None:
         self.host, self.port = host, port
         self.limit = limit
         self.keepalive_s = keepalive_s
+        self.tls = tls
         self.idle: list[_Connection] = []
         self.open = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self.host_header = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        name = host if ":" not in host else f"[{host}]"
+        self.host_header = name if port == (443 if tls else 80) else f"{name}:{port}"
 
     async def acquire(self, connect_timeout: float) -> _Connection:
         now = time.monotonic()
@@ -326,11 +365,12 @@ class _HostPool:
         try:
             async with asyncio.timeout(connect_timeout):
                 _, conn = await asyncio.get_running_loop().create_connection(
-                    lambda: _Connection(self), self.host, self.port)
+                    lambda: _Connection(self), self.host, self.port, ssl=self.tls,
+                    server_hostname=self.host if self.tls else None)
         except TimeoutError:
             self._closed_one()
             raise ConnectFailed(f"connect to {self.host}:{self.port} timed out after {connect_timeout:g}s") from None
-        except OSError as exc:
+        except OSError as exc:  # ssl.SSLError (a certificate refused) included
             self._closed_one()
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc}") from None
         except BaseException:
@@ -376,18 +416,39 @@ class _HostPool:
 
 
 class WireClient:
-    """Keep-alive pools to the replicas, by (host, port)."""
+    """Keep-alive pools to the replicas, by (scheme, host, port); https with `tls` (default: the system's
+    trusted CAs, hostnames checked)."""
 
-    def __init__(self, limit_per_host: int = 0, keepalive_s: float = 4.0) -> None:
+    def __init__(self, limit_per_host: int = 0, keepalive_s: float = 4.0, tls: ssl.SSLContext | None = None) -> None:
         self.limit_per_host = limit_per_host
         self.keepalive_s = keepalive_s
-        self.pools: dict[tuple[str, int], _HostPool] = {}
+        self._tls = tls
+        self.pools: dict[tuple[str, str, int], _HostPool] = {}
         self._targets: dict[str, tuple[_HostPool, str]] = {}  # base URL -> its pool and path prefix
 
     @staticmethod
     def speaks(url: str) -> bool:
-        """Can this client reach `url` (plain http)?"""
-        return url.startswith("http://")
+        """Can this client reach `url`?"""
+        return url.startswith(("http://", "https://"))
+
+    @property
+    def tls(self) -> ssl.SSLContext:
+        if self._tls is None:  # made at the first https target: loading the CAs takes a while
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+    def _target(self, base_url: str) -> tuple[_HostPool, str]:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"not an http or https URL: {base_url}")
+        secure = parts.scheme == "https"
+        host, port = parts.hostname or "", parts.port or (443 if secure else 80)
+        pool = self.pools.get((parts.scheme, host, port))
+        if pool is None:
+            pool = self.pools[(parts.scheme, host, port)] = _HostPool(
+                host, port, self.limit_per_host, self.keepalive_s, self.tls if secure else None)
+        target = self._targets[base_url] = (pool, parts.path.rstrip("/"))
+        return target
 
     async def request(self, base_url: str, method: str, raw_path: str, headers: dict[str, str], body: bytes,
                       *, total_s: float | None, connect_timeout: float,
@@ -396,16 +457,12 @@ class WireClient:
         exchange, the body's reading included. `on_complete(answer)`, if given, is called from the
         connection's callback the moment the whole answer is here (when that is before the caller has
         woken up: a short answer), and what it returns is the answer's `delivered`."""
-        target = self._targets.get(base_url)
-        if target is None:
-            parts = urlsplit(base_url)
-            host, port = parts.hostname or "", parts.port or 80
-            pool = self.pools.get((host, port))
-            if pool is None:
-                pool = self.pools[(host, port)] = _HostPool(host, port, self.limit_per_host, self.keepalive_s)
-            target = self._targets[base_url] = (pool, parts.path.rstrip("/"))
-        pool, base_path = target
+        pool, base_path = self._targets.get(base_url) or self._target(base_url)
         deadline = None if total_s is None else asyncio.get_running_loop().time() + total_s
+        trace = UPSTREAM_TRACE.get()
+        if trace is not None:  # a CLIENT span, and its traceparent in place of the client's
+            headers = dict(headers)
+            traced = trace.start(method, base_url + raw_path.partition("?")[0], pool.host, pool.port, headers)
         lines = [method, " ", base_path, raw_path, " HTTP/1.1\r\nhost: ", pool.host_header, "\r\n"]
         for name, value in headers.items():
             if "\r" in value or "\n" in value:
@@ -416,15 +473,22 @@ class WireClient:
         lines.append("\r\n")
         # built before a connection is taken, so a refusal leaks none
         data = "".join(lines).encode("latin-1") + body
-        conn = await pool.acquire(connect_timeout)
-        answer = Answer(conn, deadline)
-        answer.on_complete = on_complete
         try:
-            future = conn.start(answer, data)
-            await _within(future, deadline)
-        except BaseException:
-            conn.finished(answer, reusable=False)
+            conn = await pool.acquire(connect_timeout)
+            answer = Answer(conn, deadline)
+            answer.on_complete = on_complete
+            try:
+                future = conn.start(answer, data, method == "HEAD")
+                await _within(future, deadline)
+            except BaseException:
+                conn.finished(answer, reusable=False)
+                raise
+        except BaseException as exc:
+            if trace is not None:
+                trace.failed(traced, exc)
             raise
+        if trace is not None:
+            trace.end(traced, answer.status)
         return answer
 
     def close(self) -> None:
