@@ -30,6 +30,7 @@ from embedfleet.runtime.tracing import RuntimeTracing
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/load"})
 ARRIVED = "embedfleet.arrived"  # scope key: time.monotonic() when the gate let the request in (deadlines count from it)
+WHOLE = "embedfleet.whole"  # scope key: time.monotonic() when its body was all read (queue bounds count from it)
 TENANT = "embedfleet.tenant"  # scope key: the caller's tenants.Tenant, from its API key
 
 
@@ -141,6 +142,10 @@ class Gate:
                 received += len(message.get("body", b""))
                 if received > self.payload_limit:
                     raise PayloadTooLarge(self.payload_limit)
+                if not message.get("more_body", False):
+                    # the request is whole only now: its queue bounds count from here (a slow upload is
+                    # the client's time, not the queue's); its deadline still counts from its head
+                    scope[WHOLE] = time.monotonic()
             return message
 
         async def tracked_send(message):

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
 from embedfleet.runtime.api import errors
-from embedfleet.runtime.api.gate import ARRIVED, tenant_of
+from embedfleet.runtime.api.gate import ARRIVED, WHOLE, tenant_of
 from embedfleet.runtime.core.batcher import DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.oom import is_out_of_memory
 from embedfleet.runtime.core.tokenize import Tokenized
@@ -168,7 +168,8 @@ async def run(svc: ModelService, tokenized: list[Tokenized], request: Request,
     urgent = svc.is_urgent(len(tokenized), is_bulk(request))
     try:
         result = await svc.run(tokenized, partial(wait_disconnect, request.receive), urgent=urgent, bounded=True,
-                               deadline=deadline, tenant=tenant_of(request.scope), arrived=request.scope.get(ARRIVED))
+                               deadline=deadline, tenant=tenant_of(request.scope),
+                               arrived=request.scope.get(WHOLE, request.scope.get(ARRIVED)))
         trace = current_trace()
         if trace is not None:
             trace.encoding()
