@@ -3,8 +3,11 @@ HTTP/1.1 client (gateway/wire.py) and through aiohttp's client, against one runt
 
 Two gateways in front of one `embedfleet serve`, started as users start them, differing only in the
 client (`EMBEDFLEET_GATEWAY_UPSTREAM_CLIENT=wire|aiohttp`, a benchmark switch of `embedfleet gateway`).
-Every figure takes turns between the variants, so a neighbour's load on a small machine shifts them
-alike:
+The measurement decided the gateway's one upstream client (docs/gateway.md), and the aiohttp path and
+the switch went: run this from the commit that has both, ec0207e
+(`git worktree add /tmp/both ec0207e`, then `python /tmp/both/bench/gateway_upstream.py`); on a later
+tree both gateways run wire.py. Every figure takes turns between the variants, so a neighbour's load on
+a small machine shifts them alike:
 
 - added latency at concurrency 1: one short query at a time on one keep-alive connection per side,
   direct, via `wire` and via `aiohttp` in rotating order query by query; the median of the paired

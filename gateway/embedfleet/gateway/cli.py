@@ -174,21 +174,15 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 async def serve(config: GatewayConfig) -> int:
     tracing = GatewayTracing(provider_from_env("embedfleet-gateway", config.tracing)) if config.tracing else None
-    work = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, limit_per_host=config.max_connections_per_replica,
-                                       keepalive_timeout=KEEPALIVE_S),
-        auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        trace_configs=None if tracing is None else [tracing.client_trace_config()])
-    polls = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+    # aiohttp's client for the polls (GET /load, GET /v1/models) and the gateway's own GET /v1/models to every
+    # deployment: a pool of its own, so a poll never waits behind work for a connection. All work goes
+    # through the gateway's upstream client (wire.py), which makes its spans itself when tracing is on.
+    polls = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                                  trace_configs=None if tracing is None else [tracing.client_trace_config()])
     rng = random.Random()
     fleet = Fleet(config, polls, rng)
-    # the lean client for work to plain-http replicas (wire.py); with tracing on, aiohttp's client makes
-    # the client spans and carries the trace, so all work goes through it
-    # benchmark switch (bench/gateway_upstream.py): EMBEDFLEET_GATEWAY_UPSTREAM_CLIENT=aiohttp sends all work
-    # through aiohttp's client
-    lean = os.environ.get("EMBEDFLEET_GATEWAY_UPSTREAM_CLIENT", "wire") != "aiohttp"
-    wire = WireClient(config.max_connections_per_replica, KEEPALIVE_S) if tracing is None and lean else None
-    gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), work, rng, wire)
+    wire = WireClient(config.max_connections_per_replica, KEEPALIVE_S)
+    gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), polls, rng, wire)
     # off, no tracing code runs on the proxy path at all
     app = CallApp(gateway.handle if tracing is None else tracing.wrap(gateway.handle), config.payload_limit)
     http = server(app, config.host, config.port, config.limits, graceful_s=config.drain_timeout)
@@ -218,9 +212,7 @@ async def serve(config: GatewayConfig) -> int:
             await poller
         if http.started:
             await http.shutdown()
-        if wire is not None:
-            wire.close()
-        await work.close()
+        wire.close()
         await polls.close()
         if tracing is not None:
             tracing.shutdown()

@@ -28,7 +28,6 @@ from functools import partial
 import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from yarl import URL
 
 from embedfleet.calls import JSON, Call, Reply, Stream, json_reply
 from embedfleet.compat.names import split_model
@@ -48,9 +47,9 @@ log = logging.getLogger("embedfleet.gateway.proxy")
 
 PASS_REQUEST_HEADERS = ("authorization", "content-type", "accept", "accept-encoding", "x-priority", "x-request-id",
                         "traceparent", "tracestate", "user-agent")
-DROP_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-                                   "proxy-authenticate", "proxy-connection", "content-length", "date", "server"})
-DROP_RESPONSE_HEADERS_RAW = frozenset(name.encode() for name in DROP_RESPONSE_HEADERS)
+DROP_RESPONSE_HEADERS_RAW = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
+                                       b"upgrade", b"proxy-authenticate", b"proxy-connection", b"content-length",
+                                       b"date", b"server"})
 CONNECT_TIMEOUT_S = 3.0  # a replica that does not accept a connection in this long did not get the request
 DEADLINE_GRACE_S = 2.0  # past the deadline sent down, the gateway stops waiting (the runtime answers 504 itself)
 EXTRA_ATTEMPTS = 3  # beyond one per replica: replicas can come back between attempts
@@ -81,12 +80,12 @@ class Gateway:
         self.config = config
         self.fleet = fleet
         self.metrics = metrics
-        self.session = session  # keep-alive pool for work where `wire` does not go (https, traced requests)
-        self.wire = wire  # the lean client to plain-http replicas (wire.py); None: aiohttp for all work
+        self.session = session  # only for GET /v1/models to every deployment (not work: a poll's kind)
+        # the client all work goes through (wire.py), to replicas and other regions' gateways alike
+        self.wire = wire or WireClient(config.max_connections_per_replica)
         self.rng = rng or random.Random()
         self.draining = False
         self.synced: Callable[[], bool] = lambda: True  # Kubernetes mode: the first lists are in
-        self._no_deadline = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         self._own = {"/health": self.health, "/ready": self.ready, "/metrics": self.prometheus,
                      "/gateway/load": self.load, "/v1/models": self.models}
 
@@ -272,53 +271,36 @@ class Gateway:
             headers[SPILLED_FROM] = self.config.region or "unknown"
         if ticket.space is not None:
             headers[HEADER_VECTOR_SPACE] = ticket.space
-        timeout = self._no_deadline if deadline is None else \
-            aiohttp.ClientTimeout(total=deadline - self.fleet.now() + DEADLINE_GRACE_S, sock_connect=CONNECT_TIMEOUT_S)
+        total_s = None if deadline is None else deadline - self.fleet.now() + DEADLINE_GRACE_S
         upstreams = self.fleet.upstreams
         sent = self.fleet.now()
         try:
-            if self.wire is not None and request.method != "HEAD" and self.wire.speaks(replica.url):
-                upstream: aiohttp.ClientResponse | Answer = await self.wire.request(
-                    replica.url, request.method, request.raw_path, headers, body, total_s=timeout.total,
-                    connect_timeout=CONNECT_TIMEOUT_S,
-                    on_complete=None if ticket.spilled_to is not None else partial(self._deliver, request))
-            else:
-                upstream = await self.session.request(request.method, URL(replica.url + request.raw_path, encoded=True),
-                                                      data=body or None, headers=headers, timeout=timeout)
+            upstream = await self.wire.request(
+                replica.url, request.method, request.raw_path, headers, body, total_s=total_s,
+                connect_timeout=CONNECT_TIMEOUT_S,
+                on_complete=None if ticket.spilled_to is not None else partial(self._deliver, request))
         except ConnectFailed as exc:  # refused, unreachable, or not accepted in time: the replica never saw it
             return self._not_taken(deployment, replica, State.DOWN, "connect", str(exc))
-        except Disconnected as exc:  # as aiohttp's ServerDisconnectedError below
-            if request.path.startswith(NOT_RESENT_ON_DISCONNECT):
-                raise Refused(502, f"a replica of {deployment.name} closed the connection before answering; the "
-                              "job may or may not have been stored", "upstream_disconnected") from None
-            return self._not_taken(deployment, replica, None, "disconnected", str(exc))
-        except WireError as exc:  # BadAnswer, or an answer that broke off before its head
-            raise Refused(502, f"bad answer from a replica of {deployment.name}: {exc}", "bad_gateway") from None
-        except aiohttp.ConnectionTimeoutError as exc:
-            return self._not_taken(deployment, replica, State.DOWN, "connect", f"connect timed out: {exc}")
-        except TimeoutError:
-            raise Refused(504, f"no answer from {deployment.name} within the request's deadline",
-                          "upstream_timeout") from None
-        except aiohttp.ClientConnectorError as exc:  # refused, unreachable: the replica never saw it
-            return self._not_taken(deployment, replica, State.DOWN, "connect", f"{type(exc).__name__}: {exc}")
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            # closed or reset before any answer: most often a kept-alive connection the replica had just
-            # closed, so the replica is not marked (a dead one refuses the next connection). A job
+        except Disconnected as exc:
+            # closed or reset before any byte of an answer: most often a kept-alive connection the replica
+            # had just closed, so the replica is not marked (a dead one refuses the next connection). A job
             # submission is not sent twice: the job may have been stored before the connection dropped.
             if request.path.startswith(NOT_RESENT_ON_DISCONNECT):
                 raise Refused(502, f"a replica of {deployment.name} closed the connection before answering; the "
                               "job may or may not have been stored", "upstream_disconnected") from None
-            return self._not_taken(deployment, replica, None, "disconnected", f"{type(exc).__name__}: {exc}")
-        except aiohttp.ClientError as exc:
+            return self._not_taken(deployment, replica, None, "disconnected", str(exc))
+        except WireError as exc:  # BadAnswer (not HTTP, a head over its bound), or one that broke off in its head
             raise Refused(502, f"bad answer from a replica of {deployment.name}: {exc}", "bad_gateway") from None
-        if isinstance(upstream, Answer) and upstream.delivered is not None:  # the client has it (_deliver)
+        except TimeoutError:
+            raise Refused(504, f"no answer from {deployment.name} within the request's deadline",
+                          "upstream_timeout") from None
+        if upstream.delivered is not None:  # the client has it (_deliver)
             async with upstream:
                 pass
             upstreams.answered(replica, upstream.headers)
             self._answered(deployment, replica, ticket, upstream.status, self.fleet.now(), sent)
             return upstream.delivered  # type: ignore[return-value]
-        if isinstance(upstream, Answer):
-            upstream.on_complete = None  # the head came before the rest: the answer goes the usual way
+        upstream.on_complete = None  # the head came before the rest: the answer goes the usual way
         async with upstream:
             first_byte = self.fleet.now()
             length = upstream.content_length
@@ -328,7 +310,7 @@ class Gateway:
                 # request's vector space (both short, with a length); a short answer to pass on in one write
                 try:
                     raw = await upstream.read()
-                except (aiohttp.ClientError, WireError, TimeoutError) as exc:
+                except (WireError, TimeoutError) as exc:
                     raise Refused(502, f"the answer from a replica of {deployment.name} broke off: {exc}",
                                   "upstream_broke_off") from None
                 if upstream.status != 200 or ticket.spilled_to is not None:  # perhaps a refusal: see which
@@ -356,11 +338,10 @@ class Gateway:
             upstreams.answered(replica, upstream.headers)
             self._answered(deployment, replica, ticket, upstream.status, first_byte, None)
             response = request.stream(upstream.status, upstream.reason, self._response_headers(upstream), length)
-            chunks = upstream.iter_any() if isinstance(upstream, Answer) else upstream.content.iter_any()
             try:
-                async for chunk in chunks:
+                async for chunk in upstream.iter_any():
                     await response.write(chunk)
-            except (aiohttp.ClientError, WireError, TimeoutError) as exc:
+            except (WireError, TimeoutError) as exc:
                 if not response.started:  # nothing of it went to the client yet: the gateway's own answer
                     raise Refused(502, f"the answer from a replica of {deployment.name} broke off: {exc}",
                                   "upstream_broke_off") from None
@@ -374,7 +355,7 @@ class Gateway:
     def _deliver(self, request: Call, answer: Answer) -> Reply | None:
         """The lean client calls this the moment a short answer is complete. A 200 goes to the client
         there and then: one turn of the event loop, and the way back up through the request's coroutine,
-        less between the replica's last byte and the client's (issue 15's c=1 figure). Anything else (a
+        less between the replica's last byte and the client's. Anything else (a
         refusal that may send the request elsewhere, a long answer to stream) is left to `_exchange`."""
         if answer.status != 200 or answer.content_length is None or answer.content_length > WHOLE_BELOW:
             return None
@@ -408,11 +389,9 @@ class Gateway:
             self.metrics.ejections.labels(deployment.name).inc()
 
     @staticmethod
-    def _response_headers(upstream: aiohttp.ClientResponse | Answer) -> bytes | list[tuple[str, str]]:
-        """The answer's headers to pass on: those of the hop to the replica dropped; from the lean client,
-        as the bytes they came in (never decoded and encoded again)."""
-        if isinstance(upstream, Answer):
-            return b"".join([b"%s: %s\r\n" % (k, v) for k, v in upstream.raw_headers
-                             if k.lower() not in DROP_RESPONSE_HEADERS_RAW])
-        return [(k, v) for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS]
+    def _response_headers(upstream: Answer) -> bytes:
+        """The answer's headers to pass on, those of the hop to the replica dropped, as the bytes they
+        came in (never decoded and encoded again)."""
+        return b"".join([b"%s: %s\r\n" % (k, v) for k, v in upstream.raw_headers
+                         if k.lower() not in DROP_RESPONSE_HEADERS_RAW])
 

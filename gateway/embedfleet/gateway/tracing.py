@@ -6,10 +6,12 @@ it to a replica a CLIENT span `upstream` below it, whose context goes down in th
 `traceparent` (replacing the client's): the runtime's spans are its children. Retries on another
 replica are further `upstream` spans; time held for a cold start is the gap before the first.
 
-Both hooks are installed only when tracing is on: a wrapper of the server's handler (`wrap`) and a
-TraceConfig on the work session (`client_trace_config`), so off, the proxy path runs no tracing code at
-all. The setup (which exporters, the OTEL_* variables) is shared with the runtime (`embedfleet.otel`),
-one home for both processes.
+The hooks are installed only when tracing is on: a wrapper of the server's handler (`wrap`), which,
+while a sampled request is handled, hands the upstream client (wire.py) what makes its `upstream` spans
+(`wire.UPSTREAM_TRACE`), and a TraceConfig for the aiohttp session that asks every deployment's
+replicas for `GET /v1/models` (`client_trace_config`, the same spans). Off, the proxy path runs no
+tracing code at all. The setup (which exporters, the OTEL_* variables) is shared with the runtime
+(`embedfleet.otel`), one home for both processes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span, set_span_in_context
 
 from embedfleet.calls import Call, Handler, Reply, Stream
+from embedfleet.gateway.wire import UPSTREAM_TRACE
 from embedfleet.otel import TracingConfigError, exporters, provider_from_env
 
 __all__ = ["OWN_PATHS", "GatewayTracing", "TracingConfigError", "exporters", "provider_from_env"]
@@ -29,15 +32,42 @@ __all__ = ["OWN_PATHS", "GatewayTracing", "TracingConfigError", "exporters", "pr
 OWN_PATHS = frozenset({"/health", "/ready", "/metrics", "/gateway/load"})  # polled; never traced
 
 
+class UpstreamSpans:
+    """The `upstream` CLIENT spans of the requests the upstream client sends (wire.UpstreamTrace): each
+    started below the current span, injected as the request's `traceparent`, ended when the replica's
+    answer begins (or the attempt fails)."""
+
+    def __init__(self, tracer) -> None:
+        self.tracer = tracer
+
+    def start(self, method: str, url: str, host: str, port: int, headers: dict[str, str]) -> object:
+        span = self.tracer.start_span("upstream", kind=SpanKind.CLIENT, attributes={
+            "http.request.method": method, "url.full": url, "server.address": host, "server.port": port})
+        propagate.inject(headers, context=set_span_in_context(span))
+        return span
+
+    def end(self, span, status: int) -> None:
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    def failed(self, span, error: BaseException) -> None:
+        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        span.end()
+
+
 class GatewayTracing:
     def __init__(self, provider: TracerProvider) -> None:
         self.provider = provider
         self.tracer = provider.get_tracer("embedfleet.gateway")
+        self.upstream = UpstreamSpans(self.tracer)
 
     def wrap(self, handler: Handler) -> Handler:
         """The handler with the SERVER span of every request but the gateway's own polled routes, current
-        while the request is handled, so that `client_trace_config` finds it."""
+        while the request is handled, and the upstream client's spans below it (`UPSTREAM_TRACE`)."""
         tracer = self.tracer
+        upstream = self.upstream
 
         async def traced(call: Call) -> Reply | Stream:
             if call.path in OWN_PATHS:
@@ -49,6 +79,7 @@ class GatewayTracing:
                 span.end()
                 return await handler(call)
             token = context.attach(set_span_in_context(span))
+            hook = UPSTREAM_TRACE.set(upstream)
             status = 500
             try:
                 answer = await handler(call)
@@ -59,13 +90,14 @@ class GatewayTracing:
                 if status >= 500:
                     span.set_status(Status(StatusCode.ERROR))
                 span.end()
+                UPSTREAM_TRACE.reset(hook)
                 context.detach(token)
 
         return traced
 
     def client_trace_config(self) -> aiohttp.TraceConfig:
-        """An `upstream` CLIENT span per request sent to a replica while a traced request is handled,
-        injected as the upstream request's `traceparent`; it ends when the replica's answer begins."""
+        """The same `upstream` spans for an aiohttp session's requests made while a traced request is
+        handled (the gateway's `GET /v1/models` to every deployment)."""
         tracer = self.tracer
         config = aiohttp.TraceConfig()
 

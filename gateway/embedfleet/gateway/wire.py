@@ -426,11 +426,6 @@ class WireClient:
         self.pools: dict[tuple[str, str, int], _HostPool] = {}
         self._targets: dict[str, tuple[_HostPool, str]] = {}  # base URL -> its pool and path prefix
 
-    @staticmethod
-    def speaks(url: str) -> bool:
-        """Can this client reach `url`?"""
-        return url.startswith(("http://", "https://"))
-
     @property
     def tls(self) -> ssl.SSLContext:
         if self._tls is None:  # made at the first https target: loading the CAs takes a while
@@ -463,17 +458,17 @@ class WireClient:
         if trace is not None:  # a CLIENT span, and its traceparent in place of the client's
             headers = dict(headers)
             traced = trace.start(method, base_url + raw_path.partition("?")[0], pool.host, pool.port, headers)
-        lines = [method, " ", base_path, raw_path, " HTTP/1.1\r\nhost: ", pool.host_header, "\r\n"]
-        for name, value in headers.items():
-            if "\r" in value or "\n" in value:
-                raise ValueError(f"header {name} carries a line break")
-            lines += (name, ": ", value, "\r\n")
-        if body or method in ("POST", "PUT", "PATCH"):
-            lines += ("content-length: ", str(len(body)), "\r\n")
-        lines.append("\r\n")
-        # built before a connection is taken, so a refusal leaks none
-        data = "".join(lines).encode("latin-1") + body
         try:
+            lines = [method, " ", base_path, raw_path, " HTTP/1.1\r\nhost: ", pool.host_header, "\r\n"]
+            for name, value in headers.items():
+                if "\r" in value or "\n" in value:
+                    raise ValueError(f"header {name} carries a line break")
+                lines += (name, ": ", value, "\r\n")
+            if body or method in ("POST", "PUT", "PATCH"):
+                lines += ("content-length: ", str(len(body)), "\r\n")
+            lines.append("\r\n")
+            # built before a connection is taken, so a refusal leaks none
+            data = "".join(lines).encode("latin-1") + body
             conn = await pool.acquire(connect_timeout)
             answer = Answer(conn, deadline)
             answer.on_complete = on_complete
