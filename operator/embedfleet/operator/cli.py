@@ -26,6 +26,9 @@ ENV_HUB_RAMP = "EMBEDFLEET_HUB_RAMP_SECONDS"
 ENV_HUB_WRITE_TIMEOUT = "EMBEDFLEET_HUB_WRITE_TIMEOUT"
 ENV_HEARTBEAT_INTERVAL = "EMBEDFLEET_HEARTBEAT_INTERVAL"
 ENV_HEARTBEAT_DURATION = "EMBEDFLEET_LEASE_DURATION"
+# metrics.py's (repeated here for the same reason).
+ENV_METRICS_PORT = "EMBEDFLEET_OPERATOR_METRICS_PORT"
+DEFAULT_METRICS_PORT = 8081
 
 
 def _seconds(*, allow_zero: bool = False) -> Callable[[str], float]:
@@ -57,6 +60,28 @@ def _whole_seconds(text: str) -> int:
     return int(value)
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (off) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {text!r}")
+    return value
+
+
+def metrics_port(args: argparse.Namespace) -> int:
+    """The flag, else ``$EMBEDFLEET_OPERATOR_METRICS_PORT``, else the default; 0: no endpoint."""
+    if args.metrics_port is not None:
+        return int(args.metrics_port)
+    text = os.environ.get(ENV_METRICS_PORT, "").strip()
+    try:
+        return _port(text) if text else DEFAULT_METRICS_PORT
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"${ENV_METRICS_PORT}: {exc}") from None
+
+
 def _number(value: float) -> str:
     """As the reading module parses it back: ``10`` rather than ``10.0`` (readable in ``/proc/*/environ``)."""
     return str(int(value)) if value == int(value) else repr(value)
@@ -75,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_p.add_argument("--liveness", metavar="URL",
                        help="serve the kubelet's probes from process start: liveness at this URL, readiness "
                             "at /readyz on its port, e.g. http://0.0.0.0:8080/healthz")
+    run_p.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                       help="serve the operator's own Prometheus metrics at http://0.0.0.0:PORT/metrics; 0: off "
+                            f"(${ENV_METRICS_PORT}; default {DEFAULT_METRICS_PORT})")
     elect = run_p.add_argument_group("leader election (one acting replica; the others wait as standbys)")
     elect.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
                        help="hold a coordination.k8s.io Lease before acting (default: on)")
@@ -149,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
             namespaces=None if args.all_namespaces else args.namespaces,
             liveness_endpoint=args.liveness,
             election=election,
+            metrics_port=metrics_port(args),
             verbose=args.verbose,
             debug=args.debug,
         )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import kopf
 
+from embedfleet.operator import metrics
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import FLEET_CLUSTER_PLURAL, PLACEMENT_POLICY_PLURAL
 from embedfleet.operator.health import HealthServer, ServedResources, loop_responsive, parse_endpoint
@@ -128,18 +129,23 @@ def run_operator(
     *,
     liveness_endpoint: str | None = None,
     election: Election | None = None,
+    metrics_port: int | None = None,
     verbose: bool = False,
     debug: bool = False,
 ) -> int:
     """Block until the operator stops; returns a process exit code.
 
     ``namespaces=None`` (or empty) watches all namespaces; ``role`` picks the handlers (ROLE_HANDLERS).
+    ``metrics_port`` (None or 0: none) serves the operator's own metrics (metrics.py) from process start.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     election = election or Election()
     configure_logging(verbose=verbose, debug=debug)
     state = ProcessState()
+    metrics.set_leader(role, False)
+    if metrics_port:
+        metrics.start_metrics_server(metrics_port)
     health = start_health(liveness_endpoint, role, state) if liveness_endpoint else None
     try:
         return _run(role, namespaces, election, state)
@@ -151,6 +157,7 @@ def run_operator(
 def _run(role: str, namespaces: Sequence[str] | None, election: Election, state: ProcessState) -> int:
     for module in ROLE_HANDLERS[role]:
         importlib.import_module(module)
+    metrics.instrument_handlers()
 
     watched = [ns for ns in (namespaces or []) if ns]
     log.info("embedfleet operator: role=%s namespaces=%s leader-election=%s", role, watched or "all",
@@ -175,6 +182,7 @@ def _run(role: str, namespaces: Sequence[str] | None, election: Election, state:
             return 0
         log.info("embedfleet operator: acquired leadership, starting handlers")
     state.phase = "acting"
+    metrics.set_leader(role, True)
     try:
         # What kopf.run does, with the event loop in hand for the liveness check.
         with asyncio.Runner() as runner:
@@ -185,6 +193,7 @@ def _run(role: str, namespaces: Sequence[str] | None, election: Election, state:
             except asyncio.CancelledError:
                 pass
     finally:
+        metrics.set_leader(role, False)
         if elector is not None:
             elector.release()
     return 0

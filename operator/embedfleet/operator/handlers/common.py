@@ -8,6 +8,7 @@ from typing import Any
 
 import kopf
 
+from embedfleet.operator import metrics
 from embedfleet.operator import status as st
 from embedfleet.operator.cache.wanted import cache_node_counts
 from embedfleet.operator.crd.models import NodePool
@@ -29,6 +30,7 @@ def reject(body: kopf.Body, patch: kopf.Patch, status: Any, problems: Iterable[s
     """A spec the schema let through but we cannot run: Accepted=False listing every problem, an
     InvalidSpec event, and nothing created."""
     message = "; ".join(problems)
+    metrics.note_rejected()
     if logger is not None:
         logger.warning("spec rejected: %s", message)
     kopf.warn(body, reason="InvalidSpec", message=message[:1000])

@@ -21,6 +21,7 @@ from typing import Any
 
 from embedfleet.operator.hub.errors import describe
 from embedfleet.operator.kube import Kube, KubeError
+from embedfleet.operator.metrics import WATCH_RESTARTS
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,15 @@ class Informer:
         label_selector: str | None = None,
         field_selector: str | None = None,
         on_change: Callable[[str], None] | None = None,
+        kind: str = "",
         timeout_seconds: int = WATCH_SECONDS,
         backoff: tuple[float, float] = (0.5, 10.0),
     ) -> None:
         self.kube = kube
         self.path = path
         self.name = name
+        #: The metrics' label: what is watched (bounded, unlike ``name``, which names a spoke).
+        self.kind = kind or path.rstrip("/").rsplit("/", 1)[-1]
         self.label_selector = label_selector
         self.field_selector = field_selector
         self.on_change = on_change
@@ -159,6 +163,7 @@ class Informer:
                 if exc.status == 410:
                     version = ""
                     self.stats.relists += 1
+                    WATCH_RESTARTS.labels(kind=self.kind).inc()
                     continue
                 if self._stop.is_set():
                     return
@@ -171,6 +176,7 @@ class Informer:
                 continue
             if self._stop.wait(delay):
                 return
+            WATCH_RESTARTS.labels(kind=self.kind).inc()
             delay = min(delay * 2, self.backoff[1])
 
     def _failed(self, exc: BaseException) -> None:

@@ -45,6 +45,7 @@ import kubernetes
 import yaml
 from pydantic import ValidationError
 
+from embedfleet.operator import metrics
 from embedfleet.operator import status as st
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import (
@@ -284,7 +285,9 @@ class HubLoop:
             kinds = self.hub.kinds
             paths = {"clusters": kinds[FLEET_CLUSTER_KIND].path(), "policies": kinds[PLACEMENT_POLICY_KIND].path(),
                      "deployments": ED_PATH, "namespaces": kinds["Namespace"].path()}
-            self.informers = {name: Informer(self.hub, path, name=f"hub-{name}",
+            watched = {"clusters": FLEET_CLUSTER_KIND, "policies": PLACEMENT_POLICY_KIND,
+                       "deployments": naming.EMBEDDING_DEPLOYMENT_KIND, "namespaces": "Namespace"}
+            self.informers = {name: Informer(self.hub, path, name=f"hub-{name}", kind=watched[name],
                                              on_change=None if name == "namespaces" else wake).start()
                               for name, path in paths.items()}
         return self.informers
@@ -331,9 +334,9 @@ class HubLoop:
             return link
         kube = self._spoke_client(raw)
         lease_ns = spec.connection.namespace
-        copies = Informer(kube, ED_PATH, name=f"{name}-copies",
+        copies = Informer(kube, ED_PATH, name=f"{name}-copies", kind=naming.EMBEDDING_DEPLOYMENT_KIND,
                           label_selector=f"{convert.HUB_MANAGED_LABEL}={name}")
-        lease = Informer(kube, kube.kinds["Lease"].path(lease_ns), name=f"{name}-lease",
+        lease = Informer(kube, kube.kinds["Lease"].path(lease_ns), name=f"{name}-lease", kind="Lease",
                          field_selector=f"metadata.name={LEASE_NAME}")
         new = SpokeLink(name, kube, fingerprint, copies.start(), lease.start(), now)
         if link is not None:
@@ -528,6 +531,10 @@ class HubLoop:
             link = self.state.links.pop(name, None)
             if link is not None:
                 link.close()
+            try:
+                metrics.BREAKER_OPEN.remove(name)
+            except KeyError:  # never exported
+                pass
             for table in (self.state.health, self.state.seen, self.state.policies, self.state.credentials):
                 table.pop(name, None)
 
@@ -548,6 +555,8 @@ class HubLoop:
         self._forget(set(self.state.links) - set(clusters))
         specs = self._specs(clusters)
         links = self._links(specs, now)
+        for name, link in self.state.links.items():
+            metrics.BREAKER_OPEN.labels(cluster=name).set(1 if link.breaker.is_open(now) else 0)
         for name, spec in specs.items():
             views[name] = self._observe_cluster(clusters[name], spec, now, links.get(name))
         policies, policy_specs = [], {}
@@ -684,7 +693,8 @@ class HubLoop:
         for name, writes in plans.items():
             link = views[name].link
             if writes and link is not None:
-                link.batch = link.writer.submit(self._write_batch, link, writes)
+                metrics.HUB_WRITES_QUEUED.inc(len(writes))
+                link.batch = link.writer.submit(self._timed_batch, link, writes, time.monotonic())
                 started[name] = link.batch
         if started:
             concurrent.futures.wait(started.values(), timeout=ROUND_WAIT_S)
@@ -695,6 +705,14 @@ class HubLoop:
             else:
                 views[name].skipped = True
         return outcomes
+
+    def _timed_batch(self, link: SpokeLink, writes: list[Write], queued_at: float) -> dict[str, Outcome]:
+        """``_write_batch`` counted in the write queue's metrics (depth, and time from hand-over to done)."""
+        try:
+            return self._write_batch(link, writes)
+        finally:
+            metrics.HUB_WRITES_QUEUED.dec(len(writes))
+            metrics.HUB_WRITE_BATCH_SECONDS.observe(time.monotonic() - queued_at)
 
     def _write_batch(self, link: SpokeLink, writes: list[Write]) -> dict[str, Outcome]:
         """Runs on the spoke's writer thread. A failure of the spoke itself (unreachable, time-out, 5xx)
@@ -941,7 +959,9 @@ class HubLoop:
                 try:
                     self.run_round()
                 except Exception:  # one bad round (API hiccup) must not stop scheduling for good
+                    metrics.HUB_ROUND_FAILURES.inc()
                     log.exception("hub scheduling round failed; retrying next interval")
+                metrics.HUB_ROUND_SECONDS.observe(time.monotonic() - started)
                 if on_round is not None:
                     on_round(time.monotonic() - started)
                 if self.stop.wait(MIN_GAP_S):
