@@ -11,6 +11,10 @@ httpserver.py (uvicorn), and:
   connection is closed (the client sees a broken answer, never a wrong one);
 - a client that goes away cancels its handler (ASGI's `http.disconnect`, watched while the handler runs):
   a held request stops counting, an upstream request is abandoned.
+
+A module of the small common package (the top-level ``embedfleet.*`` modules: otel, calls, httpserver,
+compat, api_group), shared by components: it must import nothing from embedfleet.runtime, .operator,
+.gateway or .client (tests/packaging/test_boundaries.py checks).
 """
 
 from __future__ import annotations

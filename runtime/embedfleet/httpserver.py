@@ -27,6 +27,10 @@ without touching how it parses or answers:
   socket closes at the client's end, after `LINGER_S` or past `LINGER_BYTES`.
 The request body limit itself belongs to the application (the runtime's gate and the gateway refuse as
 the body arrives, so a chunked body over the limit is refused as soon as it passes it).
+
+A module of the small common package (the top-level ``embedfleet.*`` modules: otel, calls, httpserver,
+compat, api_group), shared by components: it must import nothing from embedfleet.runtime, .operator,
+.gateway or .client (tests/packaging/test_boundaries.py checks).
 """
 
 from __future__ import annotations

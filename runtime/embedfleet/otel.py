@@ -3,8 +3,11 @@ a TracerProvider configured by the standard OTEL_* variables (docs/tracing.md).
 
 A module of the `embedfleet` namespace package of its own, outside `embedfleet.runtime`, because the
 gateway ships and starts without the runtime (no torch, no FastAPI: tests/gateway/test_routing.py checks
-it). It lives in the runtime's source folder only because a namespace module needs a folder; it imports
-nothing from embedfleet.
+it). It lives in the runtime's source folder only because a namespace module needs a folder.
+
+A module of the small common package (the top-level ``embedfleet.*`` modules: otel, calls, httpserver,
+compat, api_group), shared by components: it must import nothing from embedfleet.runtime, .operator,
+.gateway or .client (tests/packaging/test_boundaries.py checks).
 """
 
 from __future__ import annotations

@@ -35,10 +35,10 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
+from embedfleet import api_group as naming
 from embedfleet.gateway.bounds import Bounds, from_object
 from embedfleet.gateway.pinning import revision_services
 from embedfleet.gateway.spill import ANNOTATION
-from embedfleet.operator.crd import naming
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ from embedfleet.compat.identity import identity
 from embedfleet.compat.names import with_revision
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.gpus import GPU_PRODUCT_LABEL, KNOWN_GPU_TYPES
-from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelSource, NodePool
+from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelSource
+from embedfleet.operator.crd.prepull import pull_source
 from embedfleet.operator.platform import CONTROL_PLANE_LABELS, runtime_image
 from embedfleet.operator.rollout.revisions import Run
 
@@ -173,12 +174,6 @@ def revision_labels(run: Run) -> dict[str, str]:
     return {naming.REVISION_LABEL: run.revision, naming.VECTOR_SPACE_LABEL: run.vector_space}
 
 
-def node_pools(selector: dict[str, str], pools: list[NodePool]) -> list[NodePool]:
-    """The node pools a cache spec names; none means one pool of ``selector`` (the node agent and the
-    ModelCache status use this, so both count the same nodes)."""
-    return list(pools) or [NodePool(name="default", node_selector=dict(selector))]
-
-
 def model_dir(model: ModelSource) -> str:
     """Where the runtime finds the model files inside its container."""
     parsed = urllib.parse.urlsplit(model.source)
@@ -313,14 +308,6 @@ def _affinity(spec: EmbeddingDeploymentSpec, namespace: str, allow_control_plane
     if preferred:
         node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
     return {"nodeAffinity": node_affinity}
-
-
-def pull_source(model: ModelSource) -> str:
-    """The source as `embedfleet cache pull --source` takes it (an hf:// revision travels as ``@rev``);
-    the node agent pulls with the same string."""
-    if model.source.startswith("hf://") and model.revision:
-        return f"{model.source}@{model.revision}"
-    return model.source
 
 
 def _pull_args(model: ModelSource, cache_dir: str) -> list[str]:

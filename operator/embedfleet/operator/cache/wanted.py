@@ -25,8 +25,8 @@ from typing import Any
 
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import NodePool
+from embedfleet.operator.crd.prepull import node_pools, pull_source
 from embedfleet.operator.platform import CONTROL_PLANE_LABELS, PlatformPolicy
-from embedfleet.operator.render import node_pools, pull_source
 from embedfleet.operator.validate import check, check_model_cache
 
 #: Directory names in the cache root that are cache entries: ``<namespace>_sha256-<64 hex>``, and the

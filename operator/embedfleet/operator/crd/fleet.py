@@ -22,6 +22,7 @@ from embedfleet.operator.crd.models import (
     Condition,
     PlacementMode,
 )
+from embedfleet.operator.crd.structural import condition_column, crd_document, root_schema
 
 FLEET_CLUSTER_KIND = "FleetCluster"
 FLEET_CLUSTER_PLURAL = "fleetclusters"
@@ -161,22 +162,20 @@ class PlacementPolicyStatus(CamelModel):
 
 
 def fleet_crds() -> list[dict[str, Any]]:
-    from embedfleet.operator.crd.schema import _condition_column, _crd, _root_schema
-
     return [
-        _crd(
+        crd_document(
             kind=FLEET_CLUSTER_KIND,
             plural=FLEET_CLUSTER_PLURAL,
             singular="fleetcluster",
             short_names=("fc",),
             scope="Cluster",
-            schema=_root_schema(FleetClusterSpec, FleetClusterStatus),
+            schema=root_schema(FleetClusterSpec, FleetClusterStatus),
             columns=[
                 {"name": "Region", "type": "string", "jsonPath": ".spec.region"},
                 {"name": "Provider", "type": "string", "jsonPath": ".spec.provider"},
-                _condition_column("Joined", 0),
-                _condition_column("Available", 0),
-                _condition_column("CredentialsValid", 1),
+                condition_column("Joined", 0),
+                condition_column("Available", 0),
+                condition_column("CredentialsValid", 1),
                 {"name": "Held", "type": "integer", "jsonPath": ".status.gateway.held", "priority": 1},
                 {"name": "In-Flight", "type": "integer", "jsonPath": ".status.gateway.inFlight", "priority": 1},
                 {"name": "Cold", "type": "integer", "jsonPath": ".status.gateway.coldDeployments", "priority": 1},
@@ -185,18 +184,18 @@ def fleet_crds() -> list[dict[str, Any]]:
             ],
             subresources={"status": {}},
         ),
-        _crd(
+        crd_document(
             kind=PLACEMENT_POLICY_KIND,
             plural=PLACEMENT_POLICY_PLURAL,
             singular="placementpolicy",
             short_names=("pp",),
             scope="Cluster",
-            schema=_root_schema(PlacementPolicySpec, PlacementPolicyStatus),
+            schema=root_schema(PlacementPolicySpec, PlacementPolicyStatus),
             columns=[
                 {"name": "Priority", "type": "integer", "jsonPath": ".spec.priority"},
                 {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
                 {"name": "Deployments", "type": "integer", "jsonPath": ".status.matchedDeployments"},
-                _condition_column("Conflicts", 1),
+                condition_column("Conflicts", 1),
                 {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
             ],
             subresources={"status": {}},

@@ -9,19 +9,21 @@ from __future__ import annotations
 import hashlib
 import re
 
-GROUP = "embedfleet.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-
-EMBEDDING_DEPLOYMENT_KIND = "EmbeddingDeployment"
-EMBEDDING_DEPLOYMENT_PLURAL = "embeddingdeployments"
-EMBEDDING_DEPLOYMENT_SINGULAR = "embeddingdeployment"
-EMBEDDING_DEPLOYMENT_SHORT_NAMES = ("embdep", "ed")
-
-MODEL_CACHE_KIND = "ModelCache"
-MODEL_CACHE_PLURAL = "modelcaches"
-MODEL_CACHE_SINGULAR = "modelcache"
-MODEL_CACHE_SHORT_NAMES = ("mcache",)
+# The API's coordinates have their home in the common package (the gateway reads them too, without the
+# operator); re-exported here for the operator's modules.
+from embedfleet.api_group import (  # noqa: F401
+    API_VERSION,
+    EMBEDDING_DEPLOYMENT_KIND,
+    EMBEDDING_DEPLOYMENT_PLURAL,
+    EMBEDDING_DEPLOYMENT_SHORT_NAMES,
+    EMBEDDING_DEPLOYMENT_SINGULAR,
+    GROUP,
+    MODEL_CACHE_KIND,
+    MODEL_CACHE_PLURAL,
+    MODEL_CACHE_SHORT_NAMES,
+    MODEL_CACHE_SINGULAR,
+    VERSION,
+)
 
 #: Label set on every object the operator renders; the value is the owning EmbeddingDeployment's name.
 INSTANCE_LABEL = "embedfleet.dev/deployment"

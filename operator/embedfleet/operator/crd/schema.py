@@ -1,194 +1,39 @@
-"""Pydantic JSON Schema -> Kubernetes structural openAPIV3Schema, and the CRD documents around it.
-
-The API server accepts only "structural" schemas: no ``$ref``, no ``additionalProperties: false``, no
-JSON-Schema-2020 numeric exclusives, ``nullable`` instead of ``anyOf [T, null]``. Pydantic emits the
-modern dialect, so this module rewrites it once, at generation time; the result is written to
-``crds/`` and checked in (a test regenerates it and compares).
+"""The CRD documents of every kind, as written to ``crds/`` and checked in (a test regenerates them and
+compares). The schema rewriting (pydantic's JSON Schema -> the structural form the API server requires)
+is structural.py's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
-
 from embedfleet.operator.crd import naming
+from embedfleet.operator.crd.fleet import fleet_crds
 from embedfleet.operator.crd.models import (
     EmbeddingDeploymentSpec,
     EmbeddingDeploymentStatus,
     ModelCacheSpec,
     ModelCacheStatus,
 )
-
-_DROP = {"title", "additionalProperties", "$defs"}
-
-
-def _resolve(node: Any, defs: dict[str, Any]) -> Any:
-    if isinstance(node, dict) and "$ref" in node:
-        target = defs[node["$ref"].rsplit("/", 1)[-1]]
-        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
-        return _resolve(merged, defs)
-    return node
-
-
-def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite one (sub)schema into the structural OpenAPI v3 form the API server requires."""
-    node = _resolve(node, defs)
-    out: dict[str, Any] = {}
-
-    any_of = node.get("anyOf")
-    if any_of is not None and not node.get("x-kubernetes-int-or-string"):
-        branches = [b for b in any_of if b.get("type") != "null"]
-        if len(branches) != 1:
-            raise ValueError(f"cannot express anyOf {any_of!r} as a structural schema")
-        inner = structural(branches[0], defs)
-        out.update(inner)
-        if len(branches) != len(any_of):
-            out["nullable"] = True
-        for key in ("description", "default"):
-            if key in node and node[key] is not None:
-                out[key] = node[key]
-        return out
-
-    for key, value in node.items():
-        if key in _DROP or key == "anyOf":
-            continue
-        if key == "const":
-            out["enum"] = [value]
-        elif key == "exclusiveMinimum":
-            out["minimum"] = value
-            out["exclusiveMinimum"] = True
-        elif key == "exclusiveMaximum":
-            out["maximum"] = value
-            out["exclusiveMaximum"] = True
-        elif key == "properties":
-            out["properties"] = {name: structural(sub, defs) for name, sub in value.items()}
-        elif key == "items":
-            out["items"] = structural(value, defs)
-        else:
-            out[key] = value
-
-    if node.get("x-kubernetes-int-or-string"):
-        # The API server's one allowed typed anyOf is exactly [integer, string] beside
-        # x-kubernetes-int-or-string (what controller-gen emits for resource.Quantity); anything more in a
-        # branch (a pattern) makes the schema non-structural, so string constraints move onto the node.
-        for branch in node.get("anyOf", []):
-            for key, value in branch.items():
-                if key != "type":
-                    out[key] = value
-        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-        out.pop("type", None)
-    extra = node.get("additionalProperties")
-    if isinstance(extra, dict):
-        out["additionalProperties"] = structural(extra, defs)
-    if out.get("type") == "object" and "properties" in out:
-        required = set(out.get("required", []))
-        for name, sub in out["properties"].items():
-            # A nested object whose fields all have defaults defaults to {} itself, so the API server
-            # fills in the nested defaults even when the user leaves the whole block out.
-            if (
-                name not in required
-                and "default" not in sub
-                and sub.get("type") == "object"
-                and "properties" in sub
-                and not sub.get("required")
-            ):
-                sub["default"] = {}
-    return out
-
-
-def model_schema(model: type[BaseModel]) -> dict[str, Any]:
-    raw = model.model_json_schema(by_alias=True, mode="validation")
-    return structural(raw, raw.get("$defs", {}))
-
-
-def _root_schema(spec: type[BaseModel], status: type[BaseModel]) -> dict[str, Any]:
-    status_schema = model_schema(status)
-    # kopf keeps its own progress under status.kopf; without this the API server would prune it.
-    status_schema["properties"]["kopf"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-    spec_schema = model_schema(spec)
-    spec_schema.pop("default", None)
-    return {
-        "type": "object",
-        "required": ["spec"],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec_schema,
-            "status": status_schema,
-        },
-    }
-
-
-def _crd(
-    *,
-    kind: str,
-    plural: str,
-    singular: str,
-    short_names: tuple[str, ...],
-    scope: str,
-    schema: dict[str, Any],
-    columns: list[dict[str, Any]],
-    subresources: dict[str, Any],
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": f"{plural}.{naming.GROUP}",
-            "labels": {"app.kubernetes.io/part-of": "embedfleet"},
-        },
-        "spec": {
-            "group": naming.GROUP,
-            "scope": scope,
-            "names": {
-                "kind": kind,
-                "listKind": f"{kind}List",
-                "plural": plural,
-                "singular": singular,
-                "shortNames": list(short_names),
-                "categories": ["embedfleet"],
-            },
-            "versions": [
-                {
-                    "name": naming.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": subresources,
-                    "additionalPrinterColumns": columns,
-                    "schema": {"openAPIV3Schema": schema},
-                }
-            ],
-        },
-    }
-
-
-def _condition_column(name: str, priority: int) -> dict[str, Any]:
-    return {
-        "name": name,
-        "type": "string",
-        "jsonPath": f'.status.conditions[?(@.type=="{name}")].status',
-        "priority": priority,
-    }
+from embedfleet.operator.crd.structural import condition_column, crd_document, root_schema
 
 
 def embedding_deployment_crd() -> dict[str, Any]:
-    return _crd(
+    return crd_document(
         kind=naming.EMBEDDING_DEPLOYMENT_KIND,
         plural=naming.EMBEDDING_DEPLOYMENT_PLURAL,
         singular=naming.EMBEDDING_DEPLOYMENT_SINGULAR,
         short_names=naming.EMBEDDING_DEPLOYMENT_SHORT_NAMES,
         scope="Namespaced",
-        schema=_root_schema(EmbeddingDeploymentSpec, EmbeddingDeploymentStatus),
+        schema=root_schema(EmbeddingDeploymentSpec, EmbeddingDeploymentStatus),
         columns=[
             {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
             {"name": "Ready", "type": "integer", "jsonPath": ".status.replicas.ready"},
             {"name": "Desired", "type": "integer", "jsonPath": ".status.replicas.desired"},
             {"name": "In-Flight", "type": "number", "jsonPath": ".status.inFlight"},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-            _condition_column("Accepted", 1),
-            _condition_column("Available", 1),
+            condition_column("Accepted", 1),
+            condition_column("Available", 1),
             {"name": "Cached", "type": "integer", "jsonPath": ".status.cachedNodes", "priority": 1},
             {"name": "Image", "type": "string", "jsonPath": ".status.image", "priority": 1},
         ],
@@ -204,13 +49,13 @@ def embedding_deployment_crd() -> dict[str, Any]:
 
 
 def model_cache_crd() -> dict[str, Any]:
-    return _crd(
+    return crd_document(
         kind=naming.MODEL_CACHE_KIND,
         plural=naming.MODEL_CACHE_PLURAL,
         singular=naming.MODEL_CACHE_SINGULAR,
         short_names=naming.MODEL_CACHE_SHORT_NAMES,
         scope="Namespaced",
-        schema=_root_schema(ModelCacheSpec, ModelCacheStatus),
+        schema=root_schema(ModelCacheSpec, ModelCacheStatus),
         columns=[
             {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
             {"name": "Cached", "type": "integer", "jsonPath": ".status.cachedNodes"},
@@ -223,8 +68,6 @@ def model_cache_crd() -> dict[str, Any]:
 
 def all_crds() -> dict[str, dict[str, Any]]:
     """File name in crds/ -> CRD document."""
-    from embedfleet.operator.crd.fleet import fleet_crds  # the hub's kinds (they reuse this module's helpers)
-
     docs = [embedding_deployment_crd(), model_cache_crd(), *fleet_crds()]
     return {f"{doc['metadata']['name']}.yaml": doc for doc in docs}
 
