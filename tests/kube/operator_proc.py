@@ -2,7 +2,7 @@
 real process against a test cluster.
 
 ``helm template`` renders the chart for a role; the operator Deployment's container command and args are
-taken from it verbatim (only the liveness address moves to a free loopback port), and the process
+taken from it verbatim (only the liveness and metrics ports move to free loopback ports), and the process
 authenticates with ``kubectl create token`` of the chart's ServiceAccount. So a rule missing from the
 chart's RBAC is a 403 in the audit log, which `OperatorProcess.unexpected_errors` turns into a failure.
 """
@@ -160,6 +160,8 @@ def start_operator(
         elif item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
             pod_env[item["name"]] = f"{release}-{name}"
     pod_env.pop("HOME", None)
+    if "EMBEDFLEET_OPERATOR_METRICS_PORT" in pod_env:  # as the liveness port: several operators share this host
+        pod_env["EMBEDFLEET_OPERATOR_METRICS_PORT"] = str(free_port())
     log_path = workdir / f"{name}.log"
     with open(log_path, "ab") as log:
         popen = spawn(
