@@ -22,7 +22,7 @@ from embedfleet.runtime.asyncq.keys import Keys
 from embedfleet.runtime.asyncq.kinds import JobFailed
 from embedfleet.runtime.asyncq.store import JobStore, connect, text
 from embedfleet.runtime.asyncq.worker import Worker
-from embedfleet.runtime.core.batcher import QueueFull
+from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.tokenize import InputTooLong
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.service import Models

@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from embedfleet.runtime.core.admission import decide
-from embedfleet.runtime.core.batcher import BatchManager, DeadlineUnmet, QueueFull
+from embedfleet.runtime.core.batcher import BatchManager
 from embedfleet.runtime.core.drain_rate import BATCHES, DrainRate, estimate
+from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
 from embedfleet.runtime.metrics import RuntimeMetrics
 
 tokens = st.integers(0, 5_000_000)

@@ -18,7 +18,7 @@ import uvicorn
 
 from embedfleet.runtime.api.app import create_app
 from embedfleet.runtime.api.gate import GateState
-from embedfleet.runtime.core.batcher import QueueFull
+from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.oom import is_out_of_memory
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.service import Models

@@ -20,8 +20,9 @@ import numpy as np
 from embedfleet.compat.gate import ProbeOutputs
 from embedfleet.compat.names import split_model, with_revision
 from embedfleet.runtime import probe as probing
-from embedfleet.runtime.core.batcher import BatchManager, DeadlineUnmet, QueueFull
+from embedfleet.runtime.core.batcher import BatchManager
 from embedfleet.runtime.core.engine_thread import EngineThread
+from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.quantize import CALIBRATION_TEXTS, Calibration, calibration_file
 from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
 from embedfleet.runtime.drift import DriftMonitor

@@ -30,7 +30,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from embedfleet.runtime.core.batcher import QueueFull
+from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.quota import Bucket, Take, give_back, take
 
 Priority = Literal["interactive", "batch"]

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 
 from embedfleet.runtime.api import errors
 from embedfleet.runtime.api.gate import ARRIVED, WHOLE, tenant_of
-from embedfleet.runtime.core.batcher import DeadlineUnmet, QueueFull
+from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.oom import is_out_of_memory
 from embedfleet.runtime.core.tokenize import Tokenized
 from embedfleet.runtime.service import ClientGone, ModelService, RunResult

@@ -16,7 +16,7 @@ from embedfleet.runtime.api.http import JSON, body_of, parse
 from embedfleet.runtime.api.inputs import as_batch
 from embedfleet.runtime.api.prepare import select
 from embedfleet.runtime.api.schemas import ModelCard, ModelList, ProbeAnswer, SimpleToken, TokenizeRequest
-from embedfleet.runtime.core.batcher import QueueFull
+from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.probe import fingerprint, probe_body
 from embedfleet.runtime.core.tokenize import TooManyTokens
 from embedfleet.runtime.service import Models

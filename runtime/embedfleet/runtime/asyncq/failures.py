@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import Enum
 
 from embedfleet.runtime.api.errors import ApiError
-from embedfleet.runtime.core.batcher import QueueFull
+from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.oom import is_out_of_memory
 
 # ApiError statuses that describe the replica, not the request: 429 (overloaded, queue full) and 503

@@ -21,8 +21,9 @@ next batch plan skips them, so dropping is O(1) too.
 
 A request is admitted on the rate of that moment; if the engine then slows (another process takes
 a core), work still queued may no longer finish within its bound. Every plan checks the queue
-against the rate it has just measured, and a request that has not started and would now finish
-past its bound is refused (429 with Retry-After) at once, instead of being answered late.
+against the rate it has just measured (`core/lateness.py`), and a request with work ahead of it that
+would now finish past its bound is refused (429 with Retry-After) at once, instead of being answered
+late.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from embedfleet.runtime.core.admission import decide
 from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch
 from embedfleet.runtime.core.drain_rate import DrainRate
+from embedfleet.runtime.core.jobs import DeadlineUnmet, Item, Job, QueueFull, as_rows
+from embedfleet.runtime.core.lateness import late_jobs
 from embedfleet.runtime.metrics import ModelMetrics
 from embedfleet.runtime.tracing import RequestTrace, trace_batch
 
@@ -54,66 +56,6 @@ MIN_BULK_SHARE = 0.1  # bulk work is never judged to get less than this share of
 # a batch of inputs (anything with len()) -> rows: one array (fixed width, stacked per request) or a list
 # of arrays (ragged, e.g. per-token vectors: each request gets its list, in input order)
 EngineFn = Callable[[list], np.ndarray | list[np.ndarray]]
-
-
-class QueueFull(RuntimeError):
-    """Refused at admission (429): the token cap, or an expected wait beyond the caller's bound."""
-
-    def __init__(self, message: str, retry_after: float, reason: str = "queue_tokens") -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-        self.reason = reason
-
-
-class DeadlineUnmet(RuntimeError):
-    """The request's deadline cannot be met (at admission) or has passed while it was queued (504)."""
-
-
-@dataclass(eq=False)
-class Job:
-    """One request's inputs on their way through the engine."""
-
-    inputs: Sequence  # token sequences; len() is the token count
-    urgent: bool
-    future: asyncio.Future
-    remaining: int
-    results: list[np.ndarray | None] = field(default_factory=list)
-    cancelled: bool = False
-    deadline: float | None = None  # time.monotonic() after which nobody reads the answer
-    promote_at: float | None = None  # bulk work waiting past its bound (time.monotonic()) is served as urgent
-    bound: float | None = None  # the expected-wait bound it was admitted under (seconds)
-    promised: float | None = None  # time.monotonic() by which it was promised to finish (from its arrival)
-    queued_tokens: int = 0  # of this job's inputs still waiting (not yet taken into a batch)
-    queued_items: int = 0
-    dropped: bool = False  # its remaining queue items are skipped by the planner
-    tenant: str = ""  # fairness across tenants of one class (core/batching.py) and per-tenant metrics
-    admitted_at: float = 0.0  # time.monotonic() at admission (queue wait is measured from here)
-    trace: RequestTrace | None = None  # its spans, when tracing is on and it is sampled (tracing.py)
-    started_at: float | None = None  # time.monotonic() when its first batch started on the engine
-    inference_s: float = 0.0  # engine time of the batches its inputs ran in, each batch counted once
-    _last_batch: float | None = None  # the start (perf_counter) of the last batch counted in inference_s
-
-    @property
-    def queue_s(self) -> float:
-        """Seconds from admission until its first batch started on the engine (0 until one has run)."""
-        return 0.0 if self.started_at is None else self.started_at - self.admitted_at
-
-
-@dataclass(eq=False, slots=True)
-class Item:
-    job: Job
-    index: int
-    seq: int
-
-    @property
-    def length(self) -> int:
-        return len(self.job.inputs[self.index])
-
-
-def as_rows(results: list[np.ndarray]) -> np.ndarray:
-    """A job's rows as one array; a lone row (the single query) as a view, without `np.stack`'s
-    Python-level checks on the path from the engine to the answer."""
-    return results[0][np.newaxis] if len(results) == 1 else np.stack(results)
 
 
 class BatchManager:
@@ -375,40 +317,12 @@ class BatchManager:
         return self._refuse_late(live, now)
 
     def _refuse_late(self, live: list[Item], now: float) -> list[Item]:
-        """Refuse (429) the bounded jobs in `live` that would be answered later than their bound plus
-        one batch: those with inputs still queued one batch (the last one's time) past their bound, and
-        urgent ones not started that, at the rate measured now, would finish past their bound (admitted
-        on a rate the engine no longer keeps: it slowed since). Work ahead of a job is counted as the
-        planner serves it (urgent work first, in queue order). A job with nothing ahead is judged by the
-        first rule only (an empty queue admits); bulk work by the first only (promotion keeps its bound);
-        a job whose deadline comes before its bound by its deadline only (`expire`). The rates are
-        computed only when some job is judged. Cost: O(len(live))."""
-        urgent_ahead, bulk_ahead = self.ahead_of(urgent=True) - self._urgent_tokens, self.ahead_of(urgent=False)
-        bulk_ahead -= self._queued_tokens  # the batches in the engine: what each class waits for of them
-        rates: tuple[float, float] | None = None
-        late: list[tuple[Job, int, float]] = []
-        seen: set[int] = set()
-        for item in live:
-            job = item.job
-            if id(job) in seen:
-                continue
-            seen.add(id(job))
-            ahead = urgent_ahead if job.urgent else bulk_ahead + self._urgent_tokens
-            promised = job.promised
-            if promised is not None and (job.deadline is None or job.deadline > promised):
-                passed = now > promised + self._last_batch_s
-                judged = job.urgent and ahead and job.queued_items == len(job.inputs)
-                if passed or judged:
-                    if rates is None:
-                        rates = (self.drain_rate(True), self.drain_rate(False))
-                    rate = rates[0] if job.urgent else rates[1]
-                    if passed or (rate and now + (ahead + job.queued_tokens) / rate > promised):
-                        late.append((job, ahead, rate))
-                        continue
-            if job.urgent:
-                urgent_ahead += job.queued_tokens
-            else:
-                bulk_ahead += job.queued_tokens
+        """Refuse (429) the bounded jobs in `live` that `late_jobs` finds would be answered later than
+        their bound plus one batch (admitted on a rate the engine no longer keeps: it slowed since)."""
+        urgent_ahead = self.ahead_of(urgent=True) - self._urgent_tokens
+        bulk_ahead = self.ahead_of(urgent=False) - self._queued_tokens  # of the batches in the engine
+        late = late_jobs(live, now, urgent_ahead, bulk_ahead, self._urgent_tokens, self._last_batch_s,
+                         lambda: (self.drain_rate(True), self.drain_rate(False)))
         if not late:
             return live
         for job, ahead, rate in late:

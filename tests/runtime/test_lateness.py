@@ -1,0 +1,50 @@
+"""core/lateness.py: which queued jobs a slowed engine would answer past their bound plus one batch."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embedfleet.runtime.core.jobs import Item, Job
+from embedfleet.runtime.core.lateness import late_jobs
+
+
+def job(tokens: int, urgent: bool, promised: float | None, deadline: float | None = None) -> Job:
+    return Job(inputs=[[0] * tokens], urgent=urgent, future=None, remaining=1,  # type: ignore[arg-type]
+               promised=promised, deadline=deadline, queued_tokens=tokens, queued_items=1)
+
+
+def items(*jobs: Job) -> list[Item]:
+    return [Item(j, 0, seq) for seq, j in enumerate(jobs)]
+
+
+def test_a_query_behind_work_that_the_measured_rate_cannot_finish_by_its_promise_is_late():
+    ahead, behind = job(100, True, promised=100.0), job(100, True, promised=1.5)
+    late = late_jobs(items(ahead, behind), now=0.0, urgent_ahead=0, bulk_ahead=0, urgent_queued=200,
+                     last_batch_s=0.5, rates=lambda: (100.0, 100.0))
+    assert [j for j, _, _ in late] == [behind]  # 2 s of work before it ends, promised at 1.5 s
+    assert late[0][1] == 100  # the tokens ahead of it
+
+
+def test_nothing_ahead_runs_next_even_past_its_promise():
+    alone = job(50, True, promised=0.0)
+    assert late_jobs(items(alone), now=10.0, urgent_ahead=0, bulk_ahead=0, urgent_queued=50, last_batch_s=0.1,
+                     rates=lambda: (1.0, 1.0)) == []
+
+
+def test_a_deadline_before_the_promise_is_left_to_expire():
+    first, second = job(100, True, promised=50.0), job(100, True, promised=0.5, deadline=0.2)
+    assert late_jobs(items(first, second), now=0.0, urgent_ahead=0, bulk_ahead=0, urgent_queued=200,
+                     last_batch_s=0.1, rates=lambda: (10.0, 10.0)) == []
+
+
+@given(st.lists(st.tuples(st.integers(1, 500), st.booleans(), st.floats(0, 20)), min_size=1, max_size=12),
+       st.floats(0, 20), st.floats(0.01, 1000))
+def test_the_first_job_with_nothing_ahead_is_never_late(specs, now, rate):
+    jobs = [job(t, u, p) for t, u, p in specs]
+    queued_urgent = sum(j.queued_tokens for j in jobs if j.urgent)
+    late = late_jobs(items(*jobs), now=now, urgent_ahead=0, bulk_ahead=0, urgent_queued=queued_urgent,
+                     last_batch_s=0.1, rates=lambda: (rate, rate))
+    first_urgent = next((j for j in jobs if j.urgent), None)
+    assert first_urgent is None or all(j is not first_urgent for j, _, _ in late)
+    assert all(ahead > 0 for _, ahead, _ in late)
