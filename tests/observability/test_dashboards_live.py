@@ -40,6 +40,10 @@ from tests.procs import ROOT, RuntimeServer, child_env, free_port, spawn
 pytestmark = pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="prometheus is not installed")
 
 SECRET = "whsec-test-only"
+#: Dashboards of components this fleet does not run: the operator's has its own live test on a real API
+#: server (test_operator_dashboard_live.py).
+NOT_IN_THIS_FLEET = {"operator.json"}
+RUNTIME_DASHBOARDS = [p for p in panels.dashboard_files() if p.name not in NOT_IN_THIS_FLEET]
 DEAD = "offline"  # gateway A's second deployment: its only replica never comes up, and nothing spills it
 WINDOW = "10m"  # $__rate_interval and $__range: longer than the whole run, so every event is in the window
 SYNC_REQUESTS = 240  # three at a time: under the runtime's --max-concurrent-requests 4, all answered
@@ -197,7 +201,7 @@ def test_the_load_made_the_events_the_panels_show(fleet: Fleet) -> None:
     assert metric(fleet.runtime, "embedfleet_max_queue_seconds") == MAX_QUEUE_SECONDS
 
 
-@pytest.mark.parametrize("path", panels.dashboard_files(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", RUNTIME_DASHBOARDS, ids=lambda p: p.stem)
 def test_every_panel_query_returns_data(fleet: Fleet, path) -> None:
     board = panels.load(path)
     values = variable_values(fleet.prometheus, board)
@@ -229,7 +233,7 @@ def test_alert_rules_evaluate_on_the_live_series(fleet: Fleet) -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("path", panels.dashboard_files(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", RUNTIME_DASHBOARDS, ids=lambda p: p.stem)
 def test_every_panel_filters_by_region(fleet: Fleet, path) -> None:
     """The same queries for a region nobody scrapes return nothing: the data above came through the filter,
     not around it."""
