@@ -21,17 +21,6 @@ def doc_files() -> list[Path]:
     return files
 
 
-def lines_outside_code(text: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) of prose: fenced code blocks and inline code spans left out."""
-    fenced = False
-    for number, line in enumerate(text.splitlines(), 1):
-        if FENCE.match(line.strip()):
-            fenced = not fenced
-            continue
-        if not fenced:
-            yield number, re.sub(r"`[^`]*`", "", line)
-
-
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"`([^`]*)`", r"\1", heading.strip()).lower()
@@ -57,12 +46,13 @@ def anchors(path: Path) -> set[str]:
 
 
 def links(path: Path) -> Iterator[tuple[int, str]]:
-    for number, line in lines_outside_code_keep_spans(path.read_text()):
+    for number, line in prose_lines(path.read_text()):
         for m in LINK.finditer(line):
             yield number, m.group(1)
 
 
-def lines_outside_code_keep_spans(text: str) -> Iterator[tuple[int, str]]:
+def prose_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks."""
     fenced = False
     for number, line in enumerate(text.splitlines(), 1):
         if FENCE.match(line.strip()):
