@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from embedfleet.gateway.config import ConfigError, GatewayConfig, parse_bounds, parse_upstreams
+from embedfleet.httpserver import Limits
 from tests.procs import ROOT, child_env
 
 
@@ -36,6 +37,15 @@ def test_bad_upstreams_are_refused(value):
 def test_bad_settings_name_their_flag(field, value, flag):
     with pytest.raises(ConfigError, match=flag):
         GatewayConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("field", "flag"), [
+    ("head_timeout_s", "--head-timeout-seconds"), ("head_total_s", "--head-total-seconds"),
+    ("body_timeout_s", "--body-timeout-seconds"), ("keep_alive_s", "--keep-alive-seconds")])
+@pytest.mark.parametrize("value", [0, -1, float("nan")])
+def test_bad_connection_limits_name_their_flag(field, flag, value):
+    with pytest.raises(ConfigError, match=flag):
+        GatewayConfig(limits=Limits(**{field: value}))
 
 
 def gateway(*args: str) -> subprocess.CompletedProcess:

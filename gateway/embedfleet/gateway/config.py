@@ -55,7 +55,11 @@ class GatewayConfig:
             raise ConfigError(f"--port must be 1..65535, not {self.port}")
         for flag, value in (("--poll-interval", self.poll_interval), ("--held-poll-interval", self.held_poll_interval),
                             ("--poll-timeout", self.poll_timeout), ("--hold-timeout", self.hold_timeout),
-                            ("--eject-base", self.eject_base), ("--eject-max", self.eject_max)):
+                            ("--eject-base", self.eject_base), ("--eject-max", self.eject_max),
+                            ("--head-timeout-seconds", self.limits.head_timeout_s),
+                            ("--head-total-seconds", self.limits.head_total_s),
+                            ("--body-timeout-seconds", self.limits.body_timeout_s),
+                            ("--keep-alive-seconds", self.limits.keep_alive_s)):
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{flag} must be a positive number of seconds, not {value}")
         if self.balance not in BALANCES:
