@@ -87,3 +87,19 @@ def alternation(values: list[str]) -> str:
         return re.sub(r"([$^*+?.()|\[\]{}'])", r"\\\\\1", value)
 
     return "|".join(escape(v) for v in sorted(values))
+
+
+def variable_values(prometheus: Any, board: Mapping[str, Any], window: str) -> dict[str, str]:
+    """Each template variable's value as Grafana would send it with every option chosen, from a live
+    Prometheus (`prometheus.api("series", ...)`); `$__rate_interval` and `$__range` are `window`."""
+    values = {"__rate_interval": window, "__range": window, "__interval": "1s", "datasource": "prometheus"}
+    for var in variables(board):
+        if var["type"] == "query":
+            selector, label = label_values_query(var)
+            series = prometheus.api("series", **{"match[]": substitute(selector, values)})
+            found = sorted({s[label] for s in series if label in s})
+            assert found, f"dashboard {board['title']!r}: variable ${var['name']} ({var['definition']}) found no values"
+            values[var["name"]] = alternation(found)
+        elif var["type"] in ("textbox", "constant", "custom"):
+            values[var["name"]] = var["current"]["value"]
+    return values

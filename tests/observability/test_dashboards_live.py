@@ -171,21 +171,6 @@ def fleet() -> Iterator[Fleet]:
             receiver.stop()
 
 
-def variable_values(prometheus: PrometheusServer, board: dict) -> dict[str, str]:
-    """Each template variable's value as Grafana would send it with every option chosen."""
-    values = {"__rate_interval": WINDOW, "__range": WINDOW, "__interval": "1s", "datasource": "prometheus"}
-    for var in panels.variables(board):
-        if var["type"] == "query":
-            selector, label = panels.label_values_query(var)
-            series = prometheus.api("series", **{"match[]": panels.substitute(selector, values)})
-            found = sorted({s[label] for s in series if label in s})
-            assert found, f"dashboard {board['title']!r}: variable ${var['name']} ({var['definition']}) found no values"
-            values[var["name"]] = panels.alternation(found)
-        elif var["type"] in ("textbox", "constant", "custom"):
-            values[var["name"]] = var["current"]["value"]
-    return values
-
-
 def test_the_load_made_the_events_the_panels_show(fleet: Fleet) -> None:
     """The load did what the panels are meant to show (otherwise an empty panel would prove nothing)."""
     assert fleet.codes.get(429, 0) > 0 and fleet.codes.get(200, 0) >= SYNC_REQUESTS, fleet.codes
@@ -204,7 +189,7 @@ def test_the_load_made_the_events_the_panels_show(fleet: Fleet) -> None:
 @pytest.mark.parametrize("path", RUNTIME_DASHBOARDS, ids=lambda p: p.stem)
 def test_every_panel_query_returns_data(fleet: Fleet, path) -> None:
     board = panels.load(path)
-    values = variable_values(fleet.prometheus, board)
+    values = panels.variable_values(fleet.prometheus, board, WINDOW)
     failures, checked = [], 0
     for q in panels.queries(board):
         expr = panels.substitute(q.expr, values)
@@ -238,7 +223,7 @@ def test_every_panel_filters_by_region(fleet: Fleet, path) -> None:
     """The same queries for a region nobody scrapes return nothing: the data above came through the filter,
     not around it."""
     board = panels.load(path)
-    values = {**variable_values(fleet.prometheus, board), "region": "nowhere"}
+    values = {**panels.variable_values(fleet.prometheus, board, WINDOW), "region": "nowhere"}
     leaks = [f"{q.where()}: {panels.substitute(q.expr, values)}" for q in panels.queries(board)
              if fleet.prometheus.query(panels.substitute(q.expr, values))]
     assert not leaks, "\n".join(leaks)

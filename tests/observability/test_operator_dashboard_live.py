@@ -71,19 +71,6 @@ def split_queries(dashboard: Mapping[str, Any]) -> tuple[list[panels.Query], lis
     return outside, hub
 
 
-def variable_values(prometheus: PrometheusServer, board: Mapping[str, Any]) -> dict[str, str]:
-    """Each template variable's value as Grafana would send it with every option chosen."""
-    values = {"__rate_interval": WINDOW, "__range": WINDOW, "__interval": "1s", "datasource": "prometheus"}
-    for var in panels.variables(board):
-        if var["type"] == "query":
-            selector, label = panels.label_values_query(var)
-            series = prometheus.api("series", **{"match[]": panels.substitute(selector, values)})
-            found = sorted({s[label] for s in series if label in s})
-            assert found, f"variable ${var['name']} ({var['definition']}) found no values"
-            values[var["name"]] = panels.alternation(found)
-    return values
-
-
 @pytest.fixture(scope="module")
 def watched(_session_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Watched]:
     # kube_cluster's set-up, once for the module (that fixture is per test: it marks the audit log)
@@ -145,7 +132,7 @@ def test_the_dashboard_has_a_hub_row_and_panels_outside_it() -> None:
 
 def test_every_panel_query_outside_the_hub_row_returns_data(watched: Watched) -> None:
     board = panels.load(DASHBOARD)
-    values = variable_values(watched.prometheus, board)
+    values = panels.variable_values(watched.prometheus, board, WINDOW)
     outside, _hub = split_queries(board)
     failures = []
     for q in outside:
@@ -163,7 +150,7 @@ def test_every_panel_query_outside_the_hub_row_returns_data(watched: Watched) ->
 def test_every_hub_panel_query_parses(watched: Watched) -> None:
     """A standalone operator exports no hub series, so these may be empty; Prometheus must accept them."""
     board = panels.load(DASHBOARD)
-    values = variable_values(watched.prometheus, board)
+    values = panels.variable_values(watched.prometheus, board, WINDOW)
     _outside, hub = split_queries(board)
     failures = []
     for q in hub:
@@ -179,7 +166,7 @@ def test_every_panel_filters_by_region(watched: Watched) -> None:
     """The same queries for a region nobody scrapes return nothing: the data above came through the filter,
     not around it."""
     board = panels.load(DASHBOARD)
-    values = {**variable_values(watched.prometheus, board), "region": "nowhere"}
+    values = {**panels.variable_values(watched.prometheus, board, WINDOW), "region": "nowhere"}
     leaks = [f"{q.where()}: {panels.substitute(q.expr, values)}" for q in panels.queries(board)
              if watched.prometheus.query(panels.substitute(q.expr, values))]
     assert not leaks, "\n".join(leaks)
