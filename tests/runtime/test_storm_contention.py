@@ -15,7 +15,8 @@ timed it (`server-timing` tokenize + queue + inference: from the request being w
 last batch; encoding the answer afterwards, on a core shared with the hog, is the server's work but not
 queue wait), and the server's whole time must stay within that and one more batch. The clients share the two cores with
 the server and the hog, so what they see also holds their own event loop's delays, which the
-server cannot promise anything about; the client's figure is checked against a wider margin.
+server cannot promise anything about; the client's figure is checked against the server's allowance
+(the bound and two batches) plus a margin for them.
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ def test_accepted_work_keeps_its_bound_with_a_core_taken(runtime_factory):
                          f"{late}; slowest totals: {report}"
         over = [round(t["total"], 2) for _, t in mine if t["total"] > bound + 2 * batch_s]
         assert not over, f"{kind}: answered past {bound} s + two batches ({batch_s:.2f} s each): {over}"
-        slow = [round(client_s, 2) for client_s, _ in mine if client_s > bound + batch_s + CLIENT_MARGIN_S]
-        assert not slow, f"{kind}: clients waited {slow} (bound {bound} s, batch {batch_s:.2f} s)"
+        # the client's figure holds the server's whole time (allowed bound + two batches, above) and the
+        # clients' own delays: checked against the same allowance plus their margin, with the server's figure
+        slow = [(round(client_s, 2), round(t["total"], 2)) for client_s, t in mine
+                if client_s > bound + 2 * batch_s + CLIENT_MARGIN_S]
+        assert not slow, f"{kind}: clients waited (client s, server s) {slow} (bound {bound} s, batch {batch_s:.2f} s)"
 
     ok = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "after the storm"}, timeout=60)
     assert ok.status_code == 200, "the server serves normally afterwards"
