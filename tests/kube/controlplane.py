@@ -191,6 +191,9 @@ class AuditEvent:
     #: When the API server received the request (Unix seconds; 0 when the event has no such stamp): a
     #: watch's event is written when it ends, so "called after X" must be judged by this, not log order.
     received: float = 0.0
+    #: The credential the request was authenticated with (a ServiceAccount token's ``JTI=...``; "" if none):
+    #: two tokens of one identity read as two credentials.
+    credential: str = ""
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> AuditEvent:
@@ -213,6 +216,8 @@ class AuditEvent:
             message=str((raw.get("responseStatus") or {}).get("message") or ""),
             user_agent=str(raw.get("userAgent") or ""),
             received=received,
+            credential=",".join(((raw.get("user") or {}).get("extra") or {})
+                                .get("authentication.kubernetes.io/credential-id") or []),
         )
 
     @property

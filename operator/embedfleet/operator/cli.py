@@ -26,6 +26,9 @@ ENV_HUB_RAMP = "EMBEDFLEET_HUB_RAMP_SECONDS"
 ENV_HUB_WRITE_TIMEOUT = "EMBEDFLEET_HUB_WRITE_TIMEOUT"
 ENV_HEARTBEAT_INTERVAL = "EMBEDFLEET_HEARTBEAT_INTERVAL"
 ENV_HEARTBEAT_DURATION = "EMBEDFLEET_LEASE_DURATION"
+# hub/credentials.py's allow-lists for spoke kubeconfigs (comma-separated).
+ENV_HUB_EXEC_PLUGINS = "EMBEDFLEET_HUB_EXEC_PLUGINS"
+ENV_HUB_CREDENTIAL_DIRS = "EMBEDFLEET_HUB_CREDENTIAL_DIRS"
 # metrics.py's (repeated here for the same reason).
 ENV_METRICS_PORT = "EMBEDFLEET_OPERATOR_METRICS_PORT"
 DEFAULT_METRICS_PORT = 8081
@@ -129,6 +132,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hub.add_argument("--spoke-write-timeout", type=_seconds(), metavar="S",
                      help="time-out of the hub's writes to one spoke, so one slow spoke cannot stall the others "
                           f"(${ENV_HUB_WRITE_TIMEOUT}; default 10)")
+    hub.add_argument("--spoke-exec-plugin", action="append", default=None, metavar="COMMAND",
+                     help="an exec credential plugin a spoke's kubeconfig may name, exactly as its exec.command "
+                          "(e.g. aws, gke-gcloud-auth-plugin, kubelogin); repeat for several "
+                          f"(${ENV_HUB_EXEC_PLUGINS}, comma-separated; default: none)")
+    hub.add_argument("--spoke-credential-dir", action="append", default=None, metavar="DIR",
+                     help="an absolute directory under which a spoke's kubeconfig may name files (tokenFile, "
+                          "certificates): a projected token volume, say; repeat for several "
+                          f"(${ENV_HUB_CREDENTIAL_DIRS}, comma-separated; default: none)")
     spoke = run_p.add_argument_group("spoke (role=spoke): the heartbeat Lease the hub reads")
     spoke.add_argument("--heartbeat-interval", type=_seconds(), metavar="S",
                        help=f"seconds between heartbeat renewals (${ENV_HEARTBEAT_INTERVAL}; default 10)")
@@ -140,11 +151,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def interval_env(args: argparse.Namespace) -> dict[str, str]:
-    """The interval variables the given flags set; a flag left out is absent (its variable untouched)."""
+    """The variables the given hub and spoke flags set; a flag left out is absent (its variable untouched)."""
     flags = ((ENV_HUB_INTERVAL, args.hub_interval), (ENV_HUB_RAMP, args.hub_ramp_seconds),
              (ENV_HUB_WRITE_TIMEOUT, args.spoke_write_timeout), (ENV_HEARTBEAT_INTERVAL, args.heartbeat_interval),
              (ENV_HEARTBEAT_DURATION, args.heartbeat_lease_duration))
-    return {name: _number(value) for name, value in flags if value is not None}
+    out = {name: _number(value) for name, value in flags if value is not None}
+    for name, values in ((ENV_HUB_EXEC_PLUGINS, getattr(args, "spoke_exec_plugin", None)),
+                         (ENV_HUB_CREDENTIAL_DIRS, getattr(args, "spoke_credential_dir", None))):
+        if values:
+            out[name] = ",".join(values)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,6 +176,16 @@ def run(args: argparse.Namespace) -> int:
             os.environ[name] = value
         else:
             os.environ.pop(name, None)
+    for path in args.spoke_credential_dir or []:
+        if not os.path.isabs(path) or "," in path:
+            print(f"embedfleet operator: --spoke-credential-dir needs an absolute path without commas, got {path!r}",
+                  file=sys.stderr)
+            return 2
+    for command in args.spoke_exec_plugin or []:
+        if not command.strip() or "," in command:
+            print(f"embedfleet operator: --spoke-exec-plugin needs a command without commas, got {command!r}",
+                  file=sys.stderr)
+            return 2
     os.environ.update(interval_env(args))
     # imports kopf and the handlers: only when running
     from embedfleet.operator.main import Election, run_operator

@@ -16,6 +16,7 @@ import kubernetes
 import urllib3
 import yaml
 
+from embedfleet.operator.hub.credentials import CredentialRefused
 from embedfleet.operator.kube import KubeError
 
 #: What a call to a spoke may raise that the hub handles (reported, retried next round).
@@ -43,6 +44,8 @@ def describe(exc: BaseException) -> str:
 
 def credential_problem(exc: BaseException) -> str | None:
     """The reason (a condition reason word) when ``exc`` is a credential problem, else None."""
+    if isinstance(exc, CredentialRefused):
+        return exc.reason
     if isinstance(exc, KubeError):
         return {401: "Unauthorized", 403: "Forbidden"}.get(exc.status)
     if isinstance(exc, (kubernetes.config.ConfigException, yaml.YAMLError)):

@@ -41,8 +41,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import kubernetes
-import yaml
 from pydantic import ValidationError
 
 from embedfleet.operator import metrics
@@ -58,12 +56,13 @@ from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.hub import convert
 from embedfleet.operator.hub.autoscale import fleet_target
 from embedfleet.operator.hub.breaker import Breaker
+from embedfleet.operator.hub.credentials import CredentialPolicy, spoke_client
 from embedfleet.operator.hub.errors import SPOKE_ERRORS, credential_problem, describe
 from embedfleet.operator.hub.health import Health, observe
 from embedfleet.operator.hub.informer import Informer, object_key, version_at_least
 from embedfleet.operator.hub.policy_status import policy_statuses
 from embedfleet.operator.hub.propagate import Needs, needs_of, secret_copy
-from embedfleet.operator.kube import Kube, KubeError, up_to_date, user_agent
+from embedfleet.operator.kube import Kube, KubeError, up_to_date
 from embedfleet.operator.platform import PlatformPolicy
 from embedfleet.operator.rollout import waves
 from embedfleet.operator.scheduling import Cluster, ClusterPlacement, Deployment, Placement, place
@@ -268,6 +267,7 @@ class HubLoop:
                               else float(os.environ.get(ENV_WRITE_TIMEOUT, "10")))
         self.credentials_recheck = float(os.environ.get(ENV_CREDENTIALS_RECHECK, CREDENTIALS_RECHECK_S))
         self.secret_recheck = float(os.environ.get(ENV_SECRET_RECHECK, SECRET_RECHECK_S))
+        self.credential_policy = CredentialPolicy.from_env()
         self.state = HubState()
         self.stop = threading.Event()
         self.wake = threading.Event()
@@ -308,12 +308,9 @@ class HubLoop:
     # ------------------------------------------------------------ spokes
 
     def _spoke_client(self, raw: bytes) -> Kube:
-        config = kubernetes.client.Configuration()
-        kubernetes.config.load_kube_config_from_dict(yaml.safe_load(raw), client_configuration=config)
-        config.retries = SPOKE_RETRIES
-        client = kubernetes.client.ApiClient(configuration=config)
-        client.user_agent = user_agent()
-        return Kube(client, timeout=(5.0, self.write_timeout))
+        kube, _ = spoke_client(raw, self.credential_policy, timeout=(5.0, self.write_timeout),
+                               retries=SPOKE_RETRIES)
+        return kube
 
     def _link(self, name: str, spec: FleetClusterSpec, now: float) -> SpokeLink:
         """The spoke's link; its kubeconfig Secret is read again every CREDENTIALS_RECHECK_S (sooner while
