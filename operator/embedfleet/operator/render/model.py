@@ -1,0 +1,100 @@
+"""Where the runtime finds its model files: the volumes, mounts and ``fetch-model`` init container of the
+runtime pod, and the path ``EMBEDFLEET_MODEL`` names. Kept apart from the pod template because the three
+ways model files arrive (and the node cache) are their own concern, shared by the ConfigMap (the path)
+and the Deployment (the volumes).
+
+* downloaded (hf, http(s)): an init container runs ``embedfleet cache pull`` into a pod-local emptyDir
+  mounted at ``/var/cache/embedfleet/local``; ``EMBEDFLEET_MODEL`` is ``local/sha256-<hex>`` and
+  ``EMBEDFLEET_MODEL_DIGEST`` the digest the runtime re-verifies before loading. With pre-pull on, the
+  pod also mounts its tenant's node cache entry ``<platform cache root>/<namespace>_sha256-<hex>``
+  read-only at ``/var/cache/embedfleet/node``: when the agent has filled it, the init container only
+  links ``local/sha256-<hex>`` to it (no download);
+* ``file://`` (a path inside the image) and ``pvc://claim/path`` (mounted read-only) are used in place.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any
+
+from embedfleet.operator.crd import naming
+from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelSource
+from embedfleet.operator.crd.prepull import pull_source
+from embedfleet.operator.render.common import _non_root_container_security
+
+CONTAINER_CACHE_DIR = "/var/cache/embedfleet"
+#: The pod's own copy (an emptyDir), or links into the node cache: what EMBEDFLEET_MODEL points into.
+LOCAL_CACHE_DIR = f"{CONTAINER_CACHE_DIR}/local"
+#: The tenant's node cache entry, read-only (pre-pull only).
+NODE_CACHE_DIR = f"{CONTAINER_CACHE_DIR}/node"
+PVC_MOUNT_DIR = "/models/pvc"
+
+
+def model_dir(model: ModelSource) -> str:
+    """Where the runtime finds the model files inside its container."""
+    parsed = urllib.parse.urlsplit(model.source)
+    if parsed.scheme == "file":
+        return parsed.path
+    if parsed.scheme == "pvc":
+        return PVC_MOUNT_DIR + (parsed.path.rstrip("/") or "")
+    assert model.digest is not None, "validate() requires a digest for downloaded models"
+    return f"{LOCAL_CACHE_DIR}/{naming.cache_subdir(model.digest)}"
+
+
+def downloaded(model: ModelSource) -> bool:
+    return urllib.parse.urlsplit(model.source).scheme not in ("file", "pvc")
+
+
+def _pull_args(model: ModelSource, cache_dir: str) -> list[str]:
+    assert model.digest is not None
+    return [
+        "embedfleet",
+        "cache",
+        "pull",
+        "--source",
+        pull_source(model),
+        "--digest",
+        model.digest,
+        "--cache-dir",
+        cache_dir,
+    ]
+
+
+def _model_volumes(
+    spec: EmbeddingDeploymentSpec, namespace: str, cache_root: str, image: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, runtime volumeMounts, init containers) that put the model where model_dir() says."""
+    parsed = urllib.parse.urlsplit(spec.model.source)
+    if parsed.scheme == "file":
+        return [], [], []
+    if parsed.scheme == "pvc":
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": parsed.netloc, "readOnly": True}}
+        return [volume], [{"name": "model", "mountPath": PVC_MOUNT_DIR, "readOnly": True}], []
+    assert spec.model.digest is not None
+    empty_dir: dict[str, Any] = {}
+    if spec.cache.storage.size_limit is not None:
+        empty_dir["sizeLimit"] = spec.cache.storage.size_limit
+    volumes: list[dict[str, Any]] = [{"name": "model-cache", "emptyDir": empty_dir}]
+    runtime_mounts = [{"name": "model-cache", "mountPath": LOCAL_CACHE_DIR, "readOnly": True}]
+    init_mounts = [{"name": "model-cache", "mountPath": LOCAL_CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    command = _pull_args(spec.model, LOCAL_CACHE_DIR)
+    if spec.cache.pre_pull:
+        # The tenant's own entry, never the root: DirectoryOrCreate makes the kubelet create it (empty,
+        # root-owned) when the pod lands before the agent; the agent replaces it with the weights.
+        entry = cache_root.rstrip("/") + "/" + naming.cache_entry(namespace, spec.model.digest)
+        volumes.append({"name": "node-cache", "hostPath": {"path": entry, "type": "DirectoryOrCreate"}})
+        node_mount = {"name": "node-cache", "mountPath": NODE_CACHE_DIR, "readOnly": True}
+        runtime_mounts.append(node_mount)
+        init_mounts.append(node_mount)
+        command += ["--from-node-cache", NODE_CACHE_DIR]
+    init = {
+        "name": "fetch-model",
+        "image": image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
+        "command": command,
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "securityContext": _non_root_container_security(),
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "volumeMounts": init_mounts,
+    }
+    return volumes, runtime_mounts, [init]
