@@ -9,7 +9,9 @@ names the operator loads by string), read from source: nothing here is imported,
   torch: it is a small DaemonSet image;
 - the gateway reaches nothing of the runtime or the operator, nor torch;
 - the common package (the top-level ``embedfleet.*`` modules: otel, calls, httpserver, compat,
-  api_group) reaches no component package: every component may import it;
+  api_group, and the control-plane kit ``embedfleet.kit``) reaches no component package: every component
+  may import it;
+- the gateway and the hub watch through the same kit informer;
 - the operator reaches neither torch nor the runtime.
 
 A failure names the import chain that breaks the rule. A rule that cannot hold yet is an entry in
@@ -233,7 +235,16 @@ def test_the_common_package_reaches_no_component(module: str) -> None:
 def test_the_common_package_is_what_the_components_share() -> None:
     shared = set(shared_modules())
     assert {"embedfleet.otel", "embedfleet.calls", "embedfleet.httpserver", "embedfleet.api_group",
-            "embedfleet.compat", "embedfleet.compat.names", "embedfleet.compat.gate"} <= shared, shared
+            "embedfleet.compat", "embedfleet.compat.names", "embedfleet.compat.gate", "embedfleet.kit.client",
+            "embedfleet.kit.informer"} <= shared, shared
+
+
+def test_the_gateway_and_the_hub_watch_through_the_kit() -> None:
+    for entry in (GATEWAY, "embedfleet.operator.hub.loop"):
+        assert "embedfleet.kit.informer" in closure([entry]).modules, entry
+    # one informer, the kit's; the hub's module only binds the operator's restart counter to it
+    assert [m for m in all_modules() if m.endswith(".informer")] == ["embedfleet.kit.informer",
+                                                                     "embedfleet.operator.hub.informer"]
 
 
 def test_the_operator_reaches_neither_torch_nor_the_runtime() -> None:

@@ -234,7 +234,9 @@ def watch_cluster(config: GatewayConfig, fleet: Fleet, gateway: Gateway, loop: a
         for key in fleet.deployments:
             fleet.set_spill(key, parse_annotation(annotations.get(key)))
 
-    source = KubeSource(kubernetes.client.ApiClient(), config.namespaces, fleet.set_routes, loop, apply_spill)
+    restarts = gateway.metrics.watch_restarts
+    source = KubeSource(kubernetes.client.ApiClient(), config.namespaces, fleet.set_routes, loop, apply_spill,
+                        on_restart=lambda kind: restarts.labels(kind=kind).inc())
     fleet.on_hold = lambda deployment: loop.create_task(source.wake(deployment.name))
     gateway.synced = source.synced.is_set
     source.start()

@@ -1,7 +1,8 @@
 """Kubernetes mode (`embedfleet gateway --kubernetes`): the fleet's replicas from the cluster itself.
 
-Two watches (list, then watch from the list's resourceVersion; a fresh list when the server says the
-version is gone) feed the same `Fleet` the static `--upstream` flags feed:
+Two informers of the control-plane kit (embedfleet/kit/informer.py: list, then watch from the newest
+version with bookmarks, a relist when the server says the version is gone, back-off while it cannot be
+reached) feed the same `Fleet` the static `--upstream` flags feed:
 
 * EmbeddingDeployments: the served model name a request asks for (`spec.model.servedModelName`, else
   the object's name, as the runtime is told) -> the deployment `<namespace>/<name>`, whose runtime
@@ -18,8 +19,9 @@ Waking from zero: when the gateway holds a request for a deployment with no read
 EmbeddingDeployment's scale subresource to 1 if it is at 0 (the operator's autoscaler acts on that change
 at once and goes on from one replica). That is the whole of its write access (the chart's ClusterRole).
 
-The watches run on threads (the kubernetes client is synchronous) and hand their results to the event
-loop; nothing on the event loop ever waits on the API server.
+The informers run on threads (the kubernetes client is synchronous); a change marks the view dirty and one
+publisher thread hands the routes to the event loop, once per burst of events (a relist of a thousand
+objects publishes once, not a thousand times). Nothing on the event loop ever waits on the API server.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from embedfleet import api_group as naming
 from embedfleet.gateway.bounds import Bounds, from_object
 from embedfleet.gateway.pinning import revision_services
 from embedfleet.gateway.spill import ANNOTATION
+from embedfleet.kit.client import KubeClient, collection_path
+from embedfleet.kit.informer import Informer
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +162,8 @@ class KubeSource:
                  apply: Callable[[dict[str, tuple[str, list[str]]], dict[str, str | None], dict[str, Bounds]],
                                  None],
                  loop: asyncio.AbstractEventLoop,
-                 apply_spill: Callable[[dict[str, str]], None] | None = None) -> None:
+                 apply_spill: Callable[[dict[str, str]], None] | None = None,
+                 on_restart: Callable[[str], None] | None = None) -> None:
         self.api = api_client
         self.namespaces = list(namespaces)
         self.apply = apply
@@ -169,66 +174,61 @@ class KubeSource:
         self._stop = threading.Event()
         self._woken: dict[str, float] = {}
         self._threads: list[threading.Thread] = []
-        self.synced = threading.Event()  # both first lists are in
-        self._listed: set[str] = set()
+        self.synced = threading.Event()  # every informer has listed once
+        self.on_restart = on_restart  # told an informer's kind when its watch is opened again (a metric)
+        self.informers: list[Informer] = []
+        self._dirty = threading.Event()
 
     # -- watches -------------------------------------------------------------------------------
     def start(self) -> None:
-        custom = kubernetes.client.CustomObjectsApi(self.api)
-        discovery = kubernetes.client.DiscoveryV1Api(self.api)
-        scopes = self.namespaces or [None]
-        for ns in scopes:
-            if ns is None:
-                eds = lambda **kw: custom.list_cluster_custom_object(  # noqa: E731
-                    naming.GROUP, naming.VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL, **kw)
-                slices = discovery.list_endpoint_slice_for_all_namespaces
-            else:
-                eds = lambda ns=ns, **kw: custom.list_namespaced_custom_object(  # noqa: E731
-                    naming.GROUP, naming.VERSION, ns, naming.EMBEDDING_DEPLOYMENT_PLURAL, **kw)
-                slices = lambda ns=ns, **kw: discovery.list_namespaced_endpoint_slice(ns, **kw)  # noqa: E731
-            self._spawn(f"eds-{ns or 'all'}", eds, self._on_deployment, ns)
-            self._spawn(f"slices-{ns or 'all'}", slices, self._on_slice, ns)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _spawn(self, name: str, list_fn, handle, ns: str | None) -> None:
-        thread = threading.Thread(target=self._watch, args=(list_fn, handle, ns, name), name=name, daemon=True)
+        kube = KubeClient(self.api)
+        for ns in self.namespaces or [None]:
+            scope = ns or "all"
+            eds = Informer(kube, collection_path(naming.API_VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL, ns),
+                           name=f"eds-{scope}", kind=naming.EMBEDDING_DEPLOYMENT_KIND,
+                           timeout_seconds=WATCH_TIMEOUT_S, backoff=(RETRY_S, 10 * RETRY_S),
+                           on_restart=self.on_restart)
+            slices = Informer(kube, collection_path("discovery.k8s.io/v1", "endpointslices", ns),
+                              name=f"slices-{scope}", kind="EndpointSlice", timeout_seconds=WATCH_TIMEOUT_S,
+                              backoff=(RETRY_S, 10 * RETRY_S), on_restart=self.on_restart)
+            eds.on_change = lambda key, inf=eds: self._changed(inf, key, self._on_deployment)
+            slices.on_change = lambda key, inf=slices: self._changed(inf, key, self._on_slice)
+            self.informers += [eds.start(), slices.start()]
+        thread = threading.Thread(target=self._publisher, name="gateway-routes", daemon=True)
         thread.start()
         self._threads.append(thread)
 
-    def _watch(self, list_fn, handle: Callable[[str, dict, str | None], None], ns: str | None, tag: str) -> None:
+    def stop(self) -> None:
+        self._stop.set()
+        self._dirty.set()
+        for informer in self.informers:
+            informer.stop(timeout=0.5)
+
+    def _changed(self, informer: Informer, key: str, handle: Callable[[str, dict, str | None], None]) -> None:
+        """An informer's change of ``key`` applied to the view: the object as it is now, or its deletion."""
+        obj = informer.get(key)
+        with self._lock:
+            if obj is None:
+                namespace, _, name = key.partition("/")
+                handle("DELETED", {"metadata": {"namespace": namespace, "name": name}}, None)
+            else:
+                handle("MODIFIED", obj, None)
+        self._dirty.set()
+
+    def _publisher(self) -> None:
+        """Publish the routes after each burst of changes; the first time once every informer has listed."""
         while not self._stop.is_set():
-            try:
-                listed = self.api.sanitize_for_serialization(list_fn(_request_timeout=30))
-                with self._lock:
-                    handle("RESET", listed, ns)
-                self._listed.add(tag)
-                if len(self._listed) == 2 * len(self.namespaces or [None]):
-                    self.synced.set()
-                self._publish()
-                version = listed["metadata"].get("resourceVersion")
-                watch = kubernetes.watch.Watch()
-                for event in watch.stream(list_fn, resource_version=version, timeout_seconds=WATCH_TIMEOUT_S,
-                                          allow_watch_bookmarks=True, _request_timeout=WATCH_TIMEOUT_S + 30):
-                    if self._stop.is_set():
-                        watch.stop()
-                        return
-                    kind = event["type"]
-                    obj = event["raw_object"]
-                    if kind == "BOOKMARK":
-                        continue
-                    if kind == "ERROR":
-                        break  # 410 Gone and friends: list again
-                    with self._lock:
-                        handle(kind, obj, ns)
-                    self._publish()
-            except ApiException as exc:
-                log.warning("watch %s: %s %s; listing again in %gs", tag, exc.status, exc.reason, RETRY_S)
-                self._stop.wait(RETRY_S)
-            except Exception as exc:  # network trouble: the view stays as it was until the next list
-                log.warning("watch %s: %s: %s; listing again in %gs", tag, type(exc).__name__, exc, RETRY_S)
-                self._stop.wait(RETRY_S)
+            self._dirty.wait(0.5)
+            if self._stop.is_set():
+                return
+            if not self.synced.is_set():
+                if not all(informer.wait_synced(0) for informer in self.informers):
+                    continue
+                self.synced.set()
+            elif not self._dirty.is_set():
+                continue
+            self._dirty.clear()
+            self._publish()
 
     @staticmethod
     def _in_scope(key: str, ns: str | None) -> bool:
@@ -259,11 +259,12 @@ class KubeSource:
             kept = {k: v for k, v in self.view.slices.items() if not self._in_scope(k, ns)}
             self.view.slices = kept | dict(e for e in map(entry, obj.get("items") or []) if e is not None)
             return
+        if kind == "DELETED":  # by key: the object may be only its name
+            self.view.slices.pop(deployment_key(obj["metadata"]["namespace"], obj["metadata"]["name"]), None)
+            return
         found = entry(obj)
         if found is None:
-            return
-        if kind == "DELETED":
-            self.view.slices.pop(found[0], None)
+            self.view.slices.pop(deployment_key(obj["metadata"]["namespace"], obj["metadata"]["name"]), None)
         else:
             self.view.slices[found[0]] = found[1]
 

@@ -90,5 +90,8 @@ class GatewayMetrics:
                             registry=r)
         self.ejections = Counter("embedfleet_gateway_ejections", "Replicas ejected for a while after failing "
                                  "requests in a row (eject.py)", ["deployment"], registry=r)
+        self.watch_restarts = Counter("embedfleet_gateway_watch_restarts", "Watches of the API server opened "
+                                      "again after a failure or an expired version (kubernetes mode)", ["kind"],
+                                      registry=r)
         r.register(_FleetState(snapshot))
         r.register(_ReplicaWaits(replica_waits))

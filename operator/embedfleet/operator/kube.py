@@ -18,10 +18,9 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -29,6 +28,7 @@ from typing import Any, Literal
 import kubernetes
 from kubernetes.utils import parse_quantity
 
+from embedfleet.kit.client import TIMEOUT, KubeClient, KubeError
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import (
     FLEET_CLUSTER_KIND,
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 
 LAST_APPLIED = "embedfleet.dev/last-applied"
 MERGE_PATCH = "application/merge-patch+json"
-TIMEOUT = (5.0, 30.0)
 DISCOVERY_TTL = 300.0
 
 ApplyResult = Literal["created", "patched", "unchanged"]
@@ -102,14 +101,6 @@ OWNED_KINDS = (
     "ServiceAccount",
     "ConfigMap",
 )
-
-
-class KubeError(Exception):
-    def __init__(self, status: int, reason: str, body: str, what: str) -> None:
-        super().__init__(f"{what}: HTTP {status} {reason}: {body[:500]}")
-        self.status = status
-        self.reason = reason
-        self.body = body
 
 
 class NotOwned(Exception):
@@ -240,114 +231,27 @@ def load_client(kubeconfig: str | os.PathLike[str] | None = None) -> kubernetes.
     return client
 
 
-class Kube:
-    """A thin, synchronous façade; kopf runs sync handlers in worker threads, so blocking is fine."""
+class Kube(KubeClient):
+    """The operator's calls: the kit's raw calls (embedfleet/kit/client.py) plus objects by kind, apply with
+    diff, owned objects and pruning. Synchronous; kopf runs sync handlers in worker threads."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient | None = None,
                  kinds: Mapping[str, Kind] = KINDS, timeout: tuple[float, float] = TIMEOUT) -> None:
-        self._client = api_client
-        #: (connect, read) seconds for every request but watches: the hub gives each spoke its own.
-        self.timeout = timeout
+        super().__init__(api_client, timeout=timeout, factory=load_client)
         #: The kinds this client can address by name (``KINDS`` unless a caller narrows or extends it):
         #: given at construction, never changed by an import elsewhere.
         self.kinds: Mapping[str, Kind] = dict(kinds)
-        self._lock = threading.Lock()
         self._discovery: dict[tuple[str, str], tuple[bool, float]] = {}
-
-    @property
-    def client(self) -> kubernetes.client.ApiClient:
-        with self._lock:
-            if self._client is None:
-                self._client = load_client()
-            return self._client
-
-    # ------------------------------------------------------------ raw requests
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: Any = None,
-        query: list[tuple[str, str]] | None = None,
-        content_type: str = "application/json",
-        allow_404: bool = False,
-        accept: str = "application/json",
-    ) -> Any:
-        headers = {"Accept": accept, "Content-Type": content_type}
-        method_, url, headers, body_, post = self.client.param_serialize(
-            method,
-            path,
-            query_params=query or [],
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        response = self.client.call_api(
-            method_, url, header_params=headers, body=body_, post_params=post, _request_timeout=self.timeout
-        )
-        data = response.read()
-        if response.status == 404 and allow_404:
-            return None
-        if response.status >= 400:
-            raise KubeError(
-                response.status, str(response.reason), data.decode("utf-8", "replace"), f"{method} {path}"
-            )
-        return json.loads(data) if data else {}
-
-    # ------------------------------------------------------------ collections and watches
-
-    def list_raw(
-        self, path: str, *, label_selector: str | None = None, field_selector: str | None = None,
-    ) -> tuple[list[dict[str, Any]], str]:
-        """(items, the list's resourceVersion) of a collection URL: what an informer starts a watch from."""
-        query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
-        data = self._request("GET", path, query=query) or {}
-        return list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
-
-    def watch(
-        self, path: str, resource_version: str, *, timeout_seconds: int = 300, label_selector: str | None = None,
-        field_selector: str | None = None, on_open: Any = None,
-    ) -> Iterator[dict[str, Any]]:
-        """Watch events (``{"type", "object"}``) of a collection URL from ``resource_version``, with
-        bookmarks, until the server ends the watch (``timeout_seconds``) or the connection breaks.
-
-        ``on_open`` receives the streaming response, so another thread can close it to stop the watch at
-        once. An ``ERROR`` event (410 Gone: the version is too old) is yielded like any other."""
-        query = [("watch", "true"), ("resourceVersion", resource_version), ("allowWatchBookmarks", "true"),
-                 ("timeoutSeconds", str(timeout_seconds))]
-        query += [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
-        headers = {"Accept": "application/json"}
-        method, url, headers, body, post = self.client.param_serialize(
-            "GET", path, query_params=query, header_params=headers, auth_settings=["BearerToken"])
-        response = self.client.call_api(method, url, header_params=headers, body=body, post_params=post,
-                                        _request_timeout=(self.timeout[0], timeout_seconds + self.timeout[0]))
-        if response.status >= 400:
-            raise KubeError(response.status, str(response.reason), response.read().decode("utf-8", "replace"),
-                            f"WATCH {path}")
-        raw = response.response
-        if on_open is not None:
-            on_open(raw)
-        try:
-            pending = b""
-            for chunk in raw.stream(65536, decode_content=True):
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        yield json.loads(line)
-        finally:
-            raw.release_conn()
 
     # ------------------------------------------------------------ objects
 
     def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
-        return self._request("GET", self.kinds[kind].path(namespace, name), allow_404=True)
+        return self.request("GET", self.kinds[kind].path(namespace, name), allow_404=True)
 
     def get_metadata(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         """Only the object's metadata (PartialObjectMetadata): for a Secret, its labels without its data,
         so a value never enters this process (or its logs)."""
-        return self._request(
+        return self.request(
             "GET",
             self.kinds[kind].path(namespace, name),
             allow_404=True,
@@ -360,7 +264,7 @@ class Kube:
         """Objects of a kind; the label selector is also applied here, since not every server honours it."""
         selector = dict(selector or {})
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))] if selector else []
-        data = self._request("GET", self.kinds[kind].path(namespace), query=query)
+        data = self.request("GET", self.kinds[kind].path(namespace), query=query)
         items = data.get("items", []) if data else []
         return [item for item in items if _selector_matches(selector, item.get("metadata", {}).get("labels"))]
 
@@ -381,7 +285,7 @@ class Kube:
         if live is _READ:
             live = self.get(manifest["kind"], name, namespace)
         if live is None:
-            created = self._request("POST", kind.path(namespace), body=desired)
+            created = self.request("POST", kind.path(namespace), body=desired)
             log.info("created %s %s/%s", manifest["kind"], namespace or "-", name)
             return "created", created
         if not owned_by_us(live, manifest):
@@ -391,13 +295,13 @@ class Kube:
         previous_text = (live.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
         previous = json.loads(previous_text) if previous_text else {}
         patch = merge_patch_deletions(previous, desired)
-        patched = self._request("PATCH", kind.path(namespace, name), body=patch, content_type=MERGE_PATCH)
+        patched = self.request("PATCH", kind.path(namespace, name), body=patch, content_type=MERGE_PATCH)
         log.info("patched %s %s/%s", manifest["kind"], namespace or "-", name)
         return "patched", patched
 
     def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         meta = manifest["metadata"]
-        return self._request("POST", self.kinds[manifest["kind"]].path(meta.get("namespace")), body=dict(manifest))
+        return self.request("POST", self.kinds[manifest["kind"]].path(meta.get("namespace")), body=dict(manifest))
 
     def delete(self, kind: str, name: str, namespace: str | None = None) -> bool:
         """True when something was deleted; a missing object is already the desired state."""
@@ -407,7 +311,7 @@ class Kube:
         """`delete`, returning the server's answer (the object, with its deletionTimestamp while finalizers
         hold it) or None when it was already gone."""
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
-        result = self._request("DELETE", self.kinds[kind].path(namespace, name), body=body, allow_404=True)
+        result = self.request("DELETE", self.kinds[kind].path(namespace, name), body=body, allow_404=True)
         if result is not None:
             log.info("deleted %s %s/%s", kind, namespace or "-", name)
         return result
@@ -420,7 +324,7 @@ class Kube:
         patch: Mapping[str, Any],
         subresource: str | None = None,
     ) -> dict[str, Any]:
-        return self._request(
+        return self.request(
             "PATCH",
             self.kinds[kind].path(namespace, name, subresource),
             body=dict(patch),
@@ -442,7 +346,7 @@ class Kube:
             return cached[0]
         path = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
         try:
-            data = self._request("GET", path, allow_404=True)
+            data = self.request("GET", path, allow_404=True)
         except KubeError:
             return False
         served = bool(data) and any(r.get("name") == plural for r in data.get("resources", []))
@@ -473,7 +377,7 @@ class Kube:
             "lastTimestamp": now,
             "count": 1,
         }
-        self._request("POST", self.kinds["Event"].path(namespace), body=body)
+        self.request("POST", self.kinds["Event"].path(namespace), body=body)
 
     # ------------------------------------------------------------ ownership
 

@@ -8,38 +8,20 @@ deployment there as it would for a spoke that stopped answering.
 
 from __future__ import annotations
 
-import json
-import re
 import ssl
 
 import kubernetes
 import urllib3
 import yaml
 
+from embedfleet.kit.client import KubeError, describe
 from embedfleet.operator.hub.credentials import CredentialRefused
-from embedfleet.operator.kube import KubeError
+
+__all__ = ["SPOKE_ERRORS", "credential_problem", "describe"]
 
 #: What a call to a spoke may raise that the hub handles (reported, retried next round).
 SPOKE_ERRORS = (KubeError, OSError, urllib3.exceptions.HTTPError, kubernetes.config.ConfigException,
                 ValueError, yaml.YAMLError)
-
-
-def describe(exc: BaseException) -> str:
-    """A short, stable sentence for an error from a spoke (the same failure reads the same every round, so
-    status does not change, and no Event repeats, because of an object address in a message)."""
-    if isinstance(exc, KubeError):
-        try:
-            message = json.loads(exc.body).get("message") or exc.body
-        except (ValueError, AttributeError):
-            message = exc.body
-        text = f"HTTP {exc.status} {exc.reason}: {message}"
-        if exc.status == 409 and "already exists" in str(message):
-            text += " (not created by the hub: remove or rename it on the spoke)"
-    elif isinstance(exc, urllib3.exceptions.MaxRetryError):
-        text = f"API server unreachable: {exc.reason}"
-    else:
-        text = f"{type(exc).__name__}: {exc}"
-    return re.sub(r"<[^<>]* object at 0x[0-9a-f]+>:?\s*", "", text)[:400]
 
 
 def credential_problem(exc: BaseException) -> str | None:
