@@ -27,7 +27,7 @@ NO_LIMITS = ScalingRules(stabilization_window_s=0, max_percent=None, max_pods=No
 
 def cfg(**kw: object) -> AutoscalerConfig:
     base: dict[str, object] = {
-        "max_batch_requests": 32,
+        "in_flight_per_replica": 32,
         "target_utilization": 1.0,
         "scale_up": NO_LIMITS,
         "scale_down": NO_LIMITS,
@@ -184,9 +184,9 @@ def test_from_spec_reads_the_crd_fields() -> None:
             "tolerance": 0.05,
             "scaleToZero": True,
         },
-        max_batch_requests=16,
+        in_flight_per_replica=16,
     )
-    assert (config.min_replicas, config.max_replicas, config.max_batch_requests) == (2, 8, 16)
+    assert (config.min_replicas, config.max_replicas, config.in_flight_per_replica) == (2, 8, 16)
     assert config.target_per_replica == 8
     assert (config.stable_window_s, config.panic_window_s, config.panic_threshold) == (30, 3, 3)
     assert config.scale_up == ScalingRules(5, None, 2, 10)
@@ -195,7 +195,7 @@ def test_from_spec_reads_the_crd_fields() -> None:
 
 
 def test_from_spec_defaults_and_errors() -> None:
-    assert from_spec({}, 32) == AutoscalerConfig(max_batch_requests=32)
+    assert from_spec({}, 32) == AutoscalerConfig(in_flight_per_replica=32)
     assert from_spec(None, 32).scale_up.max_pods == 4
     with pytest.raises(ValueError, match=r"minReplicas \(5\) > maxReplicas \(2\)"):
         from_spec({"minReplicas": 5, "maxReplicas": 2}, 32)
@@ -222,7 +222,7 @@ def configs(draw: st.DrawFn) -> AutoscalerConfig:
     return AutoscalerConfig(
         min_replicas=lo,
         max_replicas=hi,
-        max_batch_requests=draw(st.sampled_from([1, 8, 32, 64])),
+        in_flight_per_replica=draw(st.sampled_from([1, 8, 32, 64])),
         target_utilization=draw(st.sampled_from([0.3, 0.5, 0.7, 1.0])),
         stable_window_s=stable,
         panic_window_s=draw(st.sampled_from([1.0, 3.0, stable])),
@@ -314,7 +314,7 @@ def test_never_below_in_flight_need(s: tuple[AutoscalerConfig, list[Observation]
     current = history.current_replicas
     assert current is not None
     decision = desired_replicas(obs, config, history, now)
-    need = min(math.ceil(obs[-1].in_flight / config.max_batch_requests), config.max_replicas)
+    need = min(math.ceil(obs[-1].in_flight / config.in_flight_per_replica), config.max_replicas)
     if decision.replicas < current:
         assert decision.replicas >= need, decision.reason
 

@@ -156,6 +156,8 @@ def test_the_crd_refuses_both_api_key_references() -> None:
         (("runtime", "maxBatchRequests"), 0, "spec.runtime.maxBatchRequests"),
         (("autoscaling", "targetUtilization"), 1.5, "spec.autoscaling.targetUtilization"),
         (("autoscaling", "minReplicas"), -1, "spec.autoscaling.minReplicas"),
+        (("autoscaling", "inFlightPerReplica"), 0, "spec.autoscaling.inFlightPerReplica"),
+        (("autoscaling", "inFlightPerReplica"), 4097, "spec.autoscaling.inFlightPerReplica"),
         (("model", "digest"), "md5:abc", "spec.model.digest"),
         (("model", "source"), "ftp://host/x", "spec.model.source"),
         (("runtime", "resources"), {"requests": {"cpu": "lots"}}, "spec.runtime.resources.requests.cpu"),
@@ -184,22 +186,27 @@ def test_server_side_defaults_equal_model_defaults() -> None:
     from_server = EmbeddingDeploymentSpec.model_validate(defaulted["spec"])
     assert from_server == EmbeddingDeploymentSpec.model_validate(MINIMAL["spec"])
     assert defaulted["spec"]["runtime"]["maxBatchRequests"] == 32
+    # No server default: unset is what lets the autoscaler fall back (autoscale_target.py).
+    assert "inFlightPerReplica" not in defaulted["spec"]["autoscaling"]
     assert defaulted["spec"]["autoscaling"]["scaleDown"]["stabilizationWindowSeconds"] == 300
 
 
 def test_autoscaling_spec_feeds_the_autoscaler() -> None:
     """The autoscaler reads spec.autoscaling by these camelCase names; defaults must agree."""
     dumped = AutoscalingSpec().model_dump(by_alias=True, exclude_none=True)
-    config = autoscale.from_spec(dumped, max_batch_requests=32)
-    assert config == autoscale.AutoscalerConfig(max_batch_requests=32)
+    config = autoscale.from_spec(dumped, in_flight_per_replica=32)
+    assert config == autoscale.AutoscalerConfig(in_flight_per_replica=32)
     custom = AutoscalingSpec(min_replicas=2, max_replicas=5, target_utilization=1.0, scale_to_zero=True)
-    config = autoscale.from_spec(custom.model_dump(by_alias=True, exclude_none=True), max_batch_requests=32)
+    config = autoscale.from_spec(custom.model_dump(by_alias=True, exclude_none=True))
     assert (config.min_replicas, config.max_replicas, config.target_per_replica, config.scale_to_zero) == (
         2,
         5,
         32.0,
         True,
     )
+    own = AutoscalingSpec(in_flight_per_replica=8, target_utilization=0.5)
+    config = autoscale.from_spec(own.model_dump(by_alias=True, exclude_none=True))
+    assert (config.in_flight_per_replica, config.target_per_replica) == (8, 4.0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -208,13 +215,17 @@ def test_autoscaling_spec_feeds_the_autoscaler() -> None:
     util=st.floats(-1, 2, allow_nan=False),
     engine=st.sampled_from(["torch", "trtllm", "vllm", ""]),
     replicas=st.one_of(st.none(), st.integers(-3, 20000)),
+    in_flight=st.one_of(st.none(), st.integers(-3, 5000)),
 )
-def test_schema_and_model_agree(batch: int, util: float, engine: str, replicas: int | None) -> None:
+def test_schema_and_model_agree(batch: int, util: float, engine: str, replicas: int | None,
+                                in_flight: int | None) -> None:
     """For any value, kubectl (schema) and the operator (pydantic) accept or reject together."""
     obj = copy.deepcopy(MINIMAL)
     obj["spec"].update(
         {"runtime": {"maxBatchRequests": batch, "engine": engine}, "autoscaling": {"targetUtilization": util}}
     )
+    if in_flight is not None:
+        obj["spec"]["autoscaling"]["inFlightPerReplica"] = in_flight
     if replicas is not None:
         obj["spec"]["replicas"] = replicas
     schema_ok = not cr_errors("EmbeddingDeployment", obj)

@@ -161,7 +161,7 @@ def test_async_backlog_scales_like_waiting_requests() -> None:
     rate-limited), where 50 in flight alone keep 2."""
     from embedfleet.operator.autoscale import AutoscalerConfig, History, Observation, desired_replicas
 
-    config = AutoscalerConfig(min_replicas=1, max_replicas=20, max_batch_requests=32, target_utilization=1.0)
+    config = AutoscalerConfig(min_replicas=1, max_replicas=20, in_flight_per_replica=32, target_utilization=1.0)
     without = desired_replicas([Observation(0.0, 50.0, 2)], config, History(), 0.0)
     with_jobs = desired_replicas([Observation(0.0, 50.0, 2, 200.0)], config, History(), 0.0)
     assert without.replicas == 2
@@ -321,7 +321,7 @@ def test_one_replica_unreachable_under_load_desired_replicas_still_rise(
 
     The loop is the daemon's own composition (scrape -> stale.count_pods -> desired_replicas) with the
     decision clock passed in; the pods are real HTTP servers."""
-    config = AutoscalerConfig(max_batch_requests=32, target_utilization=0.7, min_replicas=1, max_replicas=10)
+    config = AutoscalerConfig(in_flight_per_replica=32, target_utilization=0.7, min_replicas=1, max_replicas=10)
     pods = [metrics_servers() for _ in range(3)]
     targets = [Target(f"pod-{i}", s.url + "/metrics") for i, s in enumerate(pods)]
     for server in pods:

@@ -49,11 +49,12 @@ def test_helm_apply_traffic_scale_up_down_delete(kube_cluster: Cluster, pod_netw
     with release(cluster, tmp_path, unique) as (_system, proc):
         ns = f"users-{unique}"
         cluster.kubectl("create", "namespace", ns)
-        # Target per replica = maxBatchRequests x targetUtilization = 2 requests in flight.
+        # Target per replica = inFlightPerReplica x targetUtilization = 2 requests in flight (and batches of 4).
         cluster.apply(small("web", ns, runtime={
             "image": "ghcr.io/embedfleet/runtime:0.1.0", "maxBatchRequests": 4,
             "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}},
-            autoscaling={"minReplicas": 1, "maxReplicas": 3, "targetUtilization": 0.5, "intervalSeconds": 1,
+            autoscaling={"minReplicas": 1, "maxReplicas": 3, "inFlightPerReplica": 4, "targetUtilization": 0.5,
+                         "intervalSeconds": 1,
                          "stableWindowSeconds": 6, "panicWindowSeconds": 2,
                          "scaleDown": {"stabilizationWindowSeconds": 5}}))
         wait_condition(cluster, "web", ns, "Available")

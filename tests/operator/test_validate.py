@@ -69,6 +69,8 @@ def test_good_spec_passes() -> None:
             "spec.runtime.maxBatchRequests: Input should be a valid integer",
         ),
         (with_(runtime__unknownKnob=1), "spec.runtime.unknownKnob: Extra inputs are not permitted"),
+        (with_(autoscaling__inFlightPerReplica=0), "spec.autoscaling.inFlightPerReplica: Input should be greater"),
+        (with_(autoscaling__inFlightPerReplica=5000), "spec.autoscaling.inFlightPerReplica: Input should be less"),
         (
             with_(runtime__apiKeySecret={"name": "one", "key": "k"}, runtime__apiKeysSecret={"name": "t", "key": "k"}),
             "spec.runtime: apiKeySecret and apiKeysSecret are mutually exclusive",
@@ -79,6 +81,13 @@ def test_problems_are_reported_by_field(spec: dict[str, Any], needle: str) -> No
     parsed, problems = check("bge", spec)
     assert parsed is None
     assert any(needle in p for p in problems), problems
+
+
+def test_in_flight_per_replica_is_accepted_beside_the_runtime_batch() -> None:
+    spec, problems = check("bge", with_(autoscaling__inFlightPerReplica=16, runtime__maxBatchRequests=64))
+    assert problems == [] and spec is not None
+    assert (spec.autoscaling.in_flight_per_replica, spec.runtime.max_batch_requests) == (16, 64)
+    assert check("bge", GOOD)[0].autoscaling.in_flight_per_replica is None  # type: ignore[union-attr]
 
 
 def test_either_api_key_reference_alone_is_fine() -> None:

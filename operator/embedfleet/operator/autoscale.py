@@ -8,13 +8,14 @@ the updated `History` back inside the `Decision`.
 The formula, step by step (each step has its own named parameter):
 
 1. load = in-flight requests across pods (+ requests held outside any pod during a cold start);
-   target per replica = ``max_batch_requests * target_utilization``.
+   target per replica = ``in_flight_per_replica * target_utilization`` (which number that is for a
+   spec: autoscale_target.py).
 2. stable desire = ceil(mean load over ``stable_window_s`` / target);
    panic desire = ceil(mean load over ``panic_window_s`` / target).
 3. panic mode (KPA) starts when panic desire >= ``panic_threshold * current`` and lasts
    ``stable_window_s`` after the last trigger; in panic the fleet never shrinks.
 4. tolerance band (HPA): in stable mode, if |load / (current * target) - 1| <= ``tolerance`` keep current.
-5. floor: never below ceil(latest in-flight / max_batch_requests) — the work already accepted needs it.
+5. floor: never below ceil(latest in-flight / in_flight_per_replica) — the work already accepted needs it.
 6. scale to zero only when ``scale_to_zero`` is on and the load has been zero for ``scale_to_zero_grace_s``.
    A fleet at zero with no load stays at zero (only load, e.g. held requests, or a wake starts one).
 7. stabilization (HPA v2): the result is the current count pulled up to the *lowest* recommendation of
@@ -75,7 +76,7 @@ class AutoscalerConfig:
 
     min_replicas: int = 1
     max_replicas: int = 10
-    max_batch_requests: int = 32
+    in_flight_per_replica: int = 32
     target_utilization: float = 0.7
     stable_window_s: float = 60.0
     panic_window_s: float = 6.0
@@ -94,8 +95,8 @@ class AutoscalerConfig:
             problems.append("maxReplicas must be >= 1")
         if self.min_replicas > self.max_replicas:
             problems.append(f"minReplicas ({self.min_replicas}) > maxReplicas ({self.max_replicas})")
-        if self.max_batch_requests < 1:
-            problems.append("maxBatchRequests must be >= 1")
+        if self.in_flight_per_replica < 1:
+            problems.append("inFlightPerReplica must be >= 1")
         if not 0 < self.target_utilization <= 1:
             problems.append("targetUtilization must be in (0, 1]")
         if self.stable_window_s <= 0 or self.panic_window_s <= 0:
@@ -113,7 +114,7 @@ class AutoscalerConfig:
 
     @property
     def target_per_replica(self) -> float:
-        return self.max_batch_requests * self.target_utilization
+        return self.in_flight_per_replica * self.target_utilization
 
     @property
     def last_known_hold_s(self) -> float:
@@ -327,7 +328,7 @@ def desired_replicas(
                 raw = current
                 notes.append(f"utilisation {ratio:.2f} within tolerance {config.tolerance:g}: keep {current}")
 
-    need = _ceil_div(latest.in_flight + (latest.queue_depth or 0.0), config.max_batch_requests)
+    need = _ceil_div(latest.in_flight + (latest.queue_depth or 0.0), config.in_flight_per_replica)
     if raw < need:
         notes.append(f"{latest.load:g} requests in flight need {need}")
         raw = need
@@ -519,9 +520,11 @@ def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def from_spec(spec: Mapping[str, Any] | None, max_batch_requests: int) -> AutoscalerConfig:
+def from_spec(spec: Mapping[str, Any] | None, in_flight_per_replica: int | None = None) -> AutoscalerConfig:
     """Build the config from an EmbeddingDeployment's camelCase ``spec.autoscaling``.
 
+    ``in_flight_per_replica`` is the target `autoscale_target.in_flight_target` chose for the whole spec
+    (it may borrow spec.runtime.maxBatchRequests); None reads ``inFlightPerReplica`` here, else 32.
     Missing keys take the defaults above (the CRD schema carries the same defaults, so a spec that went
     through the API server is already complete). Raises ValueError naming the field on nonsense.
     """
@@ -537,7 +540,10 @@ def from_spec(spec: Mapping[str, Any] | None, max_batch_requests: int) -> Autosc
     return AutoscalerConfig(
         min_replicas=int(spec.get("minReplicas", base.min_replicas)),
         max_replicas=int(spec.get("maxReplicas", base.max_replicas)),
-        max_batch_requests=int(max_batch_requests),
+        in_flight_per_replica=int(next(
+            v for v in (in_flight_per_replica, spec.get("inFlightPerReplica"), base.in_flight_per_replica)
+            if v is not None
+        )),
         target_utilization=float(spec.get("targetUtilization", base.target_utilization)),
         stable_window_s=float(spec.get("stableWindowSeconds", base.stable_window_s)),
         panic_window_s=float(spec.get("panicWindowSeconds", base.panic_window_s)),

@@ -168,7 +168,12 @@ class RuntimeSpec(CamelModel):
     engine: Engine = "torch"
     dtype: DType = "float32"
     quantization: Quantization = Field(default="none", description="fp8 runs the engine in FP8 (GPU only).")
-    max_batch_requests: int = Field(default=32, ge=1, le=4096, description="Requests per engine batch.")
+    max_batch_requests: int = Field(
+        default=32, ge=1, le=4096,
+        description="Inputs per engine batch (the runtime's --max-batch-requests). While "
+        "spec.autoscaling.inFlightPerReplica is unset, a value other than 32 here is also the autoscaler's "
+        "in-flight target per replica (deprecated).",
+    )
     max_batch_tokens: int = Field(default=16384, ge=1, le=4_194_304, description="Padded tokens per batch.")
     max_client_batch_size: int = Field(default=2048, ge=1, le=1_000_000)
     max_concurrent_requests: int = Field(default=512, ge=1, le=1_000_000)
@@ -233,10 +238,15 @@ class ScaleDownRules(CamelModel):
 class AutoscalingSpec(CamelModel):
     """Knobs of the in-flight autoscaler (embedfleet.operator.autoscale.from_spec reads these keys).
 
-    Target per replica = runtime.maxBatchRequests * targetUtilization in-flight requests.
+    Target per replica = inFlightPerReplica * targetUtilization in-flight requests.
     """
 
     enabled: bool = Field(default=True, description="When false, replicas = spec.replicas or minReplicas.")
+    in_flight_per_replica: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="In-flight requests one replica carries at full use; the target per replica is this "
+        "x targetUtilization. Unset: spec.runtime.maxBatchRequests when that is not 32 (deprecated), else 32.",
+    )
     min_replicas: int = Field(default=1, ge=0, le=10000)
     max_replicas: int = Field(default=10, ge=1, le=10000)
     target_utilization: float = Field(default=0.7, gt=0, le=1)

@@ -57,6 +57,7 @@ from embedfleet.operator.autoscale import (
     manual_replicas,
     trim_observations,
 )
+from embedfleet.operator.autoscale_target import in_flight_target
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.gateway_signal import POD_LABELS as GATEWAY_POD_LABELS
@@ -491,7 +492,7 @@ async def autoscale(
             await asyncio.sleep(IDLE_RECHECK_S)  # kopf cancels it on stop (see wait_for_tick)
             continue
         autoscaling = parsed.autoscaling.model_dump(by_alias=True, exclude_none=True)
-        config = from_spec(autoscaling, parsed.runtime.max_batch_requests)
+        config = from_spec(autoscaling, in_flight_target(spec).per_replica)
         if config != config_key:
             if config_key is not None:
                 # The history stays: its recommendations were made under the old bounds, so a lower

@@ -34,6 +34,7 @@ import kopf
 
 from embedfleet.operator import platform
 from embedfleet.operator import status as st
+from embedfleet.operator.autoscale_target import DEPRECATION_REASON, of_parsed
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.handlers.common import cache_nodes, reject
@@ -142,7 +143,7 @@ def wanted_status(
         generation=generation,
         probe_drift=(status or {}).get("probeDrift"),
     )
-    accepted = st.condition("Accepted", True, "Valid", "spec accepted", generation)
+    accepted = accepted_condition(spec, generation)
     replicas = fields.pop("replicas")
     if not spec.autoscaling.enabled:
         replicas["desired"] = desired
@@ -158,6 +159,32 @@ def wanted_status(
         "selector": selector_string(name),
         **fields,
     }
+
+
+def accepted_condition(spec: EmbeddingDeploymentSpec, generation: int | None) -> dict[str, Any]:
+    """Accepted=True; reason Deprecated, its message naming the field, while the autoscaler's in-flight
+    target borrows spec.runtime.maxBatchRequests (autoscale_target.py)."""
+    deprecation = of_parsed(spec).deprecation
+    if deprecation is None:
+        return st.condition("Accepted", True, "Valid", "spec accepted", generation)
+    return st.condition("Accepted", True, DEPRECATION_REASON, f"spec accepted; {deprecation}", generation)
+
+
+def _accepted(conditions: Any) -> Mapping[str, Any]:
+    return next((c for c in conditions or [] if c.get("type") == "Accepted"), {})
+
+
+def announce_deprecation(obj: Mapping[str, Any], status: Mapping[str, Any], update: Mapping[str, Any]) -> None:
+    """One Warning Event (reason Deprecated) when a status write makes the Accepted condition name a
+    deprecation it did not name before; later writes of the same message add none."""
+    new = _accepted(update.get("conditions"))
+    if new.get("reason") != DEPRECATION_REASON:
+        return
+    old = _accepted(status.get("conditions"))
+    if old.get("reason") == DEPRECATION_REASON and old.get("message") == new.get("message"):
+        return
+    message = str(new.get("message", "")).removeprefix("spec accepted; ")
+    kopf.warn(dict(obj), reason=DEPRECATION_REASON, message=message[:1000])
 
 
 def admit(obj: Mapping[str, Any]) -> tuple[EmbeddingDeploymentSpec | None, list[str]]:
@@ -313,6 +340,7 @@ def converge(
         update = st.status_patch(status, wanted)
         if update:
             KUBE.patch_status(KIND, name, namespace, update)
+            announce_deprecation(obj, status, update)
         LAST_ROLLOUT[(namespace, name)] = plan.status_fields()
         if transition:
             _announce(obj, plan, logger)
@@ -412,6 +440,7 @@ def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, log
                                                        owner["metadata"].get("generation"), desired, observed))
         if update:
             KUBE.patch_status(KIND, owner_name, namespace, update)
+            announce_deprecation(owner, status, update)
 
 
 def refresh_status(name: str, namespace: str) -> None:
@@ -434,6 +463,7 @@ def refresh_status(name: str, namespace: str) -> None:
                                                        owner["metadata"].get("generation"), desired, observed))
         if update:
             KUBE.patch_status(KIND, name, namespace, update)
+            announce_deprecation(owner, status, update)
 
 
 for _group, _version, _plural in OWNED_WATCHES:
