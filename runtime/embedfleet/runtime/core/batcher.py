@@ -8,9 +8,9 @@ before it reaches the engine.
 Scheduling is driven by callbacks, not by a task awaiting the engine: a lone query on an idle server
 is on the engine thread one loop turn after it is queued, the engine thread hands its rows straight to
 a callback that completes the requests' futures, and whatever is bookkeeping (metrics, gauges, the
-fairness ledger, the drain rate) runs while the engine computes or after the answers are out. On two
-CPU cores each extra hop through asyncio's future chaining cost tens of microseconds of a query's
-few milliseconds, on caches the forward pass had just evicted.
+fairness ledger, the drain rate; the figures are kept in `core/bookkeeping.py`) runs while the engine
+computes or after the answers are out. On two CPU cores each extra hop through asyncio's future chaining
+cost tens of microseconds of a query's few milliseconds, on caches the forward pass had just evicted.
 
 Admission (`core/admission.py`) needs the tokens queued ahead of a request and the engine's drain
 rate on every submit, so both are running figures: totals kept as items enter and leave (a submit
@@ -40,7 +40,7 @@ import numpy as np
 
 from embedfleet.runtime.core.admission import decide
 from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch
-from embedfleet.runtime.core.drain_rate import DrainRate
+from embedfleet.runtime.core.bookkeeping import Bookkeeping
 from embedfleet.runtime.core.jobs import DeadlineUnmet, Item, Job, QueueFull, as_rows
 from embedfleet.runtime.core.lateness import late_jobs
 from embedfleet.runtime.metrics import ModelMetrics
@@ -50,8 +50,6 @@ log = logging.getLogger(__name__)
 
 MIN_BULK_TOKENS = 512
 QUERIES_RECENT_S = 1.0  # urgent work seen this recently: bulk batches are cut to the shared slice
-SERVED_WINDOW_S = 10.0  # tenants' fair shares are judged over about this much recent engine time
-ARRIVALS_WINDOW_S = 5.0  # the urgent arrival rate is measured over about this much recent time
 MIN_BULK_SHARE = 0.1  # bulk work is never judged to get less than this share of the engine (promotion)
 # a batch of inputs (anything with len()) -> rows: one array (fixed width, stacked per request) or a list
 # of arrays (ragged, e.g. per-token vectors: each request gets its list, in input order)
@@ -85,15 +83,9 @@ class BatchManager:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(); None: nothing is dispatched
         self._busy = False  # a batch is on the engine thread
         self._kick_pending = False  # a _kick is scheduled on the loop
-        self._drain = DrainRate()  # clock: time.perf_counter()
-        self._tokens_per_s = 0.0  # the long-run rate (sizes bulk batches)
         self._running_since = 0.0  # time.perf_counter() when the batch in the engine started
-        self._last_end: float | None = None  # when the last batch finished, if work was waiting then
-        self._last_batch_s = 0.0  # the drain seconds of the last batch (the promise's "one batch")
-        self._served: dict[str, float] = {}  # tokens run per tenant, decayed over SERVED_WINDOW_S
-        self._served_at = time.monotonic()
-        self._urgent_arrivals = 0.0  # urgent tokens submitted, decayed over ARRIVALS_WINDOW_S
-        self._arrivals_at = time.monotonic()
+        # the drain rate, the tenants' fairness ledger, the urgent arrival rate, the batches' metrics
+        self._books = Bookkeeping(metrics, time.monotonic())
         # Preemption (see `preempt_point`): shared with the engine thread under `_preempt_lock`.
         self.preemptible = False  # the engine calls preempt_point between layers (ModelService.load wires it)
         self._stretch = 1.0  # the share of a bulk batch's time between two pauses (1 / its layers)
@@ -136,7 +128,15 @@ class BatchManager:
     @property
     def tokens_per_s(self) -> float:
         """The long-run drain rate (0 until seeded or measured); admission reads `drain_rate()`."""
-        return self._tokens_per_s
+        return self._books.tokens_per_s
+
+    @property
+    def _tokens_per_s(self) -> float:  # what sizes bulk batches (`_budget`); tests set it
+        return self._books.tokens_per_s
+
+    @_tokens_per_s.setter
+    def _tokens_per_s(self, value: float) -> None:
+        self._books.tokens_per_s = value
 
     @property
     def saturated(self) -> bool:
@@ -153,8 +153,7 @@ class BatchManager:
 
     def urgent_arrival_rate(self, now: float | None = None) -> float:
         """Urgent tokens submitted per second lately (a decayed sum over ARRIVALS_WINDOW_S)."""
-        now = time.monotonic() if now is None else now
-        return self._urgent_arrivals * math.exp(-(now - self._arrivals_at) / ARRIVALS_WINDOW_S) / ARRIVALS_WINDOW_S
+        return self._books.urgent_arrival_rate(time.monotonic() if now is None else now)
 
     def drain_rate(self, urgent: bool = True) -> float:
         """The measured rate (core/drain_rate.py: the most pessimistic of the long-run rate, the last
@@ -166,7 +165,8 @@ class BatchManager:
         Q tokens ahead finishes after Q / (rate - arrivals), not Q / rate). Never below MIN_BULK_SHARE
         of the rate, since bulk work waiting past its promotion time runs as urgent."""
         now = time.perf_counter()
-        rate = self._drain.rate(now, self._running_tokens, now - self._running_since if self._running_tokens else 0.0)
+        running_s = now - self._running_since if self._running_tokens else 0.0
+        rate = self._books.drain.rate(now, self._running_tokens, running_s)
         if not urgent and rate:
             rate = max(rate - self.urgent_arrival_rate(), MIN_BULK_SHARE * rate)
         return rate
@@ -178,8 +178,7 @@ class BatchManager:
     def seed_rate(self, tokens: int, seconds: float) -> None:
         """Start the drain rate from a timed batch (ModelService.load runs one at start-up), so the
         first requests are judged by a measurement instead of being admitted blind."""
-        self._drain.seed(tokens, seconds)
-        self._tokens_per_s = self._drain.long_run
+        self._books.seed(tokens, seconds)
 
     def submit(self, inputs: Sequence, urgent: bool, max_wait: float | None = None,
                deadline: float | None = None, tenant: str = "", arrived: float | None = None,
@@ -231,8 +230,7 @@ class BatchManager:
         if urgent:
             self._urgent_tokens += tokens
             self._last_urgent = now
-            self._urgent_arrivals = self.urgent_arrival_rate(now) * ARRIVALS_WINDOW_S + tokens
-            self._arrivals_at = now
+            self._books.urgent_arrived(tokens, now)
         self._queued_jobs += 1
         self._schedule_kick()
         return job
@@ -321,7 +319,7 @@ class BatchManager:
         their bound plus one batch (admitted on a rate the engine no longer keeps: it slowed since)."""
         urgent_ahead = self.ahead_of(urgent=True) - self._urgent_tokens
         bulk_ahead = self.ahead_of(urgent=False) - self._queued_tokens  # of the batches in the engine
-        late = late_jobs(live, now, urgent_ahead, bulk_ahead, self._urgent_tokens, self._last_batch_s,
+        late = late_jobs(live, now, urgent_ahead, bulk_ahead, self._urgent_tokens, self._books.last_batch_s,
                          lambda: (self.drain_rate(True), self.drain_rate(False)))
         if not late:
             return live
@@ -344,7 +342,7 @@ class BatchManager:
             return []
         entries = [Entry(item.seq, item.length, item.job.urgent, item.job.tenant) for item in self._queue]
         chosen = set(plan_batch(entries, self._budget(entries), self.max_batch_requests, self.overhead_tokens,
-                                self._served))
+                                self._books.served))
         batch = [self._queue[i] for i in sorted(chosen)]
         self._queue = [item for i, item in enumerate(self._queue) if i not in chosen]
         for item in batch:
@@ -373,16 +371,8 @@ class BatchManager:
 
     def _account(self, batch: list[Item]) -> None:
         """What taking `batch` means for everything but admission's totals (which `_plan` keeps): the
-        tenants' fairness ledger (read by the next plan), queue-wait metrics, traces, gauges."""
-        now = time.monotonic()
-        self._decay_served(now)
-        for item in batch:
-            job = item.job
-            self._served[job.tenant] = self._served.get(job.tenant, 0.0) + item.length
-            if job.trace is not None:
-                job.trace.dequeued()
-        for job in {item.job: None for item in batch if item.job.queued_items == 0}:
-            self.metrics.queue_wait(job.tenant or "default").observe(now - job.admitted_at)
+        tenants' fairness ledger (read by the next plan), queue-wait metrics, traces."""
+        self._books.taken(batch, time.monotonic())
 
     def _schedule_kick(self) -> None:
         """Plan on the next loop turn, not now: requests tokenized in the same turn share the batch.
@@ -404,7 +394,7 @@ class BatchManager:
             return
         batch = self._plan()
         if not batch:
-            self._last_end = None  # idle time is not drain time
+            self._books.last_end = None  # idle time is not drain time
             self._account(batch)
             return
         inputs = [item.job.inputs[item.index] for item in batch]
@@ -526,7 +516,7 @@ class BatchManager:
         self._bulk_running = False
         self._running_tokens = 0
         if error is not None:
-            self._last_end = None
+            self._books.last_end = None
         self._deliver(batch, rows, error, started, ended, paused)
         if error is None and self._loop is not None:  # the answers go out first; the rest is bookkeeping
             self._kick_pending = True
@@ -564,7 +554,7 @@ class BatchManager:
                scheduled: bool) -> None:
         """Bookkeeping of a batch answered last turn; `scheduled`: it was the engine's batch (not one run
         during a pause), so the next batch is planned now."""
-        self._record(batch, inputs, started, ended, paused, scheduled)
+        self._books.record(batch, inputs, started, ended, paused, scheduled, waiting=bool(self._queued_tokens))
         if any(item.job.trace is not None for item in batch):  # tracing on (tracing.py); answers are out
             trace_batch([(item.job.trace, item.length) for item in batch], started + paused, ended)
         if scheduled:
@@ -572,33 +562,6 @@ class BatchManager:
         else:
             self._schedule_kick()
 
-    def _decay_served(self, now: float) -> None:
-        """Forget old service so that a tenant's turn depends on recent engine time only; tenants that
-        have faded out are dropped (the dict stays as small as the set of active tenants)."""
-        keep = math.exp(-(now - self._served_at) / SERVED_WINDOW_S)
-        self._served_at = now
-        self._served = {t: v * keep for t, v in self._served.items() if v * keep >= 1.0}
-
     def _observe(self, ended: float, tokens: int, seconds: float) -> None:
-        """One batch into the drain rate (core/drain_rate.py): `tokens` left the engine at `ended`
-        (time.perf_counter()) after `seconds` of draining."""
-        self._drain.observe(ended, tokens, seconds)
-        self._last_batch_s = seconds
-        self._tokens_per_s = self._drain.long_run
-
-    def _record(self, batch: list[Item], inputs: list, started: float, ended: float, paused: float = 0.0,
-                scheduled: bool = True) -> None:
-        tokens = sum(len(x) for x in inputs)
-        self.metrics.batch_size.observe(len(batch))
-        self.metrics.batch_tokens.observe(max(len(x) for x in inputs) * len(inputs))
-        self.metrics.inputs.inc(len(batch))
-        self.metrics.tokens.inc(tokens)
-        self.metrics.engine_busy.inc(ended - started - paused)
-        if not scheduled:  # run during a pause: its own time only (the pause is not the bulk batch's)
-            self._observe(ended, tokens, ended - started)
-            return
-        # The drain rate counts the gap since the previous batch when work was already waiting then:
-        # time the event loop spent before it could plan this batch drains nothing either.
-        since = self._last_end if self._last_end is not None else started
-        self._observe(ended, tokens, ended - since - paused)
-        self._last_end = ended if self._queued_tokens else None
+        """One batch into the drain rate (core/bookkeeping.py); tests feed it measurements."""
+        self._books.observe(ended, tokens, seconds)

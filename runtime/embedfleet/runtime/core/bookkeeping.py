@@ -1,0 +1,99 @@
+"""What the batch manager (batcher.py) learns from the work it runs, and what it records about it: the
+engine's drain rate, the tenants' recent engine time (the fairness ledger the planner reads), the rate
+at which urgent work arrives, and the Prometheus metrics of each batch.
+
+Kept apart from the scheduler because none of it decides, by itself, what runs next: it is bookkeeping,
+done while the engine computes a batch or after that batch's answers are out, and the scheduler only
+reads its figures (admission and the bulk batch size read the rates, the planner reads the ledger). It
+reads no clock: the manager passes its times in (``time.monotonic()`` for arrivals and the ledger,
+``time.perf_counter()`` for the engine's batches), so that the manager's clock is the only one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from embedfleet.runtime.core.drain_rate import DrainRate
+from embedfleet.runtime.core.jobs import Item
+from embedfleet.runtime.metrics import ModelMetrics
+
+SERVED_WINDOW_S = 10.0  # tenants' fair shares are judged over about this much recent engine time
+ARRIVALS_WINDOW_S = 5.0  # the urgent arrival rate is measured over about this much recent time
+
+
+class Bookkeeping:
+    """The running figures of one batch manager and the metrics of its batches."""
+
+    def __init__(self, metrics: ModelMetrics, now: float) -> None:
+        """`now`: time.monotonic(), where the decayed sums start."""
+        self.metrics = metrics
+        self.drain = DrainRate()  # clock: time.perf_counter()
+        self.tokens_per_s = 0.0  # the long-run rate (sizes bulk batches)
+        self.last_end: float | None = None  # when the last batch finished, if work was waiting then
+        self.last_batch_s = 0.0  # the drain seconds of the last batch (the promise's "one batch")
+        self.served: dict[str, float] = {}  # tokens run per tenant, decayed over SERVED_WINDOW_S
+        self._served_at = now
+        self._urgent_arrivals = 0.0  # urgent tokens submitted, decayed over ARRIVALS_WINDOW_S
+        self._arrivals_at = now
+
+    # -- urgent arrivals (time.monotonic()) ------------------------------------------------
+    def urgent_arrival_rate(self, now: float) -> float:
+        """Urgent tokens submitted per second lately (a decayed sum over ARRIVALS_WINDOW_S)."""
+        return self._urgent_arrivals * math.exp(-(now - self._arrivals_at) / ARRIVALS_WINDOW_S) / ARRIVALS_WINDOW_S
+
+    def urgent_arrived(self, tokens: int, now: float) -> None:
+        self._urgent_arrivals = self.urgent_arrival_rate(now) * ARRIVALS_WINDOW_S + tokens
+        self._arrivals_at = now
+
+    # -- the drain rate (time.perf_counter()) ----------------------------------------------
+    def seed(self, tokens: int, seconds: float) -> None:
+        self.drain.seed(tokens, seconds)
+        self.tokens_per_s = self.drain.long_run
+
+    def observe(self, ended: float, tokens: int, seconds: float) -> None:
+        """One batch into the drain rate (core/drain_rate.py): `tokens` left the engine at `ended`
+        (time.perf_counter()) after `seconds` of draining."""
+        self.drain.observe(ended, tokens, seconds)
+        self.last_batch_s = seconds
+        self.tokens_per_s = self.drain.long_run
+
+    # -- batches ---------------------------------------------------------------------------
+    def taken(self, batch: list[Item], now: float) -> None:
+        """What taking `batch` off the queue at `now` (time.monotonic()) means for everything but
+        admission's totals (which the manager's plan keeps): the tenants' fairness ledger (read by the
+        next plan), queue-wait metrics, traces."""
+        self._decay_served(now)
+        for item in batch:
+            job = item.job
+            self.served[job.tenant] = self.served.get(job.tenant, 0.0) + item.length
+            if job.trace is not None:
+                job.trace.dequeued()
+        for job in {item.job: None for item in batch if item.job.queued_items == 0}:
+            self.metrics.queue_wait(job.tenant or "default").observe(now - job.admitted_at)
+
+    def _decay_served(self, now: float) -> None:
+        """Forget old service so that a tenant's turn depends on recent engine time only; tenants that
+        have faded out are dropped (the dict stays as small as the set of active tenants)."""
+        keep = math.exp(-(now - self._served_at) / SERVED_WINDOW_S)
+        self._served_at = now
+        self.served = {t: v * keep for t, v in self.served.items() if v * keep >= 1.0}
+
+    def record(self, batch: list[Item], inputs: Sequence, started: float, ended: float, paused: float,
+               scheduled: bool, waiting: bool) -> None:
+        """The metrics and the drain rate of a batch answered (times: time.perf_counter()); `scheduled`:
+        it was the engine's batch, not one run during a pause; `waiting`: work is queued now."""
+        tokens = sum(len(x) for x in inputs)
+        self.metrics.batch_size.observe(len(batch))
+        self.metrics.batch_tokens.observe(max(len(x) for x in inputs) * len(inputs))
+        self.metrics.inputs.inc(len(batch))
+        self.metrics.tokens.inc(tokens)
+        self.metrics.engine_busy.inc(ended - started - paused)
+        if not scheduled:  # run during a pause: its own time only (the pause is not the bulk batch's)
+            self.observe(ended, tokens, ended - started)
+            return
+        # The drain rate counts the gap since the previous batch when work was already waiting then:
+        # time the event loop spent before it could plan this batch drains nothing either.
+        since = self.last_end if self.last_end is not None else started
+        self.observe(ended, tokens, ended - since - paused)
+        self.last_end = ended if waiting else None
