@@ -411,8 +411,8 @@ def test_the_operator_never_reads_secrets_or_writes_nodes_outside_the_hub() -> N
         # The node agent is the one identity with a node write, and holds nothing else.
         assert tables[("ClusterRole", "embedfleet-node-agent")] == {
             ("", "nodes"): {"get", "patch"},
-            ("embedfleet.dev", "embeddingdeployments"): {"list"},
-            ("embedfleet.dev", "modelcaches"): {"list"},
+            ("embedfleet.dev", "embeddingdeployments"): {"list", "watch"},
+            ("embedfleet.dev", "modelcaches"): {"list", "watch"},
         }
         (binding,) = [b for b in by_kind(objects, "ClusterRoleBinding")
                       if b["roleRef"]["name"] == "embedfleet-node-agent"]

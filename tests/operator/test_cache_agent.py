@@ -502,3 +502,50 @@ def test_node_agents_cache_label_and_retire_on_a_real_cluster(kube_cluster: Clus
         assert proc.alive(), proc.log()[-3000:]
     errors = proc.unexpected_errors()
     assert errors == [], "\n".join(map(str, errors))
+
+
+def test_a_running_agent_acts_on_a_change_at_once_not_at_its_interval(kube_cluster: Cluster, unique: str,
+                                                                       shared_tmp: Path) -> None:
+    """The daemon (not --once), as the chart's node-agent identity with a 300 s interval: a ModelCache
+    created after its first pass is on disk and labelled within seconds, because its informers' watch woke
+    a pass; the audit log shows the watches and no refusal."""
+    cluster = kube_cluster
+    with serve_files() as server, release(cluster, shared_tmp, f"w{unique}", start=False) as (system_ns, _):
+        digest = _tiny_model(shared_tmp / "watch-model")
+        server.publish_dir("/w/", shared_tmp / "watch-model")
+        ns = f"team-w-{unique}"
+        cluster.kubectl("create", "namespace", ns)
+        (shared_tmp / "watch").mkdir()
+        agents = Agents(cluster, shared_tmp / "watch", f"ef-w{unique}", system_ns, {}, ["cpu-1"], None)
+        root = agents.roots["cpu-1"]
+        root.mkdir(mode=0o755)
+        health = shared_tmp / "watch" / "health"
+        args = [a for a in agents.args if not a.startswith(("--interval", "--health-dir"))]
+        env = {**os.environ, **agents.env, "NODE_NAME": "cpu-1", "KUBECONFIG": str(agents.kubeconfig),
+               "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("runtime", "operator", "client"))}
+        cluster.audit_mark()
+        proc = subprocess.Popen([sys.executable, "-m", "embedfleet.runtime.cli", "cache", "agent",
+                                 f"--cache-root={root}", *args, "--interval=300", f"--health-dir={health}"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            def ready() -> bool:
+                assert proc.poll() is None, proc.communicate()[0][-3000:]
+                return (health / "ready").exists()
+
+            wait_until(ready, 60, "the agent's first pass")  # its `ready` file: the pass could read the cluster
+            time.sleep(3)  # past the pass the informers' first list starts a second after it lands
+            cluster.apply({"apiVersion": "embedfleet.dev/v1alpha1", "kind": "ModelCache",
+                           "metadata": {"name": "watched", "namespace": ns},
+                           "spec": {"model": {"source": server.url + "/w/", "digest": digest}}})
+            key = naming.cache_label_key(digest, ns)
+            wait_until(lambda: _labels(cluster, "cpu-1").get(key) == "ready", 30,
+                       "cached and labelled long before the 300 s interval")
+            assert tree_digest(root / naming.cache_entry(ns, digest)) == digest
+            assert agents.errors() == [], agents.errors()
+        finally:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out[-3000:]
+        watched = {e.resource for e in cluster.audit() if e.user == agents.user and e.verb == "watch"}
+        assert watched == {"modelcaches", "embeddingdeployments"}, watched
+        cluster.kubectl("delete", "modelcache", "watched", "-n", ns, "--wait=true", "--timeout=60s")

@@ -5,11 +5,12 @@ get/patch, EmbeddingDeployments and ModelCaches list; nothing else), so no tenan
 node right and the cache root is the platform's, never a tenant's choice. Each pass:
 
 1. reads its own Node (labels: which pools it is in, whether it is a control-plane node);
-2. lists EmbeddingDeployments and ModelCaches in all namespaces with ``resourceVersion=0``, which the
-   API server answers from its watch cache (no etcd read). A periodic list rather than a watch: the
-   agent acts on a timescale of seconds to minutes anyway (downloads take longer), a list every
-   ``--interval`` seconds from each node costs the API server one cached read per node per interval,
-   and a process that holds no watch has no resync, bookmark or reconnect logic to get wrong;
+2. reads EmbeddingDeployments and ModelCaches in all namespaces from two informers of the control-plane
+   kit (embedfleet/kit/informer.py: one list, then a watch). A change wakes a pass at once (a second
+   later, so a burst of changes makes one pass), so a new ModelCache or deployment starts its download
+   within about a second instead of at the next ``--interval``, which stays as the resync period (the
+   retention clock, a pull that failed). Until the informers have listed (and with ``--once``) a pass
+   lists with ``resourceVersion=0``, answered from the API server's watch cache;
 3. decides with the pure functions in `wanted` what this node should hold, pulls each missing entry
    into ``<cache-root>/<namespace>_sha256-<hex>`` (one failing pull is logged and retried next pass;
    the others go on), deletes entries nobody has wanted for ``--retention-seconds``;
@@ -53,6 +54,8 @@ STATE_FILE = ".agent-state.json"
 TMP_PREFIX = ".tmp-"
 #: Seconds between beats while the agent waits for its next pass, and between a pull watcher's looks.
 HEARTBEAT_S = 5.0
+#: Seconds a change waits before its pass, so that a burst of changes (a relist, a chart install) is one pass.
+CHANGE_SETTLE_S = 1.0
 
 
 class RootNotWritable(Exception):
@@ -92,8 +95,8 @@ class AgentConfig:
 
 
 class Cluster:
-    """The agent's only reads and writes, through the official client (get/patch its Node, list the two
-    custom resources cluster-wide from the watch cache)."""
+    """The agent's only reads and writes, through the official client (get/patch its Node, list or watch the
+    two custom resources cluster-wide)."""
 
     def __init__(self, api_client: Any = None) -> None:
         import kubernetes  # here: the client is slow to import and `cache pull` never needs it
@@ -103,12 +106,33 @@ class Cluster:
         self._client = api_client or load_client()
         self.core = kubernetes.client.CoreV1Api(self._client)
         self.custom = kubernetes.client.CustomObjectsApi(self._client)
+        #: Set by the informers on any change of what they watch: the loop's cue for a pass.
+        self.changed = threading.Event()
+        self._informers: dict[str, Any] = {}
+
+    def watch(self) -> None:
+        """Keep the two collections in informers from now on (``list_all`` reads them once listed)."""
+        from embedfleet.kit.client import KubeClient, collection_path
+        from embedfleet.kit.informer import Informer
+
+        kube = KubeClient(self._client)
+        for plural in (naming.EMBEDDING_DEPLOYMENT_PLURAL, naming.MODEL_CACHE_PLURAL):
+            self._informers[plural] = Informer(
+                kube, collection_path(naming.API_VERSION, plural), name=plural, kind=plural,
+                on_change=lambda _key: self.changed.set()).start()
+
+    def stop(self) -> None:
+        for informer in self._informers.values():
+            informer.stop(timeout=0.5)
 
     def node_labels(self, name: str) -> dict[str, str]:
         node = self.core.read_node(name)
         return dict(node.metadata.labels or {})
 
     def list_all(self, plural: str) -> list[dict[str, Any]]:
+        informer = self._informers.get(plural)
+        if informer is not None and informer.synced:
+            return list(informer.items().values())
         data = self.custom.list_cluster_custom_object(
             naming.GROUP, naming.VERSION, plural, resource_version="0"
         )
@@ -267,8 +291,13 @@ def run(config: AgentConfig, interval_s: float, once: bool, cluster: Cluster | N
     heartbeat = Heartbeat(health_dir, config.root) if health_dir is not None and not once else None
     stop = threading.Event()
     if not once:
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        def stopping(*_: Any) -> None:
+            stop.set()
+            cluster.changed.set()  # ends a wait at once
+
+        signal.signal(signal.SIGTERM, stopping)
+        signal.signal(signal.SIGINT, stopping)
+        cluster.watch()
     while True:
         if heartbeat is not None:
             heartbeat.beat()
@@ -285,16 +314,25 @@ def run(config: AgentConfig, interval_s: float, once: bool, cluster: Cluster | N
             for problem in problems:
                 log.error("%s", problem)
             return 1 if problems else 0
-        if _wait(stop, interval_s, heartbeat):
+        if _wait(stop, interval_s, heartbeat, cluster.changed):
+            cluster.stop()
             return 0
 
 
-def _wait(stop: threading.Event, seconds: float, heartbeat: Heartbeat | None) -> bool:
-    """Wait ``seconds``, beating every HEARTBEAT_S (a waiting agent is a live one); True once stopped."""
+def _wait(stop: threading.Event, seconds: float, heartbeat: Heartbeat | None,
+          changed: threading.Event | None = None) -> bool:
+    """Wait ``seconds`` or until ``changed`` is set (then CHANGE_SETTLE_S more, so a burst of changes makes
+    one pass), beating every HEARTBEAT_S (a waiting agent is a live one); True once stopped."""
     deadline = time.monotonic() + seconds
     while True:
         left = deadline - time.monotonic()
-        if stop.wait(max(0.0, min(left, HEARTBEAT_S))):
+        step = max(0.0, min(left, HEARTBEAT_S))
+        if changed is not None and changed.wait(step):
+            if stop.wait(CHANGE_SETTLE_S):
+                return True
+            changed.clear()
+            return False
+        if stop.wait(0 if changed is not None else step):
             return True
         if left <= HEARTBEAT_S:
             return False
