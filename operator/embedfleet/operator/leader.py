@@ -8,6 +8,12 @@ On a clean shutdown the leader releases the Lease, so a standby takes over in on
 of one lease duration. Writes go through optimistic concurrency (``resourceVersion``): two candidates
 racing for a free Lease cannot both win.
 
+Why not the ``kubernetes`` package's ``leaderelection`` (read at version 37.0): it never releases the Lease
+on shutdown, so every rollout of the operator would leave the cluster without an acting leader for a whole
+lease duration (tests/hub/test_hub_election_real.py asserts the hand-over at once); and a candidate cannot
+be stopped (``acquire`` loops on ``time.sleep`` with no cancel), which a process that must exit on SIGTERM
+while standing by needs.
+
 Why not kopf peering: with equal priorities every peer pauses itself (a total outage), peering without
 its CRD silently does nothing, and work outside kopf handlers (hub loop, spoke heartbeat) was never
 covered by it. A process that is not the leader here does not run kopf at all.
