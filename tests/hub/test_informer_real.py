@@ -1,10 +1,14 @@
-"""The hub's informer against a real kube-apiserver: what changes behind its back appears in its view; a
-watch whose version expired (the API server restarted) re-lists; an unreachable server is an error, not an
-empty view, and the informer recovers by itself.
+"""The control-plane kit's informer (the hub's, the gateway's and the node agent's) against a real
+kube-apiserver: what changes behind its back appears in its view; a watch whose version expired (the API
+server restarted) re-lists; a watch the server ends is resumed without a list; an unreachable or stalled
+server is an error, not an empty view, and the informer recovers by itself.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -75,3 +79,54 @@ def test_a_restarted_api_server_is_an_error_then_a_relist(cluster: Cluster, info
     # The restarted server's watch cache starts after the informer's version: it answers 410 and the
     # informer lists again instead of missing what changed.
     assert informer.stats.relists >= 1 and informer.stats.lists >= 2, informer.stats
+
+
+def _watches(cluster: Cluster) -> int:
+    return sum(e.verb == "watch" and e.resource == "configmaps" and e.namespace == "w" for e in cluster.audit())
+
+
+def test_a_watch_the_server_ends_is_resumed_without_a_list(cluster: Cluster) -> None:
+    """The server ends each watch after timeoutSeconds; the informer opens the next one from the newest
+    version it saw (no list), and changes made between two watches still arrive."""
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "w"}})
+    cluster.audit_mark()
+    inf = Informer(Kube(cluster.api_client()), "/api/v1/namespaces/w/configmaps", name="short",
+                   timeout_seconds=1, backoff=(0.2, 1.0)).start()
+    try:
+        assert inf.wait_synced(20)
+        for i in range(3):
+            cluster.apply(_configmap(f"c{i}", "w", str(i)))
+            wait_until(lambda i=i: _value(inf, f"w/c{i}") == str(i), 10, f"c{i} in the view")
+            time.sleep(1.2)  # past the server's end of the watch
+        wait_until(lambda: _watches(cluster) >= 3, 20, "three watches ended by the server in the audit log")
+        assert inf.stats.lists == 1 and inf.stats.relists == 0, inf.stats
+        assert inf.stats.watches >= 3 and inf.error is None
+    finally:
+        inf.stop()
+
+
+def test_a_stalled_api_server_is_detected_and_the_watch_resumes(cluster: Cluster) -> None:
+    """An API server that accepts but never answers (SIGSTOP) is a stalled watch: the read time-out
+    (timeoutSeconds + the connect time-out) ends it, the informer reports the error and is not synced
+    (the health signal its readers use); once the server answers again the watch resumes from the newest
+    version, without a list, and the change made meanwhile arrives."""
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "w"}})
+    restarts: list[str] = []
+    inf = Informer(Kube(cluster.api_client()), "/api/v1/namespaces/w/configmaps", name="stall", kind="ConfigMap",
+                   timeout_seconds=2, backoff=(0.2, 1.0), on_restart=restarts.append).start()
+    apiserver = next(p for p in cluster.procs if p.name.endswith("apiserver"))
+    try:
+        assert inf.wait_synced(20)
+        os.kill(apiserver.popen.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: inf.error is not None, 30, "the stalled watch reported")
+            assert not inf.synced
+            assert "timed out" in inf.error.lower() or "timeout" in inf.error.lower(), inf.error
+        finally:
+            os.kill(apiserver.popen.pid, signal.SIGCONT)
+        cluster.apply(_configmap("after", "w", "9"))
+        wait_until(lambda: inf.synced and _value(inf, "w/after") == "9", 30, "resumed after the stall")
+        assert inf.stats.lists == 1, inf.stats
+        assert restarts and set(restarts) == {"ConfigMap"}, restarts
+    finally:
+        inf.stop()
