@@ -6,7 +6,7 @@ reached) feed the same `Fleet` the static `--upstream` flags feed:
 
 * EmbeddingDeployments: the served model name a request asks for (`spec.model.servedModelName`, else
   the object's name, as the runtime is told) -> the deployment `<namespace>/<name>`, whose runtime
-  Service has the deployment's name (operator/render.py). Mid-rollout, each live revision that is not
+  Service has the deployment's name (operator/render/). Mid-rollout, each live revision that is not
   current answers `<served>@rN` through its own Service `<name>-rN`; every route carries the vector
   space its requests are pinned to, from the deployment's status (pinning.py), and the deployment's own
   shed and spill bounds (`spec.runtime.maxQueueSeconds`, `maxQueueSecondsBulk`,
@@ -136,7 +136,7 @@ class ClusterView:
 
     def service_bounds(self) -> dict[str, Bounds]:
         """Service key (as in `routes`) -> its deployment's own bounds: a revision's Service has the
-        deployment's (limits are the spec's, not the revision's: operator/render.py spec_for)."""
+        deployment's (limits are the spec's, not the revision's: operator/render/revisions.py spec_for)."""
         out: dict[str, Bounds] = {}
         for key in sorted(self.deployments):
             namespace = key.split("/", 1)[0]

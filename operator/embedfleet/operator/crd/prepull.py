@@ -2,7 +2,7 @@
 
 One reading for the three places that need it: the renderer (a runtime pod's ``embedfleet cache pull``
 init container), the node agent (`embedfleet cache agent`, which fills the node cache) and the ModelCache
-status (which counts the nodes the agent serves). It lives beside the models, not in render.py, so the
+status (which counts the nodes the agent serves). It lives beside the models, not in render/, so the
 node agent imports neither the renderer nor the rollout code behind it (tests/packaging/test_boundaries.py).
 """
 
