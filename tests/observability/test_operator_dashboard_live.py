@@ -11,9 +11,9 @@ Then every query of every panel outside the Hub row is sent to /api/v1/query wit
 variables substituted as test_dashboards_live.py does (region by what its own `label_values` query finds,
 $__rate_interval by a window covering the run): each must parse and return data, and return nothing for a
 region nobody scrapes. The Hub row's panels (round time, breakers, spoke write queue and batch time, the
-informers' watch restarts) read metrics only a leading hub with spokes exports; running one needs a fleet
-of spoke API servers (tests/hub/fleet.py), so here Prometheus only has to parse their queries (no data
-required) and they too must return nothing for the unscraped region.
+informers' watch restarts) read metrics only a leading hub with spokes exports: here Prometheus only has to
+parse their queries and they too must return nothing for the unscraped region;
+test_hub_dashboard_live.py runs a hub with a spoke and requires their data.
 """
 
 from __future__ import annotations
