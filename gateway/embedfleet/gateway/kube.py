@@ -19,9 +19,10 @@ Waking from zero: when the gateway holds a request for a deployment with no read
 EmbeddingDeployment's scale subresource to 1 if it is at 0 (the operator's autoscaler acts on that change
 at once and goes on from one replica). That is the whole of its write access (the chart's ClusterRole).
 
-The informers run on threads (the kubernetes client is synchronous); a change marks the view dirty and one
-publisher thread hands the routes to the event loop, once per burst of events (a relist of a thousand
-objects publishes once, not a thousand times). Nothing on the event loop ever waits on the API server.
+The informers run on threads (the kubernetes client is synchronous); a change adds the one key "routes" to
+a kit work queue, whose worker hands the routes to the event loop once per burst of events (the queue
+merges the adds of a relist of a thousand objects into one or two publications). Nothing on the event loop
+ever waits on the API server.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from embedfleet.gateway.pinning import revision_services
 from embedfleet.gateway.spill import ANNOTATION
 from embedfleet.kit.client import KubeClient, collection_path
 from embedfleet.kit.informer import Informer
+from embedfleet.kit.workqueue import Result, Workers, WorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 WATCH_TIMEOUT_S = 300  # the server ends a watch after this; it is resumed from the last resourceVersion
 RETRY_S = 2.0  # after an error talking to the API server
 WAKE_EVERY_S = 5.0  # at most one wake per deployment this often while requests are held
+ROUTES = "routes"  # the one key of the routes' work queue
+SYNC_POLL_S = 0.2  # how often the first publication looks whether every informer has listed
 
 
 def deployment_key(namespace: str, name: str) -> str:
@@ -173,11 +177,12 @@ class KubeSource:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._woken: dict[str, float] = {}
-        self._threads: list[threading.Thread] = []
         self.synced = threading.Event()  # every informer has listed once
         self.on_restart = on_restart  # told an informer's kind when its watch is opened again (a metric)
         self.informers: list[Informer] = []
-        self._dirty = threading.Event()
+        #: One key: the routes are published by one worker after each burst of changes.
+        self._routes = WorkQueue("gateway-routes")
+        self._workers = Workers(self._routes, self._publish_routes)
 
     # -- watches -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -194,15 +199,14 @@ class KubeSource:
             eds.on_change = lambda key, inf=eds: self._changed(inf, key, self._on_deployment)
             slices.on_change = lambda key, inf=slices: self._changed(inf, key, self._on_slice)
             self.informers += [eds.start(), slices.start()]
-        thread = threading.Thread(target=self._publisher, name="gateway-routes", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        self._workers.start()
+        self._routes.add(ROUTES)
 
     def stop(self) -> None:
         self._stop.set()
-        self._dirty.set()
         for informer in self.informers:
             informer.stop(timeout=0.5)
+        self._workers.stop(timeout=0.5)
 
     def _changed(self, informer: Informer, key: str, handle: Callable[[str, dict, str | None], None]) -> None:
         """An informer's change of ``key`` applied to the view: the object as it is now, or its deletion."""
@@ -213,22 +217,17 @@ class KubeSource:
                 handle("DELETED", {"metadata": {"namespace": namespace, "name": name}}, None)
             else:
                 handle("MODIFIED", obj, None)
-        self._dirty.set()
+        self._routes.add(ROUTES)
 
-    def _publisher(self) -> None:
-        """Publish the routes after each burst of changes; the first time once every informer has listed."""
-        while not self._stop.is_set():
-            self._dirty.wait(0.5)
-            if self._stop.is_set():
-                return
-            if not self.synced.is_set():
-                if not all(informer.wait_synced(0) for informer in self.informers):
-                    continue
-                self.synced.set()
-            elif not self._dirty.is_set():
-                continue
-            self._dirty.clear()
-            self._publish()
+    def _publish_routes(self, _key: str) -> Result | None:
+        """The routes' one key, reconciled: published after each burst of changes (the kit's queue merges
+        the adds made meanwhile); the first time once every informer has listed."""
+        if not self.synced.is_set():
+            if not all(informer.wait_synced(0) for informer in self.informers):
+                return Result(requeue_after=SYNC_POLL_S)
+            self.synced.set()
+        self._publish()
+        return None
 
     @staticmethod
     def _in_scope(key: str, ns: str | None) -> bool:
