@@ -499,7 +499,8 @@ def main() -> int:
     facts = {"cpus": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                                                          / 2**30, 1),
              "python": pyplatform.python_version(), "kube_apiserver": KUBE_VERSION}
-    loop_source = Path(sys.modules[HubLoop.__module__].__file__ or "").read_bytes()  # the code measured
+    hub_package = Path(sys.modules[HubLoop.__module__].__file__ or "").parent  # the code measured: the hub's modules
+    loop_source = b"".join(p.read_bytes() for p in sorted(hub_package.glob("*.py")))
     workdir = Path(tempfile.mkdtemp(prefix="embedfleet-hub-fleet-"))
     out: dict[str, Any] = {}
     started = time.monotonic()

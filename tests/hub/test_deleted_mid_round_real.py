@@ -39,16 +39,16 @@ def test_a_status_write_for_an_object_deleted_mid_round(fresh_plane: ControlPlan
         # Deleted, and the watch has heard: no request at all.
         cluster.kubectl("delete", "embeddingdeployment", "watched", "-n", NS)
         wait_until(lambda: not informer.holds(stale_watched), 10, "the informer seeing the delete")
-        with caplog.at_level(logging.INFO, logger="embedfleet.operator.hub.loop"):
-            hub._write_status(stale_watched, {"observedGeneration": 99})
+        with caplog.at_level(logging.INFO, logger="embedfleet.operator.hub.reporting"):
+            hub.reporter.write_status(stale_watched, {"observedGeneration": 99})
         assert not [e for e in cluster.audit() if e.name == "watched" and e.verb == "patch"]
 
         # Deleted, the watch not told yet (a stopped informer stands for one that lags): the 404 is taken.
         informer.stop()
         cluster.kubectl("delete", "embeddingdeployment", "unwatched", "-n", NS)
         assert informer.holds(stale_unwatched)
-        with caplog.at_level(logging.INFO, logger="embedfleet.operator.hub.loop"):
-            hub._write_status(stale_unwatched, {"observedGeneration": 99})
+        with caplog.at_level(logging.INFO, logger="embedfleet.operator.hub.reporting"):
+            hub.reporter.write_status(stale_unwatched, {"observedGeneration": 99})
         patches = [e for e in cluster.audit() if e.name == "unwatched" and e.verb == "patch"]
         assert [e.code for e in patches] == [404], patches
         gone = [r.getMessage() for r in caplog.records if "deleted during the round" in r.getMessage()]
