@@ -13,7 +13,7 @@ Every role exports them (standalone, spoke, hub), standbys included: a standby s
 * Watches: the hub's informers count a watch that ended in an error and is opened again
   (``embedfleet_operator_watch_restarts_total{kind}``, hub/informer.py).
 * Leadership: ``embedfleet_operator_leader{role}`` (main.py sets it around the Lease).
-* The hub: round time, each spoke's breaker, and its spoke write queue (hub/loop.py).
+* The hub: round time and each spoke's breaker (hub/loop.py, hub/clusters.py), and the spoke write queue (hub/writes.py).
 
 The endpoint is prometheus_client's own ``start_http_server`` on a port of its own (``--metrics-port``,
 ``$EMBEDFLEET_OPERATOR_METRICS_PORT``, default 8081), not a route of the health server (health.py): that one
