@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,3 +103,20 @@ def variable_values(prometheus: Any, board: Mapping[str, Any], window: str) -> d
         elif var["type"] in ("textbox", "constant", "custom"):
             values[var["name"]] = var["current"]["value"]
     return values
+
+
+def failures(prometheus: Any, queries_: Iterable[Query], values: Mapping[str, str], need_data: bool = True
+             ) -> list[str]:
+    """What is wrong with each query once ``values`` are substituted: refused by Prometheus, or (with
+    ``need_data``) answered with nothing."""
+    out = []
+    for q in queries_:
+        expr = substitute(q.expr, values)
+        try:
+            result = prometheus.query(expr)
+        except AssertionError as exc:
+            out.append(f"{q.where()}: Prometheus refused it ({exc}):\n    {expr}")
+            continue
+        if need_data and not result:
+            out.append(f"{q.where()}: no data:\n    {expr}")
+    return out

@@ -134,16 +134,7 @@ def test_every_panel_query_outside_the_hub_row_returns_data(watched: Watched) ->
     board = panels.load(DASHBOARD)
     values = panels.variable_values(watched.prometheus, board, WINDOW)
     outside, _hub = split_queries(board)
-    failures = []
-    for q in outside:
-        expr = panels.substitute(q.expr, values)
-        try:
-            result = watched.prometheus.query(expr)
-        except AssertionError as exc:
-            failures.append(f"{q.where()}: Prometheus refused it ({exc}):\n    {expr}")
-            continue
-        if not result:
-            failures.append(f"{q.where()}: no data:\n    {expr}")
+    failures = panels.failures(watched.prometheus, outside, values)
     assert not failures, "\n".join(failures)
 
 
