@@ -124,8 +124,8 @@ KOPF_RIGHTS = _crud("customresourcedefinitions.apiextensions.k8s.io", "get list 
 #: Cache status: cachedNodes/totalNodes are counted from the node agents' labels (read only).
 NODE_READ = _crud("nodes", "list")
 #: The node agent's identity (its own ServiceAccount in the release namespace), and nobody else's.
-NODE_AGENT_RIGHTS = (_crud("nodes", "get patch") | _crud("embeddingdeployments.embedfleet.dev", "list")
-                     | _crud("modelcaches.embedfleet.dev", "list"))
+NODE_AGENT_RIGHTS = (_crud("nodes", "get patch") | _crud("embeddingdeployments.embedfleet.dev", "list watch")
+                     | _crud("modelcaches.embedfleet.dev", "list watch"))
 
 
 def lease_rights(*names: str) -> set[tuple[str, str, str]]:

@@ -36,6 +36,9 @@ class FakeKubelet:
         #: where the gateway routes by a name other than the embedded model's).
         self.keep_env = keep_env
         self.runtimes: dict[str, subprocess.Popen] = {}
+        #: The uid of the pod each runtime was started for: kwok hands a freed IP to the next pod, and a
+        #: runtime left from the previous pod on that IP would answer with the wrong model and revision.
+        self.owners: dict[str, str] = {}
         #: IPs whose runtime outlives its pod until the test stops it with `stop` (a slow shutdown).
         self.lingering: set[str] = set()
         self._lock = threading.Lock()
@@ -61,6 +64,11 @@ class FakeKubelet:
                        if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
             running.pop(None, None)
             live = set(running)
+            with self._lock:
+                reused = {ip for ip in live & set(self.runtimes) - self.lingering
+                          if self.owners.get(ip) != running[ip]["metadata"].get("uid")}
+                for ip in reused:
+                    stop_process(self.runtimes.pop(ip))
             envs = {ip: self.pod_env(pod) for ip, pod in running.items() if ip not in self.runtimes}
             with self._lock:
                 if self.stop_flag.is_set():
@@ -77,6 +85,7 @@ class FakeKubelet:
                              "--host", ip, "--port", str(RUNTIME_PORT), "--max-concurrent-requests", "256"],
                             stdout=log, stderr=log, env=child_env(env), cwd=ROOT,
                         )
+                    self.owners[ip] = running[ip]["metadata"].get("uid", "")
                 for ip in set(self.runtimes) - live - self.lingering:
                     stop_process(self.runtimes.pop(ip))
 
