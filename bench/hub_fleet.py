@@ -9,8 +9,9 @@ FleetCluster's lease is 10 s + 10 s grace). On the hub: one FleetCluster per spo
 large CPU capacity) whose kubeconfig Secret holds that spoke's *admin* kubeconfig (a bench shortcut: a
 real hub gets the chart's ``hubAccess`` identity, which does not change what the hub calls), and
 ``--deployments`` EmbeddingDeployments over 20 namespaces (autoscaling off, replicas 1-4; ActiveActive
-minRegions 1 or 2, or RegionLocked to one region). Then ``HubLoop`` runs in this process
-(``run_round()`` called here, back to back) and the audit logs of all clusters say what it did.
+minRegions 1 or 2, or RegionLocked to one region). Then the hub's controller runs in this process
+(``reconcile_all()`` called here, back to back: every cluster, placement, every policy; a "round" below is
+one such call) and the audit logs of all clusters say what it did.
 
 Attribution: the hub's requests carry User-Agent ``embedfleet-operator/<identity>``; this bench's own
 requests (object creation, Lease renewals, the 5% patch) carry ``embedfleet-bench``, and kubectl its own,
@@ -79,7 +80,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "operator")]
 from tests.kube.controlplane import KUBE_VERSION, Cluster, ControlPlane, missing_reason  # noqa: E402
 
 from embedfleet.operator import platform  # noqa: E402
-from embedfleet.operator.hub.loop import HubLoop  # noqa: E402
+from embedfleet.operator.hub.controller import HubController  # noqa: E402
 from embedfleet.operator.kube import Kube, load_client  # noqa: E402
 from embedfleet.operator.spoke.heartbeat import LEASE_NAME, lease_body, policy_json  # noqa: E402
 
@@ -242,20 +243,20 @@ def merge(accounts: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------- rounds
 
 
-def idle(loop: HubLoop) -> bool:
+def idle(loop: HubController) -> bool:
     """No spoke's writes still running, and every spoke's watch shows the hub's last writes."""
     return all(not link.busy() and link.copies.caught_up(link.written) for link in loop.state.links.values())
 
 
-def one_round(loop: HubLoop, audit: AuditTail, gap: float) -> tuple[float, dict[str, Any]]:
+def one_round(loop: HubController, audit: AuditTail, gap: float) -> tuple[float, dict[str, Any]]:
     started = time.perf_counter()
-    loop.run_round()
+    loop.reconcile_all()
     seconds = time.perf_counter() - started
     time.sleep(gap)  # the audit log is written as requests complete
     return seconds, account(audit.take(), HUB_UA)
 
 
-def until_converged(loop: HubLoop, audit: AuditTail, limit_s: float, gap: float = 0.3) -> dict[str, Any]:
+def until_converged(loop: HubController, audit: AuditTail, limit_s: float, gap: float = 0.3) -> dict[str, Any]:
     """Rounds until one writes nothing with no spoke's writes pending; its figures."""
     rounds: list[tuple[float, dict[str, Any]]] = []
     started = time.monotonic()
@@ -271,11 +272,11 @@ def until_converged(loop: HubLoop, audit: AuditTail, limit_s: float, gap: float 
             "total": total}
 
 
-def hub_items(loop: HubLoop) -> dict[str, dict[str, Any]]:
+def hub_items(loop: HubController) -> dict[str, dict[str, Any]]:
     return loop.informers["deployments"].items()
 
 
-def spoke_replicas(loop: HubLoop) -> dict[str, int]:
+def spoke_replicas(loop: HubController) -> dict[str, int]:
     """namespace/name -> replicas of all its copies together, as the hub's watches show them."""
     out: Counter[str] = Counter()
     for link in loop.state.links.values():
@@ -366,7 +367,7 @@ def measure(plane: ControlPlane, args: argparse.Namespace, workdir: Path, out: d
         spoke.kubectl("create", "namespace", SYSTEM)
     hub.apply(*({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in [SYSTEM, *NAMESPACES]))
     beats = Heartbeats(spokes).start()
-    loop: HubLoop | None = None
+    loop: HubController | None = None
     try:
         hub_kube = bench_kube(hub)
         for i, (name, spoke) in enumerate(spokes.items()):
@@ -387,7 +388,7 @@ def measure(plane: ControlPlane, args: argparse.Namespace, workdir: Path, out: d
         out["setup_s"] = round(time.monotonic() - t0, 1)
 
         audit = AuditTail([hub, *spokes.values()], hub.name)
-        loop = HubLoop(Kube(load_client(hub.kubeconfig)), interval=1, ramp=0)
+        loop = HubController(Kube(load_client(hub.kubeconfig)), interval=1, ramp=0)
         # ---- placing everything
         place = until_converged(loop, audit, limit_s=240)
         items = hub_items(loop)
@@ -499,7 +500,8 @@ def main() -> int:
     facts = {"cpus": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                                                          / 2**30, 1),
              "python": pyplatform.python_version(), "kube_apiserver": KUBE_VERSION}
-    hub_package = Path(sys.modules[HubLoop.__module__].__file__ or "").parent  # the code measured: the hub's modules
+    # the code measured: the hub's modules
+    hub_package = Path(sys.modules[HubController.__module__].__file__ or "").parent
     loop_source = b"".join(p.read_bytes() for p in sorted(hub_package.glob("*.py")))
     workdir = Path(tempfile.mkdtemp(prefix="embedfleet-hub-fleet-"))
     out: dict[str, Any] = {}

@@ -76,6 +76,22 @@ def test_a_rejected_spec_is_not_left_showing_placed() -> None:
     assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == "PolicyConflict"
 
 
+def test_a_deprecated_field_is_named_in_the_hub_objects_accepted() -> None:
+    """As a spoke's operator does on its own objects (autoscale_target.py): still accepted, reason
+    Deprecated, the mode kept in front of the sentence."""
+    from embedfleet.operator.autoscale_target import in_flight_target
+
+    spec = {"runtime": {"maxBatchRequests": 48}, "autoscaling": {"enabled": True}}
+    deprecation = in_flight_target(spec).deprecation
+    assert deprecation is not None
+    conds = _by_type(convert.conditions(_placement(eu=1), [], {}, {}, 2, deprecation))
+    assert conds["Accepted"]["status"] == "True" and conds["Accepted"]["reason"] == "Deprecated"
+    assert conds["Accepted"]["message"].startswith("mode ") and "spec.runtime.maxBatchRequests (48)" in \
+        conds["Accepted"]["message"]
+    plain = _by_type(convert.conditions(_placement(eu=1), [], {}, {}, 2))
+    assert plain["Accepted"]["reason"] == "Valid"
+
+
 def test_error_sentences_read_the_same_every_round() -> None:
     body = json.dumps({"kind": "Status", "message": 'embeddingdeployments "x" is forbidden', "code": 403})
     assert describe(KubeError(403, "Forbidden", body, "PATCH /x")) == \

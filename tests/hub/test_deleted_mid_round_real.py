@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from embedfleet.operator.hub.loop import HubLoop
+from embedfleet.operator.hub.controller import HubController
 from embedfleet.operator.kube import Kube, load_client
 from tests.kube.controlplane import ControlPlane, wait_until
 from tests.operator.real import EXAMPLE
@@ -27,9 +27,9 @@ def test_a_status_write_for_an_object_deleted_mid_round(fresh_plane: ControlPlan
     cluster.install_crds()
     cluster.kubectl("create", "namespace", NS)
     cluster.apply(_deployment("watched"), _deployment("unwatched"))
-    hub = HubLoop(Kube(load_client(cluster.kubeconfig)), interval=1, ramp=0)
+    hub = HubController(Kube(load_client(cluster.kubeconfig)), interval=1, ramp=0)
     try:
-        hub.run_round()  # starts the informers; writes the first status of both
+        hub.reconcile_all()  # starts the informers; writes the first status of both
         informer = hub.informers["deployments"]
         snapshot = informer.items()
         assert {"embeddings/watched", "embeddings/unwatched"} <= set(snapshot)
@@ -51,8 +51,8 @@ def test_a_status_write_for_an_object_deleted_mid_round(fresh_plane: ControlPlan
             hub.reporter.write_status(stale_unwatched, {"observedGeneration": 99})
         patches = [e for e in cluster.audit() if e.name == "unwatched" and e.verb == "patch"]
         assert [e.code for e in patches] == [404], patches
-        gone = [r.getMessage() for r in caplog.records if "deleted during the round" in r.getMessage()]
-        assert gone == [f"EmbeddingDeployment embeddings/{name} was deleted during the round; its status is not "
+        gone = [r.getMessage() for r in caplog.records if "deleted since it was read" in r.getMessage()]
+        assert gone == [f"EmbeddingDeployment embeddings/{name} was deleted since it was read; its status is not "
                         "written" for name in ("watched", "unwatched")]
     finally:
         hub.stop.set()

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from embedfleet.operator.hub.loop import HubLoop
+from embedfleet.operator.hub.controller import HubController
 from embedfleet.operator.kube import Kube, load_client
 from embedfleet.operator.spoke.heartbeat import GATEWAY_LOAD_ANNOTATION, LEASE_NAME, PROBLEM_ANNOTATION, Heartbeat
 from tests.gateway.conftest import start_gateway, wait_for
@@ -31,9 +31,9 @@ def _degraded(cluster: Cluster, name: str) -> dict:
     return {c["type"]: c for c in fc["status"]["conditions"]}.get("Degraded") or {}
 
 
-def _round_until(hub: HubLoop, cluster: Cluster, status: str) -> dict:
+def _round_until(hub: HubController, cluster: Cluster, status: str) -> dict:
     def done() -> dict | None:
-        hub.run_round()
+        hub.reconcile_all()
         degraded = _degraded(cluster, "self")
         return degraded if degraded.get("status") == status else None
 
@@ -60,7 +60,7 @@ def test_a_refused_node_list_is_reported_not_swallowed(fresh_plane: ControlPlane
         {"apiVersion": "embedfleet.dev/v1alpha1", "kind": "FleetCluster", "metadata": {"name": "self"},
          "spec": {"region": "test-region-1", "connection": {"kubeconfigSecret": {"name": "self-kubeconfig"}}}},
     )
-    hub = HubLoop(Kube(load_client(cluster.kubeconfig)), interval=1, ramp=0)
+    hub = HubController(Kube(load_client(cluster.kubeconfig)), interval=1, ramp=0)
 
     with caplog.at_level(logging.INFO, logger="embedfleet.operator.spoke.heartbeat"):
         beat.beat()

@@ -89,6 +89,25 @@ def test_delayed_keys_come_in_due_order_and_shutdown_ends_get() -> None:
     assert waiter == [None]
 
 
+def test_a_delayed_key_waits_once_at_its_earliest_due_time() -> None:
+    """Events that each ask for "placement in 0.2 s" while nothing drains the queue (a standby) keep one
+    entry, not one per event; an earlier time moves it, a later one is ignored."""
+    now = [0.0]
+    queue = WorkQueue("coalesce", clock=lambda: now[0])
+    for _ in range(1000):
+        queue.add_after("placement", 0.2)
+        now[0] += 0.0001
+    assert len(queue._delayed) == 1
+    queue.add_after("placement", 5.0)  # later: ignored
+    queue.add_after("placement", 0.01)  # sooner: moved
+    now[0] += 0.02
+    assert queue.get(timeout=0) == "placement"
+    queue.done("placement")
+    now[0] += 10.0
+    assert queue.get(timeout=0) is None  # the stale entries are dropped, not delivered again
+    assert len(queue._delayed) == 0
+
+
 def test_workers_never_run_one_key_twice_at_once_and_retry_failures() -> None:
     queue = WorkQueue("workers", base_delay=0.01, max_delay=0.05)
     running: Counter[str] = Counter()
@@ -138,6 +157,9 @@ def test_a_result_can_ask_to_look_again_later() -> None:
 def test_prometheus_metrics_move() -> None:
     registry = CollectorRegistry()
     queue = WorkQueue("measured", metrics=prometheus_metrics("test", registry))
+    # exported from the start, at zero: a dashboard's retries panel has a series before the first retry
+    assert registry.get_sample_value("test_workqueue_retries_total", {"name": "measured"}) == 0
+    assert registry.get_sample_value("test_workqueue_depth", {"name": "measured"}) == 0
     queue.add("a")
     queue.add("b")
     assert registry.get_sample_value("test_workqueue_depth", {"name": "measured"}) == 2

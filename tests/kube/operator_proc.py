@@ -80,6 +80,8 @@ class OperatorProcess:
     user: str
     liveness_port: int
     argv: list[str] = field(default_factory=list)
+    #: Where its /metrics answers (EMBEDFLEET_OPERATOR_METRICS_PORT as started), None when not known.
+    metrics_port: int | None = None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -169,8 +171,11 @@ def start_operator(
             env=child_env({**pod_env, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
                            **(env or {})}),
         )
+    started_env = {**pod_env, **(env or {})}
+    metrics_port = int(started_env["EMBEDFLEET_OPERATOR_METRICS_PORT"]) \
+        if started_env.get("EMBEDFLEET_OPERATOR_METRICS_PORT", "").isdigit() else None
     proc = OperatorProcess(cluster, popen, log_path, f"system:serviceaccount:{namespace}:{service_account}",
-                           liveness_port, argv)
+                           liveness_port, argv, metrics_port)
     if wait_alive:
         def up() -> bool:
             if not proc.alive():

@@ -127,7 +127,8 @@ def test_the_dashboard_has_a_hub_row_and_panels_outside_it() -> None:
     assert outside and hub
     assert len(outside) + len(hub) == len(list(panels.queries(panels.load(DASHBOARD))))
     titles = {q.panel for q in hub}
-    assert {"Hub round time p95", "Open breakers", "Spoke write queue", "Watch restarts"} <= titles, titles
+    assert {"Hub placement pass p95", "Open breakers", "Spoke write queue", "Watch restarts",
+            "Hub work queue"} <= titles, titles
 
 
 def test_every_panel_query_outside_the_hub_row_returns_data(watched: Watched) -> None:

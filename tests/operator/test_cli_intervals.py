@@ -1,6 +1,6 @@
 """`embedfleet operator run`'s timing flags: the hub loop's and the spoke heartbeat's intervals.
 
-They travel to the code that reads them as ``EMBEDFLEET_*`` variables (hub/loop.py, spoke/heartbeat.py), so
+They travel to the code that reads them as ``EMBEDFLEET_*`` variables (hub/controller.py, spoke/heartbeat.py), so
 the contract tested here is: a flag given sets its variable, a flag left out leaves the variable alone (an
 inherited value or the reader's default applies), and a value that would spin a loop or expire a lease at
 once is refused before anything starts, with exit status 2 and the flag's name.
@@ -18,7 +18,7 @@ import pytest
 from tests.kube.controlplane import ROOT
 
 from embedfleet.operator import cli
-from embedfleet.operator.hub import loop
+from embedfleet.operator.hub import controller as loop
 from embedfleet.operator.spoke import heartbeat
 from embedfleet.runtime import cli as top_cli
 

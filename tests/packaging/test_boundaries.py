@@ -240,8 +240,11 @@ def test_the_common_package_is_what_the_components_share() -> None:
 
 
 def test_the_gateway_and_the_hub_watch_through_the_kit() -> None:
-    for entry in (GATEWAY, "embedfleet.operator.hub.loop"):
+    for entry in (GATEWAY, "embedfleet.operator.hub.controller"):
         assert "embedfleet.kit.informer" in closure([entry]).modules, entry
+    # and both queue their work on the kit's work queue
+    for entry in (GATEWAY, "embedfleet.operator.hub.controller"):
+        assert "embedfleet.kit.workqueue" in closure([entry]).modules, entry
     # one informer, the kit's; the hub's module only binds the operator's restart counter to it
     assert [m for m in all_modules() if m.endswith(".informer")] == ["embedfleet.kit.informer",
                                                                      "embedfleet.operator.hub.informer"]

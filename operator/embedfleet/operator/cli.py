@@ -19,7 +19,7 @@ ROLES = ("standalone", "spoke", "hub")  # main.ROLE_HANDLERS (not imported here:
 ENV_PROMETHEUS_URL = "EMBEDFLEET_PROMETHEUS_URL"
 ENV_REGION = "EMBEDFLEET_REGION"
 ENV_CLOUD = "EMBEDFLEET_CLOUD"
-# The variables the hub loop (hub/loop.py) and the spoke heartbeat (spoke/heartbeat.py) read; the names are
+# The variables the hub controller (hub/controller.py) and the spoke heartbeat (spoke/heartbeat.py) read; the names are
 # repeated here, not imported, so that parsing flags never imports the operator's handlers.
 ENV_HUB_INTERVAL = "EMBEDFLEET_HUB_INTERVAL"
 ENV_HUB_RAMP = "EMBEDFLEET_HUB_RAMP_SECONDS"

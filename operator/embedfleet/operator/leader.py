@@ -15,7 +15,7 @@ be stopped (``acquire`` loops on ``time.sleep`` with no cancel), which a process
 while standing by needs.
 
 Why not kopf peering: with equal priorities every peer pauses itself (a total outage), peering without
-its CRD silently does nothing, and work outside kopf handlers (hub loop, spoke heartbeat) was never
+its CRD silently does nothing, and work outside kopf handlers (hub controller, spoke heartbeat) was never
 covered by it. A process that is not the leader here does not run kopf at all.
 """
 

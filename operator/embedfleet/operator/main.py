@@ -31,7 +31,7 @@ from embedfleet.operator.health import HealthServer, ServedResources, loop_respo
 
 #: What each role runs. Importing a module registers its kopf handlers. standalone/spoke reconcile
 #: EmbeddingDeployments and ModelCaches into pods and scale them; a spoke also renews its heartbeat Lease;
-#: the hub only places deployments on spokes (hub/loop.py), never pods of its own.
+#: the hub only places deployments on spokes (hub/controller.py), never pods of its own.
 _LOCAL = ("embedfleet.operator.handlers.settings", "embedfleet.operator.handlers.embedding",
           "embedfleet.operator.handlers.model_cache", "embedfleet.operator.handlers.autoscale_daemon")
 ROLE_HANDLERS: dict[str, tuple[str, ...]] = {

@@ -13,7 +13,10 @@ Every role exports them (standalone, spoke, hub), standbys included: a standby s
 * Watches: the hub's informers count a watch that ended in an error and is opened again
   (``embedfleet_operator_watch_restarts_total{kind}``, hub/informer.py).
 * Leadership: ``embedfleet_operator_leader{role}`` (main.py sets it around the Lease).
-* The hub: round time and each spoke's breaker (hub/loop.py, hub/clusters.py), and the spoke write queue (hub/writes.py).
+* The hub: its reconcilers are timed in the same reconcile metrics (kinds ``FleetCluster``, ``Placement``,
+  ``PlacementPolicy``; hub/controller.py), its work queue in ``embedfleet_operator_workqueue_*{name="hub"}``
+  (the kit's); placement pass time, each spoke's breaker (hub/clusters.py) and the spoke write queue
+  (hub/writes.py).
 
 The endpoint is prometheus_client's own ``start_http_server`` on a port of its own (``--metrics-port``,
 ``$EMBEDFLEET_OPERATOR_METRICS_PORT``, default 8081), not a route of the health server (health.py): that one
@@ -67,11 +70,11 @@ WATCH_RESTARTS = Counter(
 LEADER = Gauge("embedfleet_operator_leader", "1 when this replica acts (holds the Lease, or runs without "
                "leader election), 0 while it waits as a standby", ["role"])
 HUB_ROUND_SECONDS = Histogram(
-    "embedfleet_operator_hub_round_seconds", "Time one hub scheduling round took (hub role, the leader only)",
+    "embedfleet_operator_hub_round_seconds", "Time one hub placement pass took (hub role, the leader only)",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0),
 )
 HUB_ROUND_FAILURES = Counter("embedfleet_operator_hub_round_failures_total",
-                             "Hub scheduling rounds that raised (retried next interval)")
+                             "Hub placement passes that raised (retried with back-off)")
 BREAKER_OPEN = Gauge("embedfleet_operator_breaker_open",
                      "1 while the hub's circuit breaker for a spoke holds its writes back, else 0", ["cluster"])
 HUB_WRITES_QUEUED = Gauge("embedfleet_operator_hub_writes_queued",

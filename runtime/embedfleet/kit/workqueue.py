@@ -8,7 +8,8 @@ What a controller needs between its informers and its reconcile function:
 - **Back-off per key.** ``add_rate_limited(key)`` re-queues a failed key after ``base * 2**(failures-1)``
   seconds, capped at ``max_delay`` (:func:`backoff`), until ``forget(key)`` resets it after a success; a
   key that keeps failing is retried ever more slowly without slowing the others.
-- **Delays.** ``add_after(key, seconds)``: a resync, or "look again when this rollout's soak ends".
+- **Delays.** ``add_after(key, seconds)``: a resync, or "look again when this rollout's soak ends". A key
+  waits in the delay heap once, at its earliest due time: adding it again later is a no-op, sooner moves it.
 - **Metrics** through :class:`QueueMetrics` hooks: depth, adds, time waiting in the queue, time a worker
   spent, retries; :func:`prometheus_metrics` binds them to a component's Prometheus counters.
 
@@ -41,6 +42,9 @@ def backoff(failures: int, base: float, max_delay: float) -> float:
 class QueueMetrics:
     """Hooks a queue calls; the default does nothing."""
 
+    def declared(self, name: str) -> None:
+        """A queue of this name exists (its series are exported from the start, at zero)."""
+
     def added(self, name: str) -> None: ...
 
     def depth(self, name: str, depth: int) -> None: ...
@@ -59,6 +63,10 @@ class _PrometheusQueueMetrics(QueueMetrics):
     latency: Any
     work: Any
     retries: Any
+
+    def declared(self, name: str) -> None:
+        for metric in (self.adds, self.depth_gauge, self.latency, self.work, self.retries):
+            metric.labels(name=name)
 
     def added(self, name: str) -> None:
         self.adds.labels(name=name).inc()
@@ -100,6 +108,7 @@ class WorkQueue:
         self.base_delay = base_delay
         self.max_delay = max_delay
         self.metrics = metrics or QueueMetrics()
+        self.metrics.declared(name)
         self._clock = clock
         self._cond = threading.Condition()
         self._queue: deque[str] = deque()
@@ -107,6 +116,7 @@ class WorkQueue:
         self._processing: set[str] = set()
         self._added_at: dict[str, float] = {}
         self._delayed: list[tuple[float, int, str]] = []  # (due, order, key)
+        self._due: dict[str, float] = {}  # each delayed key's earliest due time (older heap entries are stale)
         self._order = 0
         self._failures: dict[str, int] = {}
         self._started: dict[str, float] = {}
@@ -137,8 +147,12 @@ class WorkQueue:
         with self._cond:
             if self._shutdown:
                 return
+            due = self._clock() + seconds
+            if self._due.get(key, float("inf")) <= due:
+                return  # already due as soon or sooner: one delayed entry per key, however often it is added
+            self._due[key] = due
             self._order += 1
-            heapq.heappush(self._delayed, (self._clock() + seconds, self._order, key))
+            heapq.heappush(self._delayed, (due, self._order, key))
             self._cond.notify()
 
     def add_rate_limited(self, key: str) -> None:
@@ -162,8 +176,10 @@ class WorkQueue:
         """Move due delayed keys into the queue; seconds until the next one is due (None: none)."""
         now = self._clock()
         while self._delayed and self._delayed[0][0] <= now:
-            _, _, key = heapq.heappop(self._delayed)
-            self._add(key)
+            due, _, key = heapq.heappop(self._delayed)
+            if self._due.get(key) == due:
+                del self._due[key]
+                self._add(key)
         return self._delayed[0][0] - now if self._delayed else None
 
     def get(self, timeout: float | None = None) -> str | None:

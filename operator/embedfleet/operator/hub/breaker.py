@@ -1,7 +1,7 @@
 """A per-spoke circuit breaker for the hub's writes. Pure.
 
 A spoke whose writes keep failing for reasons of its own (connection refused or reset, time-outs, 5xx) is
-left alone for a while instead of being retried every round: its writes wait, the other spokes' do not, and
+left alone for a while instead of being retried at every placement pass: its writes wait, the other spokes' do not, and
 each retry is one probe batch. A spec the spoke refuses (4xx) says nothing about the spoke and never opens
 the breaker. Back-off doubles from ``base`` to ``cap``, as client-go's and Envoy's do.
 """

@@ -1,8 +1,9 @@
 """The FleetClusters as the hub sees them: each spoke's health judged from its heartbeat Lease (as the
 spoke's watch last showed it) and from its credentials, written to the FleetCluster's status, and whether
-this round may read and write its copies.
+a placement pass may read and write its copies.
 
-Separate from the round because it is the hub's judgement of one spoke, with its own memory across rounds
+The cluster reconcile (controller.py) runs ``observe`` for one FleetCluster; it is the hub's judgement of one
+spoke, with its own memory across reconciles
 (``HubState.health``, ``seen``, ``policies``, ``credentials``): a kubeconfig that is broken, expired or
 refused is ``CredentialsValid=False`` and freezes that spoke's last known health, so it does not fail over
 everything it runs; a spoke whose lease cannot be read keeps the platform policy it last published; and
@@ -58,7 +59,7 @@ class Clusters:
         self.reporter = reporter
 
     def specs(self, clusters: Mapping[str, dict[str, Any]], report: bool = True) -> dict[str, FleetClusterSpec]:
-        """The FleetClusters' specs, parsed once per round; an invalid one is left out, and reported on it
+        """The FleetClusters' specs, parsed; an invalid one is left out, and reported on it
         unless ``report`` is off (a standby writes nothing)."""
         specs = {}
         for name, fc in clusters.items():
@@ -120,7 +121,7 @@ class Clusters:
         policy_key, policy = convert.read_policy(published)
         if isinstance(policy, str):  # nothing is placed there until it can be read: say why, on the FleetCluster
             problem = f"{problem}; {policy}" if problem else policy
-        if not lease_read:  # unknown this round: keep what the spoke last reported
+        if not lease_read:  # unknown now: keep what the spoke last reported
             cached = list(live_status.get("cachedModels") or [])
             load = gateway_load.from_mapping(live_status.get("gateway"))
         previous = self.state.health.get(name, Health())
@@ -178,13 +179,13 @@ class Clusters:
             "gateway": gateway_load.cluster_status(spec.gateway_url, load),
         })
         cluster = convert.cluster_from(name, spec, health, cached, policy_key)
-        view = SpokeView(name, spec.region, cluster, health, link, error, last_seen, policy=policy,
+        return SpokeView(name, spec.region, cluster, health, link, error, last_seen, policy=policy,
                          gateway_url=spec.gateway_url, labels=dict(fc["metadata"].get("labels") or {}))
-        self._copies_of(view, now)
-        return view
 
-    def _copies_of(self, view: SpokeView, now: float) -> None:
-        """The copies on an available spoke as its watch shows them, or why this round leaves it alone."""
+    @staticmethod
+    def copies_of(view: SpokeView, now: float) -> None:
+        """The copies on an available spoke as its watch shows them, or why a placement pass leaves it
+        alone (fills ``view.copies``, or ``skipped`` and ``held``)."""
         link = view.link
         if link is None or view.error is not None or not view.health.available:
             return
@@ -197,7 +198,7 @@ class Clusters:
                          f"({link.breaker.last_error}); next try in {link.breaker.open_until - now:.0f}s")
             return
         if not link.copies.synced or not link.copies.caught_up(link.written):
-            view.skipped = True  # the watch has not shown the hub's last writes yet: judge it next round
+            view.skipped = True  # the watch has not shown the hub's last writes yet: judged once it has
             return
         view.copies = link.copies.items()
 
@@ -226,5 +227,6 @@ class Clusters:
                 metrics.BREAKER_OPEN.remove(name)
             except KeyError:  # never exported
                 pass
-            for table in (self.state.health, self.state.seen, self.state.policies, self.state.credentials):
+            for table in (self.state.health, self.state.seen, self.state.policies, self.state.credentials,
+                      self.state.views):
                 table.pop(name, None)

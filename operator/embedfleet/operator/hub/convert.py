@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from embedfleet.operator import platform
 from embedfleet.operator import status as st
+from embedfleet.operator.autoscale_target import DEPRECATION_REASON
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import FleetClusterSpec, PlacementPolicySpec
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, PlacementSpec
@@ -264,14 +265,16 @@ def row_problem(row: Mapping[str, Any] | None) -> str | None:
 
 def conditions(
     placement: Placement, rows: list[dict[str, Any]], failures: Mapping[str, str], unavailable: Mapping[str, str],
-    generation: int | None,
+    generation: int | None, deprecation: str | None = None,
 ) -> list[dict[str, Any]]:
     """Accepted, Placed, Available and Degraded of a hub EmbeddingDeployment.
 
     ``failures``: cluster -> why its share could not be written or verified (a refused write, an
     unreachable API server); ``unavailable``: cluster -> health reason, for clusters that held a copy and
     whose replicas were moved away. ``Placed`` is True only when every share is placed *and* in place on
-    its spoke; ``Degraded`` names every cluster with a problem."""
+    its spoke; ``Degraded`` names every cluster with a problem. ``deprecation``: the sentence naming a
+    deprecated field the spec relies on (autoscale_target.py): ``Accepted`` says it, reason Deprecated, as
+    a spoke's operator says it on its own objects."""
     ready = sum(int(r.get("ready") or 0) for r in rows if not row_problem(r))
     available = st.condition("Available", ready > 0, "ReplicasReady" if ready else "NoReadyReplicas",
                              f"{ready} ready across {len(rows)} cluster(s)", generation)
@@ -283,7 +286,11 @@ def conditions(
                 available,
                 st.condition("Degraded", True, "PolicyConflict", conflict, generation)]
     policy = f" (PlacementPolicy {placement.policy})" if placement.policy else ""
-    accepted = st.condition("Accepted", True, "Valid", f"mode {placement.mode}{policy}", generation)
+    if deprecation:
+        accepted = st.condition("Accepted", True, DEPRECATION_REASON, f"mode {placement.mode}{policy}; {deprecation}",
+                                generation)
+    else:
+        accepted = st.condition("Accepted", True, "Valid", f"mode {placement.mode}{policy}", generation)
     failed = [f"{name}: {text}" for name, text in sorted(failures.items())]
     refused = any(text.startswith(("propagation", "refused")) for text in failures.values())
     gone = [f"{name} unavailable ({reason}), its replicas moved" for name, reason in sorted(unavailable.items())]

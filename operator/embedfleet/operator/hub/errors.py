@@ -19,7 +19,7 @@ from embedfleet.operator.hub.credentials import CredentialRefused
 
 __all__ = ["SPOKE_ERRORS", "credential_problem", "describe"]
 
-#: What a call to a spoke may raise that the hub handles (reported, retried next round).
+#: What a call to a spoke may raise that the hub handles (reported, retried at the next placement pass).
 SPOKE_ERRORS = (KubeError, OSError, urllib3.exceptions.HTTPError, kubernetes.config.ConfigException,
                 ValueError, yaml.YAMLError)
 

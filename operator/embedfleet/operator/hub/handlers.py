@@ -1,11 +1,12 @@
-"""kopf glue for the hub role: run the scheduling loop for as long as the operator runs.
+"""kopf glue for the hub role: run the hub's controller (controller.py) for as long as the operator runs.
 
 The hub deliberately registers no EmbeddingDeployment reconcile handlers: on the hub an
 EmbeddingDeployment is an intent that spokes run, never pods of its own.
 
 A standby replica is warm: while it waits for the leader Lease (main.py), ``warm_standby`` already runs the
-loop's informers (hub collections and every spoke's copies and heartbeat), so when it takes over its first
-round reads a current view instead of listing the whole fleet first. It writes nothing until it leads.
+controller's informers (hub collections and every spoke's copies and heartbeat), so when it takes over its
+first reconciles read a current view instead of listing the whole fleet first. It writes nothing until it
+leads.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from typing import Any
 import kopf
 
 from embedfleet.operator.background import start_background, stop_background
-from embedfleet.operator.hub.loop import HubLoop
+from embedfleet.operator.hub.controller import HubController
 
 LOOP: dict[str, Any] = {}
 
 
-def warm_standby() -> HubLoop:
+def warm_standby() -> HubController:
     """Start watching before leading (called by main.py while it waits for the Lease)."""
-    loop = HubLoop()
+    loop = HubController()
     LOOP["warm"] = loop
     threading.Thread(target=loop.warm, name="embedfleet-hub-warm", daemon=True).start()
     return loop
@@ -31,9 +32,9 @@ def warm_standby() -> HubLoop:
 
 @kopf.on.startup()
 def start_hub_loop(logger: kopf.Logger, **_: Any) -> None:
-    loop = LOOP.pop("warm", None) or HubLoop()
+    loop = LOOP.pop("warm", None) or HubController()
     start_background(LOOP, loop, "embedfleet-hub")
-    logger.info("hub scheduling loop started (interval %.1fs, return ramp %.0fs)", loop.interval, loop.ramp)
+    logger.info("hub controller started (resync %.1fs, return ramp %.0fs)", loop.interval, loop.ramp)
 
 
 @kopf.on.cleanup()

@@ -48,3 +48,16 @@ def observe(
         reason = "LeaseValid" if age <= duration else "LeaseInGrace"
         return Health(joined, True, renew_time if renewed else previous.renew_time, last, since, reason)
     return Health(joined, False, previous.renew_time, last, None, "LeaseExpired")
+
+
+def next_change(health: Health, now: float, duration: float, grace: float) -> float | None:
+    """Seconds from ``now`` until ``health`` changes by itself if no renewal is seen meanwhile (valid ->
+    in grace -> expired); None when time alone changes nothing (expired, or never seen). The hub looks at
+    the spoke again then, so a spoke that goes silent is judged on time without a periodic sweep."""
+    if not health.available or health.last_heartbeat is None:
+        return None
+    age = now - health.last_heartbeat
+    for edge in (duration, duration + grace):
+        if age <= edge:  # observe() changes its reason once the age is past the edge
+            return edge - age
+    return 0.0

@@ -1,10 +1,10 @@
 """The hub's links to its spokes: a client made from each FleetCluster's kubeconfig Secret, and per spoke
 two informers (the copies this hub manages there, and the spoke's heartbeat Lease).
 
-Separate from the round because connecting has its own clock and its own failures: a kubeconfig Secret is
+Separate from the cluster reconcile because connecting has its own clock and its own failures: a kubeconfig Secret is
 read again every CREDENTIALS_RECHECK_S (sooner while the spoke refuses it), a changed one replaces the link
 and its informers but keeps the write bookkeeping (breaker, namespaces, Secrets, unsure writes), and a
-credential that cannot be used is an answer for the cluster observation (clusters.py), not a failed round.
+credential that cannot be used is an answer for the cluster observation (clusters.py), not a failed reconcile.
 The links themselves are kept in the shared ``HubState.links`` (state.py).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import FleetClusterSpec
@@ -33,7 +33,7 @@ SPOKE_RETRIES = 1
 #: how soon it looks again.
 CREDENTIALS_RECHECK_S = 60.0
 CREDENTIALS_RETRY_S = 5.0
-#: How long a round waits, in all, for the first lists of spokes it has just connected to.
+#: How long a cluster reconcile waits, in all, for the first lists of spokes it has just connected to.
 LINK_WAIT_S = 2.0
 
 
@@ -41,12 +41,21 @@ class Links:
     """Makes, re-checks and replaces the links in ``state.links``; reads the kubeconfig Secrets on ``hub``."""
 
     def __init__(self, hub: Kube, state: HubState, credential_policy: CredentialPolicy, write_timeout: float,
-                 credentials_recheck: float) -> None:
+                 credentials_recheck: float, on_change: Callable[[str, str], None] | None = None) -> None:
         self.hub = hub
         self.state = state
         self.credential_policy = credential_policy
         self.write_timeout = write_timeout
         self.credentials_recheck = credentials_recheck
+        #: Told ``(cluster, "copies" | "lease")`` when a spoke's informer sees a change (the controller
+        #: queues that cluster's reconcile, or placement).
+        self.on_change = on_change
+
+    def _hook(self, cluster: str, what: str) -> Callable[[str], None] | None:
+        if self.on_change is None:
+            return None
+        on_change = self.on_change
+        return lambda _key: on_change(cluster, what)
 
     def spoke_client(self, raw: bytes) -> Kube:
         kube, _ = spoke_client(raw, self.credential_policy, timeout=(5.0, self.write_timeout),
@@ -73,9 +82,9 @@ class Links:
         kube = self.spoke_client(raw)
         lease_ns = spec.connection.namespace
         copies = Informer(kube, ED_PATH, name=f"{name}-copies", kind=naming.EMBEDDING_DEPLOYMENT_KIND,
-                          label_selector=f"{convert.HUB_MANAGED_LABEL}={name}")
+                          label_selector=f"{convert.HUB_MANAGED_LABEL}={name}", on_change=self._hook(name, "copies"))
         lease = Informer(kube, kube.kinds["Lease"].path(lease_ns), name=f"{name}-lease", kind="Lease",
-                         field_selector=f"metadata.name={LEASE_NAME}")
+                         field_selector=f"metadata.name={LEASE_NAME}", on_change=self._hook(name, "lease"))
         new = SpokeLink(name, kube, fingerprint, copies.start(), lease.start(), now)
         if link is not None:
             new.breaker, new.namespaces, new.secrets, new.unsure = (link.breaker, link.namespaces, link.secrets,

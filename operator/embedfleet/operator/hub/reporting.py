@@ -1,11 +1,11 @@
-"""What the hub writes on its own API server after a round: each hub EmbeddingDeployment's status (a row
-per spoke from what its copy is after the round's writes), its Events, and the PlacementPolicies' status.
+"""What the hub writes on its own API server after a placement pass: each hub EmbeddingDeployment's status (a row
+per spoke from what its copy is after the pass's writes), its Events, and the PlacementPolicies' status.
 
-Separate from the round and from the spoke writes because it only ever talks to the hub, and because its
+Separate from placement and from the spoke writes because it only ever talks to the hub, and because its
 rules are about saying things once: a status is patched only when a value changed
 (``convert.status_changes``), an Event only when a problem, a share or a rollout phase differs from the
-status last written (so also once across hub restarts), and an object deleted during the round is skipped,
-not a failed round. The FleetClusters' status (clusters.py) is patched through the same ``patch_status``.
+status last written (so also once across hub restarts), and an object deleted since it was read is skipped,
+not a failed reconcile. The FleetClusters' status (clusters.py) is patched through the same ``patch_status``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from embedfleet.operator import status as st
+from embedfleet.operator.autoscale_target import DEPRECATION_REASON
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import PLACEMENT_POLICY_KIND
 from embedfleet.operator.hub import convert
@@ -35,8 +36,8 @@ ED = naming.EMBEDDING_DEPLOYMENT_KIND
 
 
 class Reporter:
-    """Status and Events of the hub's objects. ``informers`` is the round's dict of hub informers (by
-    collection name; filled on the first round), which tells whether an object was deleted meanwhile."""
+    """Status and Events of the hub's objects. ``informers`` is the controller's dict of hub informers (by
+    collection name; filled on first use), which tells whether an object was deleted meanwhile."""
 
     def __init__(self, hub: Kube, informers: Mapping[str, Informer]) -> None:
         self.hub = hub
@@ -44,8 +45,9 @@ class Reporter:
 
     def reconcile(self, obj: dict[str, Any], placement: Placement, target: int,
                   views: Mapping[str, SpokeView], outcomes: Mapping[str, Mapping[str, Outcome]],
-                  decision: waves.Decision | None = None) -> None:
-        """Status and Events of one hub object from what each spoke's copy is after this round's writes."""
+                  decision: waves.Decision | None = None, deprecation: str | None = None) -> None:
+        """Status and Events of one hub object from what each spoke's copy is after this pass's writes
+        (``deprecation``: the sentence for a deprecated field its spec relies on, said in ``Accepted``)."""
         key = object_key(obj)
         status = obj.get("status") or {}
         old_rows = {r["name"]: r for r in status.get("clusters") or []}
@@ -88,7 +90,8 @@ class Reporter:
                 unavailable[name] = view.health.reason
         self._events(obj, old_rows, rows, placement)
         generation = obj["metadata"].get("generation")
-        conds = convert.conditions(placement, rows, failures, unavailable, generation)
+        conds = convert.conditions(placement, rows, failures, unavailable, generation, deprecation)
+        self._deprecation_event(obj, status, conds)
         if decision is not None:
             self._rollout_events(obj, status.get("rollout") or {}, decision.status["rollout"])
             if decision.blocked is not None:
@@ -108,6 +111,20 @@ class Reporter:
             "inFlight": sum(inflight) if inflight else None,
         })
         self.write_status(obj, wanted)
+
+    def _deprecation_event(self, obj: dict[str, Any], status: Mapping[str, Any],
+                           conds: list[dict[str, Any]]) -> None:
+        """One Warning Event when ``Accepted`` comes to name a deprecation it did not name in the status last
+        written (so once, also across hub restarts)."""
+        def accepted(conditions: Any) -> Mapping[str, Any]:
+            return next((c for c in conditions or [] if c.get("type") == "Accepted"), {})
+
+        new, old = accepted(conds), accepted(status.get("conditions"))
+        if new.get("reason") != DEPRECATION_REASON:
+            return
+        if old.get("reason") == DEPRECATION_REASON and old.get("message") == new.get("message"):
+            return
+        self._event(obj, DEPRECATION_REASON, str(new.get("message", "")).split("; ", 1)[-1], "Warning")
 
     def _rollout_events(self, obj: dict[str, Any], before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
         """An Event when a rollout's wave or phase changes (compared with the status last written: once)."""
@@ -166,10 +183,10 @@ class Reporter:
             log.info("status of %s: %s", object_key(obj), json.dumps(changes, sort_keys=True)[:2000])
 
     def patch_status(self, informer: str, kind: str, obj: dict[str, Any], changes: Mapping[str, Any]) -> bool:
-        """Patch a hub object's status; False when it is gone. A round reads a snapshot and then spends
+        """Patch a hub object's status; False when it is gone. A placement pass reads a snapshot and then spends
         time writing to spokes, so the object may have been deleted since: skip it once the watch said so,
         and take the server's 404 (deleted between that check and the patch) as the same news, not as a
-        failed round."""
+        failed reconcile."""
         meta = obj["metadata"]
         watching = self.informers.get(informer)
         if watching is None or watching.holds(obj):
@@ -179,5 +196,5 @@ class Reporter:
             except KubeError as exc:
                 if exc.status != 404:
                     raise
-        log.info("%s %s was deleted during the round; its status is not written", kind, object_key(obj))
+        log.info("%s %s was deleted since it was read; its status is not written", kind, object_key(obj))
         return False

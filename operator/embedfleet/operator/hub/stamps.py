@@ -1,7 +1,7 @@
 """Wall-clock times as the hub writes them into status, and read back from it.
 
 Separate because the cluster observation (clusters.py), the hub objects' status (reporting.py) and the
-rollout decision of the round (loop.py) all stamp and read the same format; one spelling, one place.
+rollout decision of a placement pass (placing.py) all stamp and read the same format; one spelling, one place.
 """
 
 from __future__ import annotations

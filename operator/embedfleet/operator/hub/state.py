@@ -1,10 +1,11 @@
-"""What the hub keeps between rounds and what one round sees: the records its collaborators share.
+"""What the hub keeps between reconciles and what one placement pass sees: the records its collaborators share.
 
-``HubState`` (the tables kept across rounds), ``SpokeLink`` (one spoke's connection and the bookkeeping of
-the hub's writes there) and ``SpokeView`` (one FleetCluster as a round sees it) are read and written by the
-links (links.py), the cluster observation (clusters.py), the spoke writes (writes.py), the hub objects'
-status (reporting.py) and the round (loop.py). They live here, apart from all of those, so that each of
-them imports these records and none has to import another: the records hold data and do no I/O.
+``HubState`` (the tables kept across reconciles), ``SpokeLink`` (one spoke's connection and the bookkeeping
+of the hub's writes there) and ``SpokeView`` (one FleetCluster as judged, and as a placement pass sees it)
+are read and written by the links (links.py), the cluster observation (clusters.py), the spoke writes
+(writes.py), the hub objects' status (reporting.py), the placement (placing.py) and the controller
+(controller.py). They live here, apart from all of those, so that each of them imports these records and
+none has to import another: the records hold data and do no I/O.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from embedfleet.operator.hub.health import Health
 from embedfleet.operator.hub.informer import Informer
 from embedfleet.operator.kube import Kube
 from embedfleet.operator.platform import PlatformPolicy
-from embedfleet.operator.scheduling import Cluster
+from embedfleet.operator.scheduling import Cluster, Placement
 
 
 @dataclass
@@ -47,7 +48,7 @@ class SpokeLink:
     unsure: set[str] = field(default_factory=set)
     #: Writes the spoke refused (4xx: its RBAC, a same-named object it owns): key -> (when, the problem,
     #: the manifest refused). Tried again after REFUSAL_RETRY_S or as soon as the wanted copy changes, so a
-    #: refusal costs one request per retry period, not one per round, and its problem stays in status.
+    #: refusal costs one request per retry period, not one per pass, and its problem stays in status.
     refused: dict[str, tuple[float, str, str]] = field(default_factory=dict)
 
     def busy(self) -> bool:
@@ -61,7 +62,7 @@ class SpokeLink:
 
 @dataclass
 class SpokeView:
-    """One FleetCluster as this round sees it."""
+    """One FleetCluster as its cluster reconcile judged it, and as a placement pass sees it."""
 
     name: str
     region: str
@@ -74,7 +75,7 @@ class SpokeView:
     #: The spoke's platform allow-lists (the key is ``cluster.platform_policy``); a sentence when unreadable.
     policy: PlatformPolicy | str = field(default_factory=PlatformPolicy)
     gateway_url: str | None = None  # FleetCluster spec.gatewayUrl: where other clusters' gateways spill to
-    #: Skipped this round (writes running, breaker open, or its watch not yet showing the hub's writes):
+    #: Skipped this pass (writes running, breaker open, or its watch not yet showing the hub's writes):
     #: its status rows are carried over. The sentence says why when it is a problem (breaker open).
     held: str | None = None
     skipped: bool = False
@@ -93,3 +94,8 @@ class HubState:
     credentials: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: Rollout soak clocks: hub object -> (revision, wave, wall time the wave was first seen healthy).
     soak: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+    #: Each FleetCluster as its last cluster reconcile judged it (health, policy, link); a placement pass
+    #: places on these, with the copies as the spoke's watch shows them at that moment.
+    views: dict[str, SpokeView] = field(default_factory=dict)
+    #: The last placement pass's placements (the PlacementPolicies' status is written from them).
+    placements: dict[str, Placement] = field(default_factory=dict)

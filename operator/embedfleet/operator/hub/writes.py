@@ -1,12 +1,12 @@
 """The hub's writes to its spokes: each spoke's planned writes run as one batch on that spoke's own writer
-thread (``SpokeLink.writer``), all spokes at once, and a round waits ROUND_WAIT_S at most for them.
+thread (``SpokeLink.writer``), all spokes at once, and a placement pass waits ROUND_WAIT_S at most for them.
 
-Separate from the round because this is the only code that writes to spokes, and it runs on other
+Separate from placement because this is the only code that writes to spokes, and it runs on other
 threads: one writer per spoke, so a slow or hung spoke delays only its own writes (its batch is reported by
-a later round), never the round or another spoke. Its bookkeeping lives on the link (state.py): the circuit
+a later pass), never placement or another spoke. Its bookkeeping lives on the link (state.py): the circuit
 breaker a spoke failure feeds, the writes a spoke refused (4xx, retried after REFUSAL_RETRY_S), the writes
 whose outcome is unknown (looked at before writing again), the namespaces and Secrets already there, and
-the newest version the writes produced (the round judges a spoke again once its watch shows it).
+the newest version the writes produced (placement judges a spoke again once its watch shows it).
 
 On a spoke the hub calls only (see the chart's hub-access.yaml): ``create``/``patch``/``delete``
 EmbeddingDeployments; ``get``/``create`` Namespaces; and, where the spoke's chart allows it and the
@@ -37,8 +37,8 @@ from embedfleet.operator.scheduling import ClusterPlacement
 log = logging.getLogger(__name__)
 
 ED = naming.EMBEDDING_DEPLOYMENT_KIND
-#: A round waits this long at most for the spokes' write batches before it writes status; a batch still
-#: running then is reported in a later round (it delays only its own spoke).
+#: A placement pass waits this long at most for the spokes' write batches before it writes status; a batch
+#: still running then is reported by a later pass (it delays only its own spoke).
 ROUND_WAIT_S = 2.0
 #: How often a write a spoke refused (4xx) is tried again while what the hub wants is unchanged.
 REFUSAL_RETRY_S = 30.0
@@ -70,7 +70,7 @@ def _version(obj: Mapping[str, Any] | None) -> str:
 
 
 class SpokeWrites:
-    """Runs a round's plans on the spokes' writer threads; reads the Secrets it propagates on ``hub``."""
+    """Runs a placement pass's plans on the spokes' writer threads; reads the Secrets it propagates on ``hub``."""
 
     def __init__(self, hub: Kube) -> None:
         self.hub = hub
@@ -78,7 +78,7 @@ class SpokeWrites:
     def run(self, views: Mapping[str, SpokeView],
             plans: Mapping[str, list[Write]]) -> dict[str, dict[str, Outcome]]:
         """Each spoke's writes on its own thread, all spokes at once; waits ROUND_WAIT_S at most. A spoke
-        whose batch is still running afterwards is reported by a later round (``skipped`` until then)."""
+        whose batch is still running afterwards is reported by a later pass (``skipped`` until then)."""
         started: dict[str, concurrent.futures.Future[dict[str, Outcome]]] = {}
         for name, writes in plans.items():
             link = views[name].link
@@ -156,7 +156,7 @@ class SpokeWrites:
                 result, live = kube.apply_object(write.manifest, live=write.live)
         except KubeError as exc:
             if exc.status == 404 and write.live is None:
-                link.namespaces.discard(namespace)  # deleted on the spoke since: create it next round
+                link.namespaces.discard(namespace)  # deleted on the spoke since: create it next pass
             raise
         log.info("%s %s on %s: %s", result, write.key, link.name, write.share.range if write.share else "-")
         link.unsure.discard(write.key)
@@ -193,7 +193,7 @@ class SpokeWrites:
     @staticmethod
     def note_version(link: SpokeLink, live: Mapping[str, Any] | None) -> None:
         """Remember the newest version the hub's writes produced: the spoke is judged again only once its
-        watch shows it (so the next round does not write the same change twice)."""
+        watch shows it (so the next pass does not write the same change twice)."""
         version = _version(live)
         if version and (not link.written or not version_at_least(link.written, version)):
             link.written = version

@@ -1,5 +1,6 @@
 """The hub's side of a rollout: which revision each cluster should run, wave by wave, and when to roll back.
-Pure: the hub loop (hub/loop.py) reads the spokes' reports, calls these functions and writes what they say.
+Pure: the hub's placement reconcile (hub/placing.py) reads the spokes' reports, calls these functions and
+writes what they say.
 
 Three decisions live here:
 
@@ -352,7 +353,7 @@ def status_of(rollout: Rollout, waves: Sequence[Wave], stamp_of: Any) -> dict[st
     return out
 
 
-# ---------------------------------------------------------------- reading and deciding (for the hub loop)
+# ---------------------------------------------------------------- reading and deciding (for the hub)
 
 
 def _condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
