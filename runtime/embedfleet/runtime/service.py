@@ -65,6 +65,17 @@ def engine_fn(engine: Engine, task: Task) -> Callable[[list], np.ndarray | list[
 def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
     if settings.engine == "trtllm" and spec.task in ("sparse", "multivector"):
         raise ValueError(f"the trtllm engine does not serve {spec.task} models; use --engine torch")
+    if settings.dtype == "int8":
+        if settings.engine != "torch":
+            raise ValueError("--dtype int8 runs on the CPU engine (engines/int8_cpu.py); use --engine torch")
+        from embedfleet.runtime.engines.int8_cpu import Int8Rejected, build_int8_engine, refusal
+
+        why = refusal(spec, settings.device)
+        if why:
+            raise Int8Rejected(why)
+        return build_int8_engine(spec, num_threads=settings.num_threads or settings.cores(),
+                                 min_cosine=settings.int8_min_cosine, strict=settings.int8_strict,
+                                 cache_root=settings.engine_cache_dir)
     if settings.engine == "trtllm":
         from embedfleet.runtime.engines.trtllm_engine import TrtLlmEngine
 
@@ -114,6 +125,12 @@ class ModelService:
     @property
     def fp8_min_cosine(self) -> float | None:
         gate = self.engine.fp8_gate if self.engine is not None else None
+        return gate.min_cosine if gate is not None else None
+
+    @property
+    def int8_min_cosine(self) -> float | None:
+        """The int8 gate's lowest calibration cosine (served or refused); None when int8 was not asked for."""
+        gate = self.engine.int8_gate if self.engine is not None else None
         return gate.min_cosine if gate is not None else None
 
     @property

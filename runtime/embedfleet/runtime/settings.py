@@ -27,7 +27,7 @@ from embedfleet.runtime.models.spec import TASKS, Task
 from embedfleet.runtime.tenants import Tenants
 
 Device = Literal["cpu", "cuda"]
-DType = Literal["float32", "bfloat16", "float16", "fp8"]
+DType = Literal["float32", "bfloat16", "float16", "fp8", "int8"]
 EngineName = Literal["torch", "trtllm"]
 
 
@@ -68,7 +68,8 @@ class RuntimeSettings(BaseSettings):
     device: Device = Field("cpu", description="where the engine runs")
     dtype: DType = Field(
         "float32", description="engine precision (bfloat16 is ~2x faster on AVX512-BF16 CPUs; on CPU it is probed "
-        "at start-up, and float32 is served where bf16 crashes the CPU)")
+        "at start-up, and float32 is served where bf16 crashes the CPU; int8: CPU only, an OpenVINO int8 build "
+        "of an encoder embedder, quality-gated, cached by model digest)")
     engine: EngineName = Field("torch", description="inference engine")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = all cores")
     max_batch_tokens: int = Field(
@@ -133,10 +134,17 @@ class RuntimeSettings(BaseSettings):
     fp8_strict: bool = Field(False, description="dtype fp8: refuse to start instead of falling back to bfloat16")
     fp8_activation_scaling: Literal["token", "tensor"] = Field(
         "token", description="dtype fp8: one activation scale per token (accurate) or per tensor")
+    # int8 CPU engine (engines/int8_cpu.py)
+    int8_min_cosine: float = Field(
+        0.99, gt=0, le=1, description="dtype int8: serve int8 only if every calibration embedding has at least this "
+        "cosine with float32")
+    int8_strict: bool = Field(
+        True, description="dtype int8: refuse to start when the gate refuses int8 (--no-int8-strict: serve float32)")
     cuda_graphs: bool = Field(
         False, description="device cuda: bucket batch shapes to powers of two and replay them as CUDA graphs")
     engine_cache_dir: Path | None = Field(
-        None, description="engine trtllm: where built engines are kept, keyed by model digest, GPU and dtype; "
+        None, description="engine trtllm and dtype int8: where built engines are kept, keyed by model digest (trtllm: "
+        "and GPU, dtype); "
         "default: an `engines` folder next to the model directory (or ~/.cache/embedfleet/engines if read-only)")
 
     # -- async queue, webhooks and embedding cache (embedfleet.runtime.asyncq) --------------

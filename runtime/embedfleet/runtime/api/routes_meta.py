@@ -53,7 +53,8 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
                            pooling=s.spec.pooling, dtype=s.effective_dtype, device=settings.device,
                            digest=s.spec.digest, architecture=",".join(s.spec.architectures),
                            requested_dtype=settings.dtype if settings.dtype != s.effective_dtype else None,
-                           fp8_min_cosine=s.fp8_min_cosine, revision=s.revision or None,
+                           fp8_min_cosine=s.fp8_min_cosine,
+                           int8_min_cosine=s.int8_min_cosine, revision=s.revision or None,
                            vector_space=s.vector_space, fingerprint=s.fingerprint,
                            probe_set=s.probe.outputs.probe_set if s.probe is not None else None)
                  for s in models.services.values() if tenant.allows(s.name)]

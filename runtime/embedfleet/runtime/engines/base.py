@@ -29,6 +29,7 @@ class Engine(Protocol):
     capabilities: Capabilities
     effective_dtype: str  # the precision that runs ("fp8" only once the quality gate accepted it)
     fp8_gate: GateResult | None  # the FP8 start-up quality gate's result; None when FP8 was not asked for
+    int8_gate: GateResult | None  # the int8 gate's result (engines/int8_cpu.py); None when int8 was not asked for
 
     def warmup(self) -> None:
         """Run the shapes live traffic will use once, before the server says it is ready."""

@@ -93,6 +93,8 @@ def repeated_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 
 class TorchEngine:
+    int8_gate: GateResult | None = None  # set by engines/int8_cpu.py when int8 was refused and float32 serves
+
     def __init__(self, spec: ModelSpec, device: str = "cpu", dtype: str = "float32",
                  num_threads: int = 0, *, max_batch_tokens: int | None = None,
                  fp8_min_cosine: float = DEFAULT_MIN_COSINE, fp8_strict: bool = False,

@@ -199,6 +199,7 @@ class TrtLlmEngine:
         self.dtype = TRTLLM_DTYPES[settings.dtype]
         self.effective_dtype = self.dtype
         self.fp8_gate = None  # FP8 is not offered on this engine (no start-up gate runs)
+        self.int8_gate = None  # nor int8 (a CPU precision)
         self.max_seq_len = spec.max_length
         self.max_batch_tokens = settings.max_batch_tokens
         self.max_batch_size = settings.max_batch_requests

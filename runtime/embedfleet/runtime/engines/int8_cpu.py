@@ -1,0 +1,319 @@
+"""int8 on CPU (`--dtype int8`): an OpenVINO int8 build of an encoder embedder, kept only if it passes the
+quality gate.
+
+Why OpenVINO: measured side by side on the embedded all-MiniLM-L6-v2 (bench/int8_backends.py,
+docs/performance.md), PyTorch's dynamic int8 and ONNX Runtime's dynamic or static int8 either lost too
+much (cosine with float32 down to 0.80-0.97) or gained too little once the sensitive layers stayed float32;
+OpenVINO with NNCF's post-training quantisation (SmoothQuant, calibrated activation ranges, per-channel
+weights) ran ~2.3x float32 PyTorch with every held-out vector at cosine >= 0.99.
+
+The recipe keeps float32 where int8 hurts: matrix products between two activations (attention scores
+and the weighted sum of values: no weights to calibrate, ranges that move with every input) and the FFN's
+second linear layer (its input is a GELU output, a long-tailed range a per-tensor scale cannot cover).
+Everything else (Q/K/V, the attention output and the FFN's first linear layer) runs int8.
+
+Start-up: the float32 model is loaded, converted, quantised on the calibration texts of
+engines/calibration.json plus a few degenerate repetitions (STRESS_TEXTS), and judged by the same gate as
+FP8 (every calibration embedding's cosine with its float32 twin >= --int8-min-cosine). The result (the int8
+model and the gate's verdict, pass or fail) is cached by model digest under --engine-cache-dir, so the
+second start neither quantises nor re-judges.
+Refused: decoders, rerankers and classifiers (their gate would have to judge rankings and labels),
+sparse and multi-vector models, any device but CPU, and any model the gate fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from embedfleet.runtime.engines.base import Capabilities, pad_batch
+from embedfleet.runtime.engines.quality_gate import (
+    Calibration,
+    GateResult,
+    calibration_batches,
+    embedding_gate,
+    load_calibration,
+    row_cosines,
+    run_calibration,
+)
+from embedfleet.runtime.engines.torch_engine import EngineError, TorchEngine, pool
+from embedfleet.runtime.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_COSINE = 0.99
+RECIPE = "ov-nncf-v2"  # bump when the quantisation recipe changes: old cache entries are then ignored
+MANIFEST = "int8.json"
+INSTALL_HINT = ("--dtype int8 needs the `openvino` and `nncf` packages (the runtime extra: "
+                "pip install 'embedfleet[runtime]'); or serve --dtype float32")
+
+
+# Calibrated ranges are static: an input far outside what calibration saw is clipped. Degenerate repetitions
+# ("x " * 300) set the widest activations an embedder meets; without them such an input fell to cosine 0.885
+# while natural text stayed above 0.99. They join calibration.json's texts for both the ranges and the gate.
+STRESS_TEXTS = ["x " * 300, "repeated words " * 80, "the " * 200, "a", "?", "1 2 3 4 5 6 7 8 9 0 " * 25,
+                "!!!! " * 100, "lorem ipsum " * 60]
+
+
+def int8_calibration() -> Calibration:
+    """calibration.json's texts plus STRESS_TEXTS: what int8 is calibrated on and judged by."""
+    base = load_calibration()
+    return Calibration([*base.texts, *STRESS_TEXTS], base.queries, base.documents)
+
+
+class Int8Rejected(EngineError):
+    """int8 failed the quality gate (or cannot serve this model) and no fallback was allowed."""
+
+
+def refusal(spec: ModelSpec, device: str) -> str | None:
+    """Why int8 cannot serve `spec` on `device`, or None. Only encoder embedders pass: the gate compares
+    pooled embeddings, and decoders' long-tailed activations are outside what the recipe was measured on."""
+    if device != "cpu":
+        return f"--dtype int8 is a CPU precision; on {device} use --dtype fp8 (quality-gated) or bfloat16"
+    if spec.is_decoder:
+        return (f"--dtype int8 serves encoder embedders (BERT, RoBERTa/XLM-R, MPNet families); {spec.name} is a "
+                f"decoder ({spec.model_type}): serve it --dtype float32 or bfloat16")
+    if spec.task != "embed":
+        return (f"--dtype int8 serves embedding models only; {spec.name} is a {spec.task} model, whose quality "
+                "would have to be judged on rankings or labels: serve it --dtype float32 or bfloat16")
+    return None
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything the int8 model depends on; another value in any field means another build."""
+
+    model_digest: str
+    recipe: str
+    openvino: str
+    nncf: str
+    calibration: str  # sha256 of the calibration set: the gate's verdict depends on it
+
+    def dirname(self) -> str:
+        import hashlib
+
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return f"int8-cpu-{hashlib.sha256(blob).hexdigest()[:16]}"
+
+
+def calibration_digest(calibration: Calibration) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(calibration.texts).encode()).hexdigest()[:16]
+
+
+def cache_path(cache_root: Path, key: CacheKey) -> Path:
+    """By model digest alone: the same weights served under another name reuse the build."""
+    digest = key.model_digest.replace("sha256:", "")[:16] or "nodigest"
+    return cache_root / f"sha256-{digest}" / key.dirname()
+
+
+def read_cached(path: Path, key: CacheKey) -> dict[str, Any] | None:
+    """The manifest of a finished build for exactly `key` (model files and the gate's figures), else None."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return manifest if manifest.get("key") == asdict(key) and (path / "model.xml").exists() else None
+
+
+class _Pooled(torch.nn.Module):
+    """The encoder plus the model's pooling, so the int8 graph returns the served vector (float32)."""
+
+    def __init__(self, model: torch.nn.Module, pooling: str) -> None:
+        super().__init__()
+        self.model, self.pooling = model, pooling
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return pool(hidden, attention_mask, self.pooling)
+
+
+def _feeds(batch: list, pad_id: int) -> dict[str, np.ndarray]:
+    padded = pad_batch(batch, pad_id)
+    return {"input_ids": padded.ids, "attention_mask": padded.mask}
+
+
+def _source(node: Any) -> Any:
+    """The node feeding `node`'s first input, looking through the casts and reshapes around constants."""
+    return node.input_value(0).get_node()
+
+
+def _is_weight(node: Any) -> bool:
+    """True when `node` is a constant, possibly behind Convert/Transpose/Reshape (a linear layer's weight)."""
+    for _ in range(4):
+        kind = node.get_type_name()
+        if kind == "Constant":
+            return True
+        if kind not in ("Convert", "Transpose", "Reshape", "Multiply", "Subtract"):
+            return False
+        node = _source(node)
+    return False
+
+
+def kept_float(ov_model: Any) -> list[str]:
+    """Names of the MatMuls the recipe keeps float32: those without a constant weight (attention scores and
+    values) and those whose input comes from a GELU (the FFN's second linear layer)."""
+    names = []
+    for node in ov_model.get_ordered_ops():
+        if node.get_type_name() != "MatMul":
+            continue
+        a, b = (node.input_value(i).get_node() for i in range(2))
+        if not (_is_weight(a) or _is_weight(b)):
+            names.append(node.get_friendly_name())
+            continue
+        activation = b if _is_weight(a) else a
+        for _ in range(3):  # Gelu, maybe behind a reshape
+            if activation.get_type_name() == "Gelu":
+                names.append(node.get_friendly_name())
+                break
+            if activation.get_type_name() not in ("Reshape", "Convert"):
+                break
+            activation = _source(activation)
+    return names
+
+
+def quantize(fp32: TorchEngine, batches: list[list], out: Path, keep_float: bool = True) -> None:
+    """Convert the float32 engine's model to OpenVINO, quantise it on the calibration batches (one text per
+    sample: per-text ranges), and save the int8 IR as out/model.xml. `keep_float=False` quantises every
+    MatMul NNCF would (the bench's comparison row), not the recipe's."""
+    import nncf
+    import openvino as ov
+
+    logging.getLogger("nncf").setLevel(logging.WARNING)  # one INFO line per layer it leaves float32
+    pad = fp32.spec.pad_token_id
+    example = _feeds(batches[0][:2], pad)
+    with torch.inference_mode():
+        model = ov.convert_model(_Pooled(fp32.model, fp32.spec.pooling).eval(),
+                                 example_input={k: torch.from_numpy(v) for k, v in example.items()})
+    samples = [_feeds([x], pad) for batch in batches for x in batch]
+    scope = nncf.IgnoredScope(names=kept_float(model) if keep_float else [], validate=False)
+    quantized = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
+                              subset_size=len(samples), ignored_scope=scope)
+    ov.save_model(quantized, str(out / "model.xml"))
+
+
+class Int8CpuEngine:
+    """Serves an encoder embedder from its cached OpenVINO int8 build (the Engine protocol, embed only)."""
+
+    fp8_gate: GateResult | None = None
+    preemptible = False  # one OpenVINO call per batch: nothing to pause between layers
+
+    def __init__(self, spec: ModelSpec, model_xml: Path, gate: GateResult, num_threads: int) -> None:
+        import openvino as ov
+
+        self.spec = spec
+        self.effective_dtype = "int8"
+        self.int8_gate: GateResult | None = gate
+        config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+        if num_threads > 0:
+            config["INFERENCE_NUM_THREADS"] = num_threads
+        self._compiled = ov.Core().compile_model(str(model_xml), "CPU", config)
+        self._request = self._compiled.create_infer_request()
+        self.capabilities = Capabilities(tasks=("embed",), pooling=spec.pooling, max_tokens=spec.max_length,
+                                         dtypes=("int8",), device="cpu", dim=spec.output_dim)
+
+    def warmup(self) -> None:
+        token = self.spec.pad_token_id + 1
+        self.embed([[token] * 8, [token] * 3])
+
+    def embed(self, batch: list) -> np.ndarray:
+        out = self._request.infer(_feeds(batch, self.spec.pad_token_id))
+        return np.array(out[0], dtype=np.float32)[: len(batch)]
+
+    def _unsupported(self, batch: list) -> Any:
+        raise EngineError("the int8 CPU engine serves embeddings only")
+
+    classify = embed_sparse = embed_tokens = _unsupported
+
+
+def _gate_of(manifest: dict[str, Any], threshold: float) -> GateResult:
+    """The cached measurement judged against today's threshold (the figures do not depend on it)."""
+    lo, mean, worst = manifest["min_cosine"], manifest["mean_cosine"], manifest["worst_input"]
+    passed = lo >= threshold and manifest["finite"]
+    reason = ("every calibration output within threshold" if passed else
+              f"calibration input {worst} has cosine {lo:.6f} < {threshold}")
+    return GateResult(passed, "embed", lo, mean, threshold, reason)
+
+
+def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = DEFAULT_MIN_COSINE,
+                      strict: bool = True, cache_root: Path | None = None,
+                      calibration: Calibration | None = None) -> Int8CpuEngine | TorchEngine:
+    """The int8 engine if the gate passes; otherwise Int8Rejected (strict) or the float32 torch engine, whose
+    `int8_gate` then carries the refused measurement."""
+    why = refusal(spec, "cpu")
+    if why:
+        raise Int8Rejected(why)
+    try:
+        import nncf
+        import openvino as ov
+    except ImportError as exc:
+        raise EngineError(f"{INSTALL_HINT} ({exc})") from None
+    from embedfleet.runtime.engines.trtllm_engine import default_engine_cache_dir
+
+    calibration = calibration or int8_calibration()
+    key = CacheKey(spec.digest, RECIPE, ov.__version__, nncf.__version__, calibration_digest(calibration))
+    path = cache_path(Path(cache_root or default_engine_cache_dir(spec.path)), key)
+    manifest = read_cached(path, key)
+    fp32: TorchEngine | None = None
+    if manifest is None:
+        fp32 = TorchEngine(spec, dtype="float32", num_threads=num_threads)
+        manifest = _build(fp32, spec, key, path, calibration, num_threads)
+    else:
+        log.info("%s: int8 build reused from %s", spec.name, path)
+    gate = _gate_of(manifest, min_cosine)
+    summary = gate.summary().replace("fp8", "int8", 1)
+    if gate.passed:
+        log.info("%s: %s", spec.name, summary)
+        return Int8CpuEngine(spec, path / "model.xml", gate, num_threads)
+    if strict:
+        raise Int8Rejected(f"{summary}; the server will not start (serve --dtype float32, lower --int8-min-cosine, "
+                           "or pass --no-int8-strict to serve float32 when int8 is refused)")
+    log.warning("%s: %s; serving float32 (--no-int8-strict)", spec.name, summary)
+    engine = fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads)
+    engine.int8_gate = gate
+    return engine
+
+
+def _build(fp32: TorchEngine, spec: ModelSpec, key: CacheKey, path: Path, calibration: Calibration,
+           num_threads: int) -> dict[str, Any]:
+    """Quantise, measure on the calibration set, and publish the build atomically (a temporary folder
+    renamed into place: a crash never leaves half a build that a later start would trust)."""
+    started = time.perf_counter()
+    batches = calibration_batches(spec, calibration)
+    reference = run_calibration(fp32.embed, batches)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        quantize(fp32, batches, tmp)
+        candidate = run_calibration(Int8CpuEngine(spec, tmp / "model.xml", unjudged(), num_threads).embed,
+                                    batches)
+        result = embedding_gate(reference, candidate, threshold=0.0)
+        cos = row_cosines(reference, candidate)
+        manifest = {"key": asdict(key), "min_cosine": result.min_cosine, "mean_cosine": result.mean_cosine,
+                    "worst_input": int(np.argmin(cos)), "finite": bool(np.isfinite(candidate).all()),
+                    "inputs": len(cos), "seconds": round(time.perf_counter() - started, 2)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("%s: int8 built in %.1fs into %s", spec.name, manifest["seconds"], path)
+    return manifest
+
+
+def unjudged() -> GateResult:
+    """The gate result of a build still being measured (the engine needs one to exist)."""
+    return GateResult(False, "embed", 0.0, 0.0, 0.0, "not judged yet")
+

@@ -1,0 +1,117 @@
+"""`--dtype int8` on CPU: the OpenVINO int8 build of the embedded default passes the gate, is cached by model
+digest (a second start neither loads float32 nor quantises), a gate it fails refuses the start (or serves
+float32 when told to), models it cannot judge are refused by name, and a real server reports what it serves."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embedfleet.runtime.engines import int8_cpu
+from embedfleet.runtime.engines.int8_cpu import Int8CpuEngine, Int8Rejected, build_int8_engine, refusal
+from embedfleet.runtime.engines.quality_gate import calibration_batches, load_calibration, row_cosines
+from embedfleet.runtime.engines.torch_engine import TorchEngine
+from embedfleet.runtime.models.spec import ModelSpec, load_spec
+from embedfleet.runtime.settings import default_model_dir
+from tests.runtime.test_embeddings_correct import TEXTS
+
+pytest.importorskip("openvino")
+pytest.importorskip("nncf")
+
+THREADS = 2
+
+
+@pytest.fixture(scope="module")
+def spec() -> ModelSpec:
+    return load_spec(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def built(spec: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Int8CpuEngine]:
+    """One real build (quantise + gate) into a cache folder the module's tests share."""
+    root = tmp_path_factory.mktemp("engines")
+    engine = build_int8_engine(spec, num_threads=THREADS, cache_root=root)
+    assert isinstance(engine, Int8CpuEngine)
+    return root, engine
+
+
+def test_the_embedded_default_passes_the_gate(spec: ModelSpec, built: tuple[Path, Int8CpuEngine]) -> None:
+    _, engine = built
+    gate = engine.int8_gate
+    assert gate is not None and gate.passed and gate.min_cosine >= 0.99, gate
+    assert engine.effective_dtype == "int8"
+    # texts the gate never saw stay close to float32 too
+    fp32 = TorchEngine(spec, dtype="float32", num_threads=THREADS)
+    batch = [b for batches in calibration_batches(spec, dataclasses.replace(load_calibration(), texts=TEXTS))
+             for b in batches]
+    cos = row_cosines(fp32.embed(batch), engine.embed(batch))
+    assert cos.min() >= 0.99, cos
+
+
+def test_a_second_start_reuses_the_cached_build(spec: ModelSpec, built: tuple[Path, Int8CpuEngine],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    root, first = built
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a cached build must not load float32 or quantise again")
+
+    monkeypatch.setattr(int8_cpu, "quantize", forbidden)
+    monkeypatch.setattr(int8_cpu, "TorchEngine", forbidden)
+    again = build_int8_engine(spec, num_threads=THREADS, cache_root=root)
+    assert isinstance(again, Int8CpuEngine) and again.int8_gate == first.int8_gate
+    batch = [[101, 7592, 2088, 102], [101, 2023, 2003, 1037, 3231, 102]]
+    np.testing.assert_allclose(again.embed(batch), first.embed(batch), rtol=0, atol=1e-6)
+
+
+def test_a_failed_gate_refuses_the_start_or_serves_float32(spec: ModelSpec, built: tuple[Path, Int8CpuEngine],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A threshold above what int8 measured on this model: the same verdict as a model int8 damages."""
+    root, engine = built
+    assert engine.int8_gate is not None
+    strict_bar = 1.0
+    with pytest.raises(Int8Rejected, match=r"int8 refused for embed: min cosine .* calibration input \d+"):
+        build_int8_engine(spec, num_threads=THREADS, cache_root=root, min_cosine=strict_bar)
+    fallback = build_int8_engine(spec, num_threads=THREADS, cache_root=root, min_cosine=strict_bar, strict=False)
+    assert isinstance(fallback, TorchEngine) and fallback.effective_dtype == "float32"
+    assert fallback.int8_gate is not None and not fallback.int8_gate.passed
+    assert fallback.int8_gate.min_cosine == engine.int8_gate.min_cosine
+
+
+@pytest.mark.parametrize(("change", "device", "says"), [
+    ({"task": "rerank"}, "cpu", "rerank model"),
+    ({"task": "classify"}, "cpu", "classify model"),
+    ({"task": "sparse"}, "cpu", "sparse model"),
+    ({"task": "multivector"}, "cpu", "multivector model"),
+    ({"is_decoder": True, "model_type": "qwen2"}, "cpu", "decoder"),
+    ({}, "cuda", "CPU precision"),
+])
+def test_models_int8_cannot_judge_are_refused_by_name(spec: ModelSpec, change: dict, device: str, says: str) -> None:
+    other = dataclasses.replace(spec, **change)
+    assert says in (refusal(other, device) or "")
+    if device == "cpu":
+        with pytest.raises(Int8Rejected, match=says):
+            build_int8_engine(other, num_threads=THREADS)
+    assert refusal(spec, "cpu") is None
+
+
+def test_a_real_server_reports_int8_and_its_measured_cosine(built: tuple[Path, Int8CpuEngine], runtime_factory,
+                                                            spec: ModelSpec) -> None:
+    root, engine = built
+    srv = runtime_factory("--dtype", "int8", "--engine-cache-dir", str(root))
+    with srv.client() as c:
+        card = c.get("/v1/models").raise_for_status().json()["data"][0]
+        assert card["dtype"] == "int8" and card["requested_dtype"] is None
+        assert card["int8_min_cosine"] == pytest.approx(engine.int8_gate.min_cosine)
+        assert card["int8_min_cosine"] >= 0.99
+        body = c.post("/v1/embeddings", json={"input": TEXTS[:4]}).raise_for_status().json()
+    served = np.array([d["embedding"] for d in body["data"]])
+    fp32 = TorchEngine(spec, dtype="float32", num_threads=THREADS)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
+    tok.no_padding()  # the file pads to a fixed width; the engine pads per batch
+    reference = fp32.embed([e.ids for e in tok.encode_batch(TEXTS[:4])])
+    assert row_cosines(reference, served).min() >= 0.99
