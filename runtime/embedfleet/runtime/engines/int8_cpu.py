@@ -23,6 +23,8 @@ sparse and multi-vector models, any device but CPU, and any model the gate fails
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import shutil
@@ -197,8 +199,9 @@ def quantize(fp32: TorchEngine, batches: list[list], out: Path, keep_float: bool
                                  example_input={k: torch.from_numpy(v) for k, v in example.items()})
     samples = [_feeds([x], pad) for batch in batches for x in batch]
     scope = nncf.IgnoredScope(names=kept_float(model) if keep_float else [], validate=False)
-    quantized = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
-                              subset_size=len(samples), ignored_scope=scope)
+    with contextlib.redirect_stdout(io.StringIO()):  # NNCF draws progress bars on stdout
+        quantized = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
+                                  subset_size=len(samples), ignored_scope=scope)
     ov.save_model(quantized, str(out / "model.xml"))
 
 
