@@ -115,3 +115,22 @@ def test_a_real_server_reports_int8_and_its_measured_cosine(built: tuple[Path, I
     tok.no_padding()  # the file pads to a fixed width; the engine pads per batch
     reference = fp32.embed([e.ids for e in tok.encode_batch(TEXTS[:4])])
     assert row_cosines(reference, served).min() >= 0.99
+
+
+def test_openvino_and_nncf_telemetry_never_loads() -> None:
+    """Both send usage to Google Analytics unless told not to; the runtime blocks the telemetry package
+    before importing them. Checked in a fresh interpreter: under pytest NNCF stubs itself anyway."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from embedfleet.runtime.engines import int8_cpu\n"
+            "int8_cpu.no_telemetry()\n"
+            "import nncf, openvino\n"
+            "from nncf.telemetry import wrapper\n"
+            "import openvino.tools.ovc.telemetry_utils as ovc\n"
+            "assert 'pytest' not in sys.modules\n"
+            "print(type(wrapper.telemetry).__name__, ovc.tm.__name__, sys.modules['openvino_telemetry'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    nncf_impl, ovc_impl, module = out.stdout.split()
+    assert nncf_impl != "NNCFTelemetry" and ovc_impl.endswith("telemetry_stub") and module == "None", out.stdout

@@ -28,6 +28,7 @@ import io
 import json
 import logging
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -57,6 +58,23 @@ RECIPE = "ov-nncf-v2"  # bump when the quantisation recipe changes: old cache en
 MANIFEST = "int8.json"
 INSTALL_HINT = ("--dtype int8 needs the `openvino` and `nncf` packages (the runtime extra: "
                 "pip install 'embedfleet[runtime]'); or serve --dtype float32")
+
+
+def no_telemetry() -> None:
+    """Keep OpenVINO's and NNCF's usage telemetry from ever loading (call before importing either).
+
+    Both report usage to Google Analytics by default: ``ov.convert_model`` (openvino/tools/ovc) and
+    ``nncf.quantize`` build an ``openvino_telemetry.Telemetry`` with the opt-in dialog off, which counts a
+    missing consent file as consent. A runtime pod must make no outbound call of its own, and a read-only
+    pod has no home directory to hold a "declined" file. Both fall back to their own stubs when
+    ``openvino_telemetry`` cannot be imported, and a ``None`` entry in ``sys.modules`` makes every import of
+    it fail, so nothing is sent and nothing tries to connect (tests/runtime/test_int8_cpu.py checks the
+    stubs are what runs)."""
+    loaded = sys.modules.get("openvino_telemetry", None)
+    if loaded is not None:
+        log.warning("openvino_telemetry was imported before the int8 engine could block it")
+        return
+    sys.modules["openvino_telemetry"] = None  # type: ignore[assignment]
 
 
 # Calibrated ranges are static: an input far outside what calibration saw is clipped. Degenerate repetitions
@@ -188,6 +206,7 @@ def quantize(fp32: TorchEngine, batches: list[list], out: Path, keep_float: bool
     """Convert the float32 engine's model to OpenVINO, quantise it on the calibration batches (one text per
     sample: per-text ranges), and save the int8 IR as out/model.xml. `keep_float=False` quantises every
     MatMul NNCF would (the bench's comparison row), not the recipe's."""
+    no_telemetry()
     import nncf
     import openvino as ov
 
@@ -212,6 +231,7 @@ class Int8CpuEngine:
     preemptible = False  # one OpenVINO call per batch: nothing to pause between layers
 
     def __init__(self, spec: ModelSpec, model_xml: Path, gate: GateResult, num_threads: int) -> None:
+        no_telemetry()
         import openvino as ov
 
         self.spec = spec
@@ -257,6 +277,7 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
     if why:
         raise Int8Rejected(why)
     try:
+        no_telemetry()
         import nncf
         import openvino as ov
     except ImportError as exc:
