@@ -18,6 +18,9 @@ The formula, step by step (each step has its own named parameter):
 5. floor: never below ceil(latest in-flight / in_flight_per_replica) — the work already accepted needs it.
 6. scale to zero only when ``scale_to_zero`` is on and the load has been zero for ``scale_to_zero_grace_s``.
    A fleet at zero with no load stays at zero (only load, e.g. held requests, or a wake starts one).
+   A schedule window that is open (``scheduled_floor``, autoscale_schedule.py) raises the floor above
+   ``min_replicas``, outranks scale to zero (it wakes a fleet at zero) and, once closed, lowers the
+   floor through step 7 like any other lower recommendation: no cliff.
 7. stabilization (HPA v2): the result is the current count pulled up to the *lowest* recommendation of
    the scale-up window and down to the *highest* recommendation of the scale-down window. A count set by
    hand (`manual_replicas`: ``kubectl scale``, a gateway's wake) is a recommendation too, in the
@@ -86,6 +89,10 @@ class AutoscalerConfig:
     tolerance: float = 0.1
     scale_to_zero: bool = False
     scale_to_zero_grace_s: float = 30.0
+    #: The floor open schedule windows raise now (autoscale_schedule.scheduled_floor; the caller sets it
+    #: each tick) and what raised it, for reasons ("schedule peak").
+    scheduled_floor: int = 0
+    scheduled_by: str = ""
 
     def __post_init__(self) -> None:
         problems = []
@@ -109,6 +116,8 @@ class AutoscalerConfig:
             problems.append("tolerance must be in [0, 1)")
         if self.scale_to_zero_grace_s < 0:
             problems.append("scaleToZero grace must be >= 0")
+        if self.scheduled_floor < 0:
+            problems.append("a scheduled floor must be >= 0")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -128,8 +137,19 @@ class AutoscalerConfig:
 
     @property
     def floor(self) -> int:
-        """Fewest replicas while traffic exists (zero only ever comes from the idle rule)."""
-        return max(self.min_replicas, 1)
+        """Fewest replicas while traffic exists (zero only ever comes from the idle rule); an open schedule
+        window raises it, never above maxReplicas."""
+        return min(max(self.min_replicas, 1, self.scheduled_floor), self.max_replicas)
+
+    @property
+    def idles_to_zero(self) -> bool:
+        """Scale to zero is on and no schedule window holds a floor: a known peak outranks idleness."""
+        return self.scale_to_zero and self.scheduled_floor == 0
+
+    @property
+    def schedule_raises(self) -> bool:
+        """Whether an open schedule window, not minReplicas, sets the floor."""
+        return self.floor > max(self.min_replicas, 1)
 
     @property
     def longest_window_s(self) -> float:
@@ -341,21 +361,23 @@ def desired_replicas(
     elif last_active is None:
         last_active = now  # never seen traffic: the grace period starts now, not at the epoch
     idle_for = now - last_active
-    if config.scale_to_zero and latest.load == 0 and current == 0:
+    if config.idles_to_zero and latest.load == 0 and current == 0:
         # Nothing asks for a replica: a fleet at zero stays there (waking comes from load, i.e. requests a
         # gateway holds, or from its scale subresource); the grace period is for getting *to* zero.
         raw = 0
         notes.append("at zero with no load: staying at zero until a request comes")
-    elif config.scale_to_zero and latest.load == 0 and latest.activity_unknown:
+    elif config.idles_to_zero and latest.load == 0 and latest.activity_unknown:
         raw = max(raw, config.floor, 1 if current > 0 else 0)
         notes.append("a gateway did not say when it last saw traffic: not scaling to zero")
-    elif config.scale_to_zero and latest.load == 0 and idle_for >= config.scale_to_zero_grace_s:
+    elif config.idles_to_zero and latest.load == 0 and idle_for >= config.scale_to_zero_grace_s:
         raw = 0
         notes.append(f"idle for {idle_for:.0f}s >= {config.scale_to_zero_grace_s:g}s: scale to zero")
     else:
         if raw < config.floor:
             raw = config.floor
-        if config.scale_to_zero and latest.load == 0:
+            if config.schedule_raises:
+                notes.append(f"{config.scheduled_by} keeps at least {config.floor}")
+        if config.idles_to_zero and latest.load == 0:
             notes.append(f"idle for {idle_for:.0f}s, scale to zero after {config.scale_to_zero_grace_s:g}s")
     raw = min(raw, config.max_replicas)
 
@@ -461,7 +483,7 @@ def manual_replicas(
     once ``scale_down.stabilization_window_s`` has passed with the load asking for fewer (HPA v2's
     scale-down window). A count above zero is activity too: the scale-to-zero grace period starts again
     from ``now``. ``history.current_replicas`` is the size before (the caller's view of the truth)."""
-    to_zero = config.scale_to_zero and requested <= 0
+    to_zero = config.idles_to_zero and requested <= 0
     replicas = 0 if to_zero else max(config.floor, min(config.max_replicas, int(requested)))
     current = history.current_replicas if history.current_replicas is not None else replicas
     notes = [f"spec.replicas set to {requested} by hand (kubectl scale, or a gateway waking the fleet)"]

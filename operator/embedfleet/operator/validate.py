@@ -17,6 +17,7 @@ from kubernetes.utils import parse_quantity
 from pydantic import ValidationError
 
 from embedfleet.operator import platform
+from embedfleet.operator.autoscale_schedule import entry_problems
 from embedfleet.operator.crd.gpus import KNOWN_GPU_TYPES
 from embedfleet.operator.crd.models import (
     EXCLUSIVE_API_KEYS,
@@ -154,6 +155,7 @@ def validate(spec: EmbeddingDeploymentSpec, name: str | None = None) -> list[str
             f"spec.autoscaling.panicWindowSeconds ({auto.panic_window_seconds:g}) must not exceed "
             f"stableWindowSeconds ({auto.stable_window_seconds:g})"
         )
+    problems += entry_problems(auto.schedule, auto.max_replicas)
     if not auto.enabled and spec.replicas is None and auto.min_replicas == 0:
         problems.append(
             "spec.replicas: autoscaling is disabled and minReplicas is 0, so nothing would run; "

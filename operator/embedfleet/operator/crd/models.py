@@ -18,8 +18,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
-from pydantic.alias_generators import to_camel
+from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema
+
+from embedfleet.operator.crd.base import CamelModel
+from embedfleet.operator.crd.schedule import Schedule
 
 #: The schema checks the scheme only; embedfleet.operator.validate checks each scheme's shape with a message.
 MODEL_SOURCE_PATTERN = r"^(hf|s3|gs|https?|file|pvc)://\S+$"
@@ -64,12 +66,6 @@ Quantity = Annotated[
         }
     ),
 ]
-
-
-class CamelModel(BaseModel):
-    """camelCase on the wire, snake_case in Python; unknown fields are an error, not silently dropped."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
 # ---------------------------------------------------------------- model
@@ -258,6 +254,7 @@ class AutoscalingSpec(CamelModel):
     tolerance: float = Field(default=0.1, ge=0, lt=1)
     scale_to_zero: bool = False
     scale_to_zero_grace_seconds: float = Field(default=30, ge=0, le=86400)
+    schedule: Schedule = Field(default_factory=list)
     interval_seconds: float = Field(default=5, ge=0.5, le=300, description="Seconds between decisions.")
     prometheus_url: str | None = Field(
         default=None,

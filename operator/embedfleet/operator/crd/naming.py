@@ -44,6 +44,8 @@ OWNER_NAMESPACE_LABEL = "embedfleet.dev/namespace"
 OWNER_KIND_LABEL = "embedfleet.dev/owner-kind"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "embedfleet-operator"
+#: ``MANAGED_BY_LABEL`` on a spoke's copy of a hub EmbeddingDeployment (hub/convert.py writes it).
+HUB_MANAGED_BY = "embedfleet-hub"
 
 #: Node labels written by ``embedfleet cache pull --label-node`` once a digest is verified on disk:
 #: ``cache.embedfleet.dev/sha256-<first 16 hex digits>=ready``.

@@ -28,6 +28,11 @@ are then re-derived by the reconcile's own code (handlers/embedding.py `refresh_
 into ``Degraded``. With autoscaling off the daemon still scrapes, for the probe only, every
 `drift_every_s`; with a Prometheus source it asks Prometheus (signals.query_probe) at that pace.
 
+An open ``spec.autoscaling.schedule`` window (autoscale_schedule.py) raises the floor each tick; the
+decision's reason (status and Event) names the entry. A spoke's copy of a hub EmbeddingDeployment leaves
+the schedule to the hub, whose fleet target (hub/autoscale.py) already counts it in this copy's
+minReplicas.
+
 Ownership of status fields is documented in operator/status.py: this daemon writes
 ``replicas.desired``, ``inFlight``, ``lastScaleDecision`` and ``probeDrift``, nothing else.
 """
@@ -57,6 +62,7 @@ from embedfleet.operator.autoscale import (
     manual_replicas,
     trim_observations,
 )
+from embedfleet.operator.autoscale_schedule import ScheduledFloor, scheduled_floor
 from embedfleet.operator.autoscale_target import in_flight_target
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
@@ -121,6 +127,21 @@ class LoopState:
     #: (replicas, monotonic end) of the scale-down hold status.lastScaleDecision last announced: a hold
     #: is said once, not every tick it lasts (see `hold_is_news`).
     announced_hold: tuple[int, float] | None = None
+    #: names of the schedule entries open at the last tick (a change is logged).
+    schedule_open: tuple[str, ...] = ()
+
+
+def with_schedule(config: AutoscalerConfig, body: Mapping[str, Any], parsed: EmbeddingDeploymentSpec,
+                  now: datetime) -> tuple[AutoscalerConfig, ScheduledFloor | None]:
+    """The tick's config with the floor the open schedule windows raise at ``now`` (wall clock, UTC).
+    None for a spec without a schedule, and for a hub's copy on a spoke (the hub counted the schedule in
+    this copy's minReplicas; applying it again would raise every spoke to the fleet-wide floor)."""
+    labels = (body.get("metadata") or {}).get("labels") or {}
+    if not parsed.autoscaling.schedule or labels.get(naming.MANAGED_BY_LABEL) == naming.HUB_MANAGED_BY:
+        return config, None
+    floor = scheduled_floor(parsed.autoscaling.schedule, now)
+    by = floor.describe() if floor.active else ""
+    return dataclasses.replace(config, scheduled_floor=floor.floor, scheduled_by=by), floor
 
 
 def _now_iso() -> str:
@@ -500,6 +521,12 @@ async def autoscale(
                 # a lower maxReplicas, applies at once through the clamp).
                 logger.info("autoscaling settings changed; decisions go on from the same history")
             config_key = config
+        config, schedule = with_schedule(config, body, parsed, datetime.now(UTC))
+        opened = schedule.active if schedule is not None else ()
+        if opened != state.schedule_open:
+            logger.info("schedule: %s", f"{', '.join(opened)} open (floor {schedule.floor})"
+                        if schedule is not None and opened else "no window open")
+            state.schedule_open = opened
         try:
             deployment = next(iter(runtime_deployments.get((namespace, name), [])), None)
             pods = list(runtime_pods.get((namespace, name), []))
