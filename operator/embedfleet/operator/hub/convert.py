@@ -199,7 +199,7 @@ def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlace
         "metadata": {
             "name": meta["name"],
             "namespace": meta["namespace"],
-            "labels": {HUB_MANAGED_LABEL: cluster, naming.MANAGED_BY_LABEL: "embedfleet-hub"},
+            "labels": {HUB_MANAGED_LABEL: cluster, naming.MANAGED_BY_LABEL: naming.HUB_MANAGED_BY},
             "annotations": {HUB_UID_ANNOTATION: str(meta.get("uid") or ""), **annotations,
                             **({SPILL_ANNOTATION: json.dumps(spill, sort_keys=True, separators=(",", ":"))}
                                if spill else {})},
