@@ -49,6 +49,8 @@ def test_good_spec_passes() -> None:
         (with_(runtime__gpu={"count": 0, "type": "nvidia-l4"}), "gpu.count is 0"),
         (with_(runtime__engine="trtllm"), "trtllm needs a GPU"),
         (with_(runtime__dtype="fp8"), "fp8 needs a GPU"),
+        (with_(runtime__dtype="int8", runtime__gpu__count=1), "int8 is CPU only"),
+        (with_(runtime__dtype="int8", runtime__engine="trtllm", runtime__gpu__count=1), "int8 is CPU only"),
         (with_(model__source="hf://a/b/c"), "is not hf://<org>/<name>"),
         (with_(model__source="s3://bucket/key"), "s3:// and gs:// sources are not supported"),
         (with_(model__source="gs://bucket/key"), "publish the weights over https"),
@@ -148,3 +150,13 @@ def test_batch_must_hold_one_full_length_input(model: str, tokens: int) -> None:
     _, problems = check("m", with_(model__source=f"hf://{org}/{name}", runtime__maxBatchTokens=tokens))
     flagged = any("maxBatchTokens" in p for p in problems)
     assert flagged == (tokens < KNOWN_MODEL_MAX_TOKENS[model])
+
+
+def test_int8_on_cpu_is_accepted_and_reaches_the_runtime() -> None:
+    from embedfleet.operator.render.config import runtime_env
+
+    cpu = with_(runtime__dtype="int8")
+    cpu["runtime"].pop("gpu", None)
+    spec, problems = check("bge", cpu)
+    assert problems == [] and spec is not None and spec.runtime.dtype == "int8"
+    assert runtime_env("bge", spec)["EMBEDFLEET_DTYPE"] == "int8"

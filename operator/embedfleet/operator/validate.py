@@ -183,6 +183,9 @@ def validate(spec: EmbeddingDeploymentSpec, name: str | None = None) -> list[str
         )
     if gpu.type is not None and gpu.count == 0:
         problems.append(f"spec.runtime.gpu.type is {gpu.type!r} but gpu.count is 0")
+    if runtime.dtype == "int8" and (gpu.count > 0 or runtime.engine != "torch"):
+        problems.append("spec.runtime.dtype: int8 is CPU only (an OpenVINO int8 build, engine torch); on a GPU "
+                        "use fp8 or bfloat16")
     if gpu.count == 0:
         if runtime.engine == "trtllm":
             problems.append("spec.runtime.engine: trtllm needs a GPU (set spec.runtime.gpu.count >= 1)")
