@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from embedfleet.runtime.engines.cache_dir import default_engine_cache_dir
 from embedfleet.runtime.engines.torch_engine import pool
 from embedfleet.runtime.engines.trtllm_engine import (
     MANIFEST,
     EngineKey,
     TrtLlmUnavailable,
-    default_engine_cache_dir,
     engine_path,
     ensure_engine,
     is_built,

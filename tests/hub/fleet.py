@@ -287,6 +287,20 @@ class Fleet:
             raise AssertionError(f"{exc}\nhub status: {self.hub_object(name, namespace).get('status')}\n"
                                  f"copies: {self.copies(name, namespace)}\n{self.logs()}") from exc
 
+    def wait_failed_over(self, name: str, namespace: str, gone: str, to: str, replicas: int,
+                         timeout: float = 60) -> None:
+        """Until the hub reports `gone`'s share moved away (LeaseExpired) and `to` holding `replicas`."""
+        def failed_over() -> bool:
+            rows = self.rows(name, namespace)
+            problem = (rows.get(gone) or {}).get("reasons", [""])[0]
+            return (rows.get(to) or {}).get("desired") == replicas and \
+                problem.startswith("problem: unavailable (LeaseExpired)")
+
+        try:
+            wait_until(failed_over, timeout, f"{namespace}/{name} failed over from {gone} to {to}", interval=0.5)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self.hub_object(name, namespace).get('status')}\n{self.logs()}") from exc
+
     def logs(self, lines: int = 60) -> str:
         out = []
         for name, proc in [("hub", self.hub_proc), *self.spoke_procs.items()]:

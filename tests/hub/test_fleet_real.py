@@ -143,15 +143,7 @@ def test_a_stopped_spoke_fails_over_and_returns_without_churn(fleet: Fleet) -> N
     fleet.marks()
     fleet.spokes["eu"].stop_apiserver()
 
-    def failed_over() -> bool:
-        rows = fleet.rows(*SPREAD)
-        return ((rows.get("us") or {}).get("desired") == 4
-                and (rows.get("eu") or {}).get("reasons", [""])[0].startswith("problem: unavailable (LeaseExpired)"))
-
-    try:
-        wait_until(failed_over, 60, "spread failed over to us", interval=0.5)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}\n{fleet.hub_object(*SPREAD).get('status')}\n{fleet.logs()}") from exc
+    fleet.wait_failed_over(*SPREAD, gone="eu", to="us", replicas=4, timeout=60)
     wait_until(lambda: fleet.ready_pods("us", *SPREAD) == 4, 60, "4 ready pods on us")
     degraded = fleet.condition(*SPREAD, "Degraded")
     # One region left of minRegions 2: Constrained, and it says why.

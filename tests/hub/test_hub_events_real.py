@@ -81,15 +81,7 @@ def test_a_silent_spoke_is_judged_when_its_lease_runs_out(fleet: Fleet) -> None:
     fleet.wait_settled(*SPREAD, {"eu": 2, "us": 2})
     fleet.spoke_procs["eu"].stop()  # its heartbeat stops; its API server still answers
 
-    def failed_over() -> bool:
-        rows = fleet.rows(*SPREAD)
-        return ((rows.get("us") or {}).get("desired") == 4
-                and (rows.get("eu") or {}).get("reasons", [""])[0].startswith("problem: unavailable (LeaseExpired)"))
-
-    try:
-        wait_until(failed_over, 90, "spread failed over to us", interval=0.5)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}\n{fleet.hub_object(*SPREAD).get('status')}\n{fleet.logs()}") from exc
+    fleet.wait_failed_over(*SPREAD, gone="eu", to="us", replicas=4, timeout=90)
     fc = fleet.hub.get_json("fleetcluster", "eu")["status"]
     available = {c["type"]: c for c in fc["conditions"]}["Available"]
     assert available["status"] == "False" and available["reason"] == "LeaseExpired", available

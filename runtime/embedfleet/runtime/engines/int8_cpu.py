@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
+from embedfleet.runtime.engines.cache_dir import default_engine_cache_dir
 from embedfleet.runtime.engines.quality_gate import (
     Calibration,
     GateResult,
@@ -294,7 +295,6 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
         import openvino as ov
     except ImportError as exc:
         raise EngineError(f"{INSTALL_HINT} ({exc})") from None
-    from embedfleet.runtime.engines.trtllm_engine import default_engine_cache_dir
 
     calibration = calibration or int8_calibration()
     key = CacheKey(spec.digest, RECIPE, ov.__version__, nncf.__version__, calibration_digest(calibration))

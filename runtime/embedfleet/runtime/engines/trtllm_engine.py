@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from embedfleet.runtime.engines.base import Capabilities
+from embedfleet.runtime.engines.cache_dir import default_engine_cache_dir
 from embedfleet.runtime.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -97,24 +97,6 @@ class EngineKey:
         gpu = re.sub(r"[^a-z0-9]+", "-", self.gpu_name.lower()).strip("-") or "gpu"
         version = re.sub(r"[^0-9a-z.]+", "", self.trtllm_version.lower()) or "unknown"
         return f"{gpu}-{self.dtype}-trtllm{version}-{self.hash()}"
-
-
-def default_engine_cache_dir(model_dir: Path) -> Path:
-    """`engines/` beside the model (the node-local cache root), else the user's cache.
-
-    The operator mounts the weight cache read-only into runtime pods, so the fallback is what a
-    pod uses unless the cache's pre-pull built the engine already.
-    """
-    beside = model_dir.resolve().parent / "engines"
-    if _writable(beside) or (beside.is_dir() and any(beside.iterdir())):
-        return beside
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "embedfleet" / "engines"
-
-
-def _writable(path: Path) -> bool:
-    probe = path if path.exists() else path.parent
-    return probe.is_dir() and os.access(probe, os.W_OK)
 
 
 def engine_path(cache_root: Path, spec: ModelSpec, key: EngineKey) -> Path:
