@@ -27,6 +27,7 @@ from embedfleet.runtime.core.quantize import CALIBRATION_TEXTS, Calibration, cal
 from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
 from embedfleet.runtime.drift import DriftMonitor
 from embedfleet.runtime.engines.base import Engine
+from embedfleet.runtime.engines.gpu_batching import Batching
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.models.spec import ModelSpec, Task, load_spec
 from embedfleet.runtime.settings import ModelEntry, RuntimeSettings
@@ -82,11 +83,47 @@ def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
         return TrtLlmEngine(spec, settings)
     from embedfleet.runtime.engines.torch_engine import TorchEngine
 
+    # on CUDA a budget the user did not set is chosen from free memory after loading (engines/gpu_batching.py)
+    sized = settings.device != "cuda" or "max_batch_tokens" in settings.model_fields_set
     return TorchEngine(spec, device=settings.device, dtype=settings.dtype,
                        num_threads=settings.num_threads or settings.cores(),
-                       max_batch_tokens=settings.max_batch_tokens, fp8_min_cosine=settings.fp8_min_cosine,
+                       max_batch_tokens=settings.max_batch_tokens if sized else None,
+                       fp8_min_cosine=settings.fp8_min_cosine,
                        fp8_strict=settings.fp8_strict, fp8_activation_scaling=settings.fp8_activation_scaling,
-                       cuda_graphs=settings.cuda_graphs, max_batch_requests=settings.max_batch_requests)
+                       cuda_graphs=settings.cuda_graphs, max_batch_requests=settings.max_batch_requests,
+                       packed=settings.packed, compile=settings.compile)
+
+
+def gpu_batching(settings: RuntimeSettings, engine: Engine, run: Callable[[list], object]) -> Batching | None:
+    """On the engine thread, for a torch engine on CUDA: the batching sized for the GPU (the values the
+    user did not set), with the per-call overhead measured here. None elsewhere (the settings serve)."""
+    model = getattr(engine, "model", None)
+    if settings.device != "cuda" or model is None or not hasattr(engine, "free_memory"):
+        return None
+    from embedfleet.runtime.engines import gpu_batching as sizing
+
+    fields = ("max_batch_tokens", "max_batch_requests", "batch_overhead_tokens")
+    user = {f: getattr(settings, f) for f in fields if f in settings.model_fields_set}
+    spec = engine.spec  # type: ignore[attr-defined]
+    chosen = sizing.choose(user, model.config, engine.effective_dtype, engine.free_memory(), spec.max_length)
+    if "batch_overhead_tokens" not in user:
+        token = spec.pad_token_id + 1
+        width = min(256, spec.max_length)
+        rows = max(1, min(chosen.max_batch_requests, chosen.max_batch_tokens // width))
+        small, large = [[token] * 8], [[token] * width for _ in range(rows)]
+        times = []
+        for batch in (small, large):
+            run(batch)
+            best = float("inf")
+            for _ in range(3):
+                started = time.perf_counter()
+                run(batch)
+                best = min(best, time.perf_counter() - started)
+            times.append(best)
+        measured = sizing.overhead_tokens(times[0], times[1], rows * width, 8)
+        chosen = sizing.choose(user, model.config, engine.effective_dtype, engine.free_memory(), spec.max_length,
+                               overhead=measured)
+    return chosen
 
 
 class ModelService:
@@ -107,6 +144,7 @@ class ModelService:
         self.created = int(time.time())
         self.probe: probing.ProbeState | None = None  # fingerprint and vector space, from the start-up probe
         self.drift: DriftMonitor | None = None
+        self.batching: Batching | None = None  # on CUDA: the batching sized for the GPU (engines/gpu_batching.py)
 
     @property
     def loaded(self) -> bool:
@@ -149,13 +187,20 @@ class ModelService:
         engine = await loop.run_in_executor(self.engine_thread, build_engine, self.settings, spec)
         await loop.run_in_executor(self.engine_thread, engine.warmup)
         self.spec, self.engine = spec, engine
+        run = engine_fn(engine, spec.task)
+        batching = await loop.run_in_executor(self.engine_thread, gpu_batching, self.settings, engine, run)
+        if batching is not None:
+            self.batching = batching
+            self.settings = self.settings.model_copy(update={
+                "max_batch_tokens": batching.max_batch_tokens, "max_batch_requests": batching.max_batch_requests,
+                "batch_overhead_tokens": batching.batch_overhead_tokens})
+            log.info("batching of %s on the GPU: %s", spec.name, batching.summary())
         gate = engine.fp8_gate
         if gate is not None:
             self._runtime_metrics.fp8_min_cosine.labels(self.name).set(gate.min_cosine)
             self._runtime_metrics.fp8_accepted.labels(self.name).set(1 if gate.passed else 0)
         self.tokenizer = TokenizerPool(spec.path / "tokenizer.json",
                                        self.settings.tokenizer_workers or self.settings.cores())
-        run = engine_fn(engine, spec.task)
         if spec.task == "embed":
             self.calibration = calibration_file(spec.path, spec.hidden_size)  # a bad file fails the load here
         batcher = BatchManager(run, self.settings.max_batch_tokens, self.settings.max_batch_requests,

@@ -140,8 +140,16 @@ class RuntimeSettings(BaseSettings):
         "cosine with float32")
     int8_strict: bool = Field(
         True, description="dtype int8: refuse to start when the gate refuses int8 (--no-int8-strict: serve float32)")
-    cuda_graphs: bool = Field(
-        False, description="device cuda: bucket batch shapes to powers of two and replay them as CUDA graphs")
+    cuda_graphs: bool | None = Field(
+        None, description="device cuda: replay small batches (up to 512 tokens, 8 inputs) as CUDA graphs captured at "
+        "start-up, so a query does not pay a kernel launch per operation; models without the packed path bucket "
+        "every shape and compile it instead (torch.compile reduce-overhead). Default: on for packed models")
+    packed: bool = Field(
+        True, description="device cuda: run BERT-family embedders on packed sequences (no padding, variable-length "
+        "FlashAttention), so a batch costs its tokens, not its longest row; --no-packed: the padded path")
+    compile: bool = Field(
+        False, description="device cuda, packed models: torch.compile the transformer layers (fuses norms, "
+        "activations and FP8's activation scaling into fewer kernels; adds start-up time)")
     engine_cache_dir: Path | None = Field(
         None, description="engine trtllm and dtype int8: where built engines are kept, keyed by model digest (trtllm: "
         "and GPU, dtype); "
@@ -223,6 +231,8 @@ class RuntimeSettings(BaseSettings):
     def _check(self) -> RuntimeSettings:
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs: needs device cuda")
+        if self.compile and self.device != "cuda":
+            raise ValueError("compile: needs device cuda")
         if self.max_batch_requests > self.max_batch_tokens:
             raise ValueError("max_batch_requests cannot exceed max_batch_tokens (every input has a token)")
         entries = self.models()

@@ -55,6 +55,8 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
                            requested_dtype=settings.dtype if settings.dtype != s.effective_dtype else None,
                            fp8_min_cosine=s.fp8_min_cosine,
                            int8_min_cosine=s.int8_min_cosine, revision=s.revision or None,
+                           batching=s.batching.card() if s.batching is not None else None,
+                           packed=getattr(s.engine, "packed", None) is not None if settings.device == "cuda" else None,
                            vector_space=s.vector_space, fingerprint=s.fingerprint,
                            probe_set=s.probe.outputs.probe_set if s.probe is not None else None)
                  for s in models.services.values() if tenant.allows(s.name)]

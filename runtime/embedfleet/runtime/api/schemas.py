@@ -106,6 +106,9 @@ class ModelCard(BaseModel):
     requested_dtype: str | None = None  # set when it differs from dtype (fp8 fell back to bf16)
     fp8_min_cosine: float | None = None  # the quality gate's measurement, for fp8 requests
     int8_min_cosine: float | None = None  # the int8 gate's measurement (engines/int8_cpu.py), for int8 requests
+    # on CUDA: the batching served (engines/gpu_batching.py) and what chose each value ("user" or "device")
+    batching: dict | None = None
+    packed: bool | None = None  # on CUDA: batches run as packed sequences (engines/packed.py)
     # revisions (docs/rollouts.md): also answers `<id>@<revision>`; requests pinned to another space get 409
     revision: str | None = None
     vector_space: str | None = None

@@ -19,6 +19,7 @@ import torch
 
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
 from embedfleet.runtime.engines.cpu_isa import ensure_cpu_bf16
+from embedfleet.runtime.engines.packed import GRAPH_TOKENS, PackedEncoder, packed_unsupported
 from embedfleet.runtime.engines.quality_gate import DEFAULT_MIN_COSINE, GateResult
 from embedfleet.runtime.models.colbert import Projection
 from embedfleet.runtime.models.spec import ENCODER_TASKS, ModelSpec
@@ -98,8 +99,8 @@ class TorchEngine:
     def __init__(self, spec: ModelSpec, device: str = "cpu", dtype: str = "float32",
                  num_threads: int = 0, *, max_batch_tokens: int | None = None,
                  fp8_min_cosine: float = DEFAULT_MIN_COSINE, fp8_strict: bool = False,
-                 fp8_activation_scaling: str = "token", cuda_graphs: bool = False,
-                 max_batch_requests: int = 32) -> None:
+                 fp8_activation_scaling: str = "token", cuda_graphs: bool | None = False,
+                 max_batch_requests: int = 32, packed: bool = True, compile: bool = False) -> None:
         from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
         if dtype not in ENGINE_DTYPES:
@@ -139,10 +140,32 @@ class TorchEngine:
         self._forward = self.model
         self.graph_shapes: list[tuple[int, int]] = []  # captured at warm-up when cuda_graphs is on
         self.max_batch_requests = max_batch_requests
+        self.packed: PackedEncoder | None = None  # engines/packed.py: CUDA, BERT-family embedders
+        self.packed_reason = "not on CUDA"
+        if self.device.type == "cuda" and packed:
+            self._setup_packed(compile)
         if dtype == "fp8":
             self._enable_fp8(fp8_min_cosine, fp8_strict, fp8_activation_scaling)
+        self._packed_graphs = bool(self.packed is not None and cuda_graphs is not False)
         if self.device.type == "cuda":
-            self._setup_cuda(max_batch_tokens, cuda_graphs)
+            self._setup_cuda(max_batch_tokens, bool(cuda_graphs) and self.packed is None)
+
+    def _setup_packed(self, compile: bool) -> None:
+        why = packed_unsupported(self.model, self.spec.model_type, self.spec.task, self.device, self.dtype)
+        if why is not None:
+            self.packed_reason = why
+            log.info("packed sequences off for %s: %s (padded batches)", self.spec.name, why)
+            return
+        self.packed = PackedEncoder(self.model, self.spec.model_type, self.spec.pooling, self.device, compile=compile)
+        self.packed_reason = ""
+        log.info("packed sequences on for %s (variable-length FlashAttention%s)", self.spec.name,
+                 ", compiled layers" if compile else "")
+
+    def free_memory(self) -> int:
+        """Free bytes on the engine's GPU now (the weights loaded), for sizing the batch budget."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return int(torch.cuda.mem_get_info(self.device)[0])
 
     @staticmethod
     def _cpu_bf16_or_float32(dtype: str) -> str:
@@ -221,6 +244,15 @@ class TorchEngine:
         compiles (the count and time are logged)."""
         run = self.runner()
         token = self.spec.pad_token_id + 1
+        if self.packed is not None:
+            run([[token] * 8, [token] * 3])
+            if self._packed_graphs:
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    n = self.packed.capture_graphs(max(GRAPH_TOKENS))
+                self.graph_shapes = list(self.packed._graphs)
+                log.info("captured %d CUDA graphs of small batches in %.1fs", n, time.perf_counter() - started)
+            return
         if not self.graph_shapes:
             run([[token] * 8, [token] * 3])
             return
@@ -246,6 +278,8 @@ class TorchEngine:
 
     @torch.inference_mode()
     def embed(self, batch: list) -> np.ndarray:
+        if self.packed is not None:
+            return self.packed.embed(batch).cpu().numpy()
         inputs = self._inputs(batch)
         hidden = self._forward(**inputs).last_hidden_state
         return pool(hidden, inputs["attention_mask"], self.spec.pooling)[: len(batch)].cpu().numpy()
