@@ -51,13 +51,14 @@ class Server:
     """`embedfleet serve` as a user starts it (on `cpus` only, when given: it then sizes its threads
     to them, as it does to a container's CPU set)."""
 
-    def __init__(self, *flags: str, cpus: set[int] | None = None) -> None:
+    def __init__(self, *flags: str, cpus: set[int] | None = None, log_file: Path | None = None) -> None:
         self.port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(SOURCE_PATHS), HF_HUB_OFFLINE="1")
+        sink = open(log_file, "ab") if log_file is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port",
-             str(self.port), "--log-level", "warning", *flags],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pinned_to(cpus))
+             str(self.port), "--log-level", "info" if log_file is not None else "warning", *flags],
+            env=env, stdout=sink, stderr=sink, preexec_fn=pinned_to(cpus))
         self.url = f"http://127.0.0.1:{self.port}"
         try:
             wait_ready(self.url, self.proc)
@@ -69,6 +70,10 @@ class Server:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
         self.proc.wait(60)
+
+    def card(self) -> dict:
+        """The served model's /v1/models entry (dtype served, batching, packed, gate figures)."""
+        return httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None = None, path: str = "/ready", timeout: float = 300) -> None:

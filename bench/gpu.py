@@ -1,27 +1,43 @@
-"""GPU figures for issue 8, one JSON line each, appended to bench/results/<gpu-name>.jsonl.
+"""Every GPU figure in one run, within a time budget; one JSON line each, appended to
+bench/results/<gpu-name>.jsonl.
 
-1. forward tokens/s, bf16 vs FP8, for a bge-large-sized encoder (24 layers, hidden 1024) and a ~0.6B
-   decoder embedder (Qwen3-0.6B shape), random weights, at batch token budgets 8k-64k; model FLOP/s
-   and utilisation against the GPU's dense bf16 peak; FP8 / bf16 ratio per budget.
-2. single 128-token query latency p50/p99 at concurrency 1 through the real server (encoder, bf16 and fp8).
-3. the encoder through sentence-transformers on the same GPU at its best batch size vs our server on
-   the same corpus (ratio ours / theirs).
+Sections, in order of what a user sees first (each one checks the deadline and is skipped, with a line
+saying so, when the rest of the budget would not hold it):
+
+1. `server_vs_st`: the real all-MiniLM-L6-v2 through `embedfleet serve --device cuda` (12,000 natural-order
+   texts, 64 per request, 32 concurrent clients in 4 processes, base64) against sentence-transformers
+   on the same GPU at its best batch size (bf16 and fp32), and the served vectors' cosine with
+   sentence-transformers fp32 on 4,000 of them (the FP8 gate's promise: every input >= --fp8-min-cosine).
+   The same for the bge-large shape (random weights) on the natural-order corpus.
+2. `single_query_latency`: one 128-token query at concurrency 1 through the server, bge-large shape,
+   bf16 and fp8.
+3. `profile`: torch.profiler over one server-sized batch (1,024 natural-order texts, MiniLM, packed):
+   GPU time by kernel class and host time, so the gap between GPU work and wall time is visible.
+4. `forward_tokens_per_s`: engine forward, bge-large shape (24 x 1024) and a 0.6B decoder (Qwen3-0.6B
+   shape), seq 512, budgets 16k and 64k: padded transformers vs packed, eager vs torch.compile, bf16 vs
+   our FP8 vs torchao's float8 (row-wise) where installed; model FLOP/s and utilisation of the
+   GPU's dense bf16 peak (measured: a large bf16 GEMM, and the datasheet figure).
+
 On a machine without CUDA it prints one JSON line saying so and exits 0.
 
-    python3 bench/gpu.py                 # everything (about 10 minutes on an H100)
-    python3 bench/gpu.py --only forward  # or: latency, st
+    python3 bench/gpu.py                  # everything, about 5 minutes on an H100
+    python3 bench/gpu.py --only latency   # or: server, profile, forward
+    python3 bench/gpu.py --budget-s 240   # stop starting sections after 240 s
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import base64
 import json
+import os
 import re
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from _common import ROOT, Server, corpus, percentiles
 
@@ -30,7 +46,10 @@ sys.path.insert(0, str(ROOT))
 # dense (no sparsity) bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets
 PEAK_BF16 = {"h100 nvl": 835e12, "h100 pcie": 756e12, "h100": 989e12, "h200": 989e12, "gh200": 989e12,
              "b200": 2250e12, "a100": 312e12, "l40s": 362e12, "l4": 121e12}
-BUDGETS = (8192, 16384, 32768, 65536)
+BUDGETS = (16384, 65536)
+# --smoke: every section on the CPU at toy sizes, to check this script before spending GPU time on it
+SMOKE = {"on": False}
+LOG_DIR = Path(os.environ.get("EMBEDFLEET_BENCH_LOG_DIR", tempfile.gettempdir()))
 
 
 def peak_flops(gpu: str) -> float | None:
@@ -41,8 +60,28 @@ def peak_flops(gpu: str) -> float | None:
     return None
 
 
+def measured_peak() -> float:
+    """bf16 FLOP/s of an 8192^3 GEMM on random data (the ceiling this card reaches through cuBLAS)."""
+    import torch
+
+    if SMOKE["on"]:
+        return 1e12
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (start.elapsed_time(end) / 1000)
+
+
 def build_models(root: Path) -> dict[str, Path]:
-    """Random-weight models with real tokenizers (the GPU machine has no network)."""
+    """Random-weight models with real tokenizers (the GPU machine has no network), built on the GPU."""
     import torch
     from tests.tiny_models import bert_tokenizer, bpe_tokenizer, sentence_transformers_files
     from transformers import BertConfig, BertModel, Qwen2Config, Qwen2Model
@@ -51,18 +90,47 @@ def build_models(root: Path) -> dict[str, Path]:
     out = {}
     d = out["encoder-bge-large"] = root / "encoder-bge-large"
     d.mkdir()
-    BertModel(BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                         intermediate_size=4096, max_position_embeddings=512)).to(torch.bfloat16).save_pretrained(d)
+    small = SMOKE["on"]
+    with torch.device(device()):
+        BertModel(BertConfig(vocab_size=30522, hidden_size=64 if small else 1024, num_hidden_layers=2 if small else 24,
+                             num_attention_heads=4 if small else 16, intermediate_size=128 if small else 4096,
+                             max_position_embeddings=512)).to(torch.bfloat16).save_pretrained(d)
     bert_tokenizer(d)
     sentence_transformers_files(d, "cls", 1024)
     d = out["decoder-0.6b"] = root / "decoder-0.6b"
     d.mkdir()
-    Qwen2Model(Qwen2Config(vocab_size=151936, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                           num_key_value_heads=8, intermediate_size=3072, max_position_embeddings=8192,
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2)).to(torch.bfloat16).save_pretrained(d)
+    with torch.device(device()):
+        Qwen2Model(Qwen2Config(vocab_size=151936, hidden_size=64 if small else 1024,
+                               num_hidden_layers=2 if small else 28, num_attention_heads=4 if small else 16,
+                               num_key_value_heads=2 if small else 8, intermediate_size=128 if small else 3072,
+                               max_position_embeddings=8192,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)).to(torch.bfloat16).save_pretrained(d)
     bpe_tokenizer(d)
     sentence_transformers_files(d, "last", 1024)
+    empty_cache()
     return out
+
+
+def device() -> str:
+    return "cpu" if SMOKE["on"] else "cuda"
+
+
+def n(full: int, smoke: int) -> int:
+    return smoke if SMOKE["on"] else full
+
+
+def empty_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def model_flops_per_token(config, seq: int) -> float:
@@ -77,7 +145,229 @@ def model_flops_per_token(config, seq: int) -> float:
     return layers * (2 * per_layer + 4 * seq * h)
 
 
-def forward_figures(models: dict[str, Path], gpu: str, emit) -> None:
+def served(*flags: str, name: str) -> Server:
+    return Server(*flags, log_file=LOG_DIR / f"server-{name}.log")
+
+
+# -- 1. server vs sentence-transformers -------------------------------------------------------------
+def _client_process(url: str, chunks: list[list[str]], concurrency: int) -> tuple[int, float, float]:
+    import asyncio
+
+    import httpx
+
+    async def run() -> tuple[int, float, float]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for chunk in chunks:
+            queue.put_nowait(chunk)
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            async def worker() -> int:
+                done = 0
+                while not queue.empty():
+                    chunk = queue.get_nowait()
+                    while True:
+                        r = await client.post("/v1/embeddings", json={"input": chunk, "encoding_format": "base64"})
+                        if r.status_code != 429:
+                            break
+                        await asyncio.sleep(float(r.headers.get("retry-after", "1")))  # refused: as told, again
+                    if r.status_code != 200:  # a plain error: exceptions with httpx objects do not pickle
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+                    done += len(chunk)
+                return done
+
+            t0 = time.time()
+            counts = await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return sum(counts), t0, time.time()
+
+    return asyncio.run(run())
+
+
+def server_throughput(url: str, texts: list[str], per_request: int = 64, concurrency: int = 32,
+                      processes: int = 4) -> float:
+    """Embeddings per second through the server: `concurrency` clients split over `processes` client
+    processes (one Python client process tops out below what a GPU server answers)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
+    shares = [chunks[p::processes] for p in range(processes)]
+    with ProcessPoolExecutor(processes, mp_context=get_context("spawn")) as pool:
+        results = list(pool.map(_client_process, [url] * processes, shares, [concurrency // processes] * processes))
+    done = sum(r[0] for r in results)
+    return done / (max(r[2] for r in results) - min(r[1] for r in results))
+
+
+def served_vectors(url: str, texts: list[str]) -> np.ndarray:
+    import httpx
+    import numpy as np
+
+    rows = []
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for i in range(0, len(texts), 256):
+            data = c.post("/v1/embeddings", json={"input": texts[i:i + 256], "encoding_format": "base64"}).json()
+            rows += [np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.float32) for d in data["data"]]
+    return np.vstack(rows)
+
+
+def st_rate(path: Path, texts: list[str], dtype: str) -> tuple[float, int, np.ndarray]:
+    """sentence-transformers' best embeddings/s over batch sizes 64/256/1024, and its vectors of the first
+    4,000 texts."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(path), device=device(),
+                                model_kwargs={"torch_dtype": getattr(torch, dtype)})
+    model.encode(texts[:n(1024, 16)], batch_size=256)
+    best = (0.0, 0)
+    for batch_size in (64, 256, 1024) if not SMOKE["on"] else (64,):
+        sync()
+        t0 = time.perf_counter()
+        model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
+        best = max(best, (len(texts) / (time.perf_counter() - t0), batch_size))
+    vectors = model.encode(texts[:4000], batch_size=256, convert_to_numpy=True)
+    del model
+    empty_cache()
+    return best[0], best[1], vectors
+
+
+def _cosines(a, b):
+    import numpy as np
+
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return (a * b).sum(axis=1)
+
+
+def server_figures(models: dict[str, Path], emit, deadline: float) -> None:
+    from embedfleet.runtime.settings import default_model_dir
+
+    texts = corpus(n(12_000, 200))
+    minilm = default_model_dir()
+    st_bf16, st_bs, _ = st_rate(minilm, texts, "bfloat16")
+    st_fp32, st_bs32, st_vec = st_rate(minilm, texts, "float32")
+    runs = (("bfloat16", ()), ("fp8", ("--fp8-min-cosine", "0.99")), ("bfloat16-padded", ("--no-packed",)))
+    for dtype, extra in runs:
+        if time.monotonic() > deadline:
+            emit({"figure": "server_vs_st", "dtype": dtype, "skipped": "time budget"})
+            continue
+        srv = served("--model", str(minilm), "--device", device(), "--dtype", dtype.split("-")[0], *extra,
+                     name=f"minilm-{dtype}")
+        try:
+            card = srv.card()
+            server_throughput(srv.url, texts[:n(3000, 100)])
+            ours = server_throughput(srv.url, texts)
+            cos = _cosines(st_vec, served_vectors(srv.url, texts[:n(4000, 300)]))
+        finally:
+            srv.stop()
+        emit({"figure": "server_vs_st", "model": "all-MiniLM-L6-v2", "inputs": len(texts), "per_request": 64,
+              "concurrency": 32, "requested": dtype, "served_dtype": card.get("dtype"), "packed": card.get("packed"),
+              "batching": card.get("batching"), "fp8_gate_min_cosine": card.get("fp8_min_cosine"),
+              "ours_embeddings_per_s": round(ours), "st_bf16_embeddings_per_s": round(st_bf16),
+              "st_bf16_batch_size": st_bs, "st_fp32_embeddings_per_s": round(st_fp32), "st_fp32_batch_size": st_bs32,
+              "ratio_vs_st_bf16": round(ours / st_bf16, 2),
+              "cos_vs_st_fp32_min": round(float(cos.min()), 5), "cos_vs_st_fp32_mean": round(float(cos.mean()), 5)})
+    if time.monotonic() > deadline:
+        emit({"figure": "server_vs_st", "model": "encoder-bge-large", "skipped": "time budget"})
+        return
+    path = models["encoder-bge-large"]
+    big = texts[:n(6000, 200)]
+    st_big, st_big_bs, _ = st_rate(path, big, "bfloat16")
+    srv = served("--model", str(path), "--device", device(), "--dtype", "bfloat16", name="bge-large-bf16")
+    try:
+        server_throughput(srv.url, big[:n(1500, 50)])
+        ours = server_throughput(srv.url, big)
+    finally:
+        srv.stop()
+    emit({"figure": "server_vs_st", "model": "encoder-bge-large", "inputs": len(big), "requested": "bfloat16",
+          "ours_embeddings_per_s": round(ours), "st_bf16_embeddings_per_s": round(st_big),
+          "st_bf16_batch_size": st_big_bs, "ratio_vs_st_bf16": round(ours / st_big, 2)})
+
+
+# -- 2. single query latency ------------------------------------------------------------------------
+def latency_figures(models: dict[str, Path], emit, deadline: float) -> None:
+    import httpx
+
+    path = models["encoder-bge-large"]
+    words = " ".join(["token"] * 126)  # + [CLS] [SEP] = 128 tokens with the BERT tokenizer
+    for dtype in ("bfloat16", "fp8"):
+        if time.monotonic() > deadline:
+            emit({"figure": "single_query_latency", "requested_dtype": dtype, "skipped": "time budget"})
+            continue
+        srv = served("--model", str(path), "--device", device(), "--dtype", dtype, "--fp8-min-cosine", "0.99",
+                     name=f"latency-{dtype}")
+        try:
+            card = srv.card()
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
+                tokens = len(c.post("/tokenize", json={"inputs": words}).json()[0])
+                samples = []
+                for i in range(n(700, 120)):
+                    t0 = time.perf_counter()
+                    r = c.post("/v1/embeddings", json={"input": words})
+                    if i >= 100:
+                        samples.append(time.perf_counter() - t0)
+                    r.raise_for_status()
+        finally:
+            srv.stop()
+        emit({"figure": "single_query_latency", "model": "encoder-bge-large", "requested_dtype": dtype,
+              "served_dtype": card.get("dtype"), "packed": card.get("packed"), "tokens": tokens, "concurrency": 1,
+              **percentiles(samples)})
+
+
+# -- 3. profile of one server batch ---------------------------------------------------------------
+def profile_figure(emit, out_dir: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from embedfleet.runtime.core.tokenize import TokenizerPool
+    from embedfleet.runtime.engines.torch_engine import TorchEngine
+    from embedfleet.runtime.models.spec import load_spec
+    from embedfleet.runtime.settings import default_model_dir
+
+    spec = load_spec(default_model_dir())
+    engine = TorchEngine(spec, device=device(), dtype="bfloat16")
+    engine.warmup()
+    pool = TokenizerPool(spec.path / "tokenizer.json", 4)
+    batch = [t.ids for t in pool._encode_sync(corpus(n(1024, 64), seed=3), spec.max_length, True, "right")]
+    for _ in range(3):
+        engine.embed(batch)
+    sync()
+    t0 = time.perf_counter()
+    engine.embed(batch)
+    wall = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.embed(batch)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    (out_dir / "profile-minilm-batch.txt").write_text(table)
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    gpu_us = sum(e.self_device_time_total for e in kernels)
+    gemm_us = sum(e.self_device_time_total for e in kernels if re.search(r"gemm|sm90|cutlass|matmul", e.key, re.I))
+    attn_us = sum(e.self_device_time_total for e in kernels if re.search(r"flash|attention|fmha", e.key, re.I))
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:5]
+    emit({"figure": "profile", "model": "all-MiniLM-L6-v2", "batch_inputs": len(batch),
+          "batch_tokens": sum(map(len, batch)), "wall_ms": round(wall * 1000, 2),
+          "gpu_kernel_ms": round(gpu_us / 1000, 2),
+          "gemm_share": round(gemm_us / gpu_us, 3) if gpu_us else None,
+          "attention_share": round(attn_us / gpu_us, 3) if gpu_us else None,
+          "top_kernels": [[e.key[:60], round(e.self_device_time_total / 1000, 3)] for e in top]})
+    pool.close()
+    del engine
+    empty_cache()
+
+
+# -- 4. forward ------------------------------------------------------------------------------------
+def _torchao_float8(model) -> str | None:
+    """Quantise with torchao's float8 dynamic activation + weight, row-wise; None when unavailable."""
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    except Exception as exc:
+        return f"torchao unavailable: {type(exc).__name__}: {exc}"[:200]
+    from embedfleet.runtime.engines.fp8 import transformer_layers
+
+    _, layers = transformer_layers(model)
+    quantize_(layers, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return None
+
+
+def forward_figures(models: dict[str, Path], gpu: str, emit, deadline: float) -> None:
     import torch
 
     from embedfleet.runtime.engines.fp8 import quantize_model
@@ -85,146 +375,130 @@ def forward_figures(models: dict[str, Path], gpu: str, emit) -> None:
     from embedfleet.runtime.models.spec import load_spec
 
     peak = peak_flops(gpu)
-    for name, path in models.items():
-        spec = load_spec(path)
-        seq = 512
-        results: dict[tuple[str, int], float] = {}
-        for dtype in ("bfloat16", "fp8"):
-            engine = TorchEngine(spec, device="cuda", dtype="bfloat16", max_batch_tokens=max(BUDGETS))
+    ceiling = measured_peak()
+    emit({"figure": "bf16_gemm_ceiling", "tflops": round(ceiling / 1e12, 1),
+          "datasheet_tflops": round(peak / 1e12) if peak else None})
+    variants = [  # (model, label, dtype, packed, compile)
+        ("encoder-bge-large", "padded", "bfloat16", False, False),
+        ("encoder-bge-large", "packed", "bfloat16", True, False),
+        ("encoder-bge-large", "packed", "fp8", True, False),
+        ("encoder-bge-large", "packed+compile", "bfloat16", True, True),
+        ("encoder-bge-large", "packed+compile", "fp8", True, True),
+        ("encoder-bge-large", "packed+compile", "torchao-fp8", True, True),
+        ("decoder-0.6b", "padded", "bfloat16", False, False),
+        ("decoder-0.6b", "padded", "fp8", False, False),
+        ("decoder-0.6b", "padded+compile", "bfloat16", False, True),
+        ("decoder-0.6b", "padded+compile", "fp8", False, True),
+    ]
+    base: dict[tuple[str, int], float] = {}
+    seq = 512
+    for name, label, dtype, packed, compiled in variants:
+        if time.monotonic() > deadline:
+            emit({"figure": "forward_tokens_per_s", "model": name, "variant": label, "dtype": dtype,
+                  "skipped": "time budget"})
+            continue
+        spec = load_spec(models[name])
+        try:
+            if compiled and SMOKE["on"]:
+                continue
+            engine = TorchEngine(spec, device=device(), dtype="bfloat16", packed=packed, cuda_graphs=False)
+            note = None
             if dtype == "fp8":  # speed figure: quantise unconditionally (the gate is a separate figure)
                 quantize_model(engine.model)
+            elif dtype == "torchao-fp8":
+                note = _torchao_float8(engine.model)
+                if note:
+                    emit({"figure": "forward_tokens_per_s", "model": name, "variant": label, "dtype": dtype,
+                          "skipped": note})
+                    continue
+            if compiled and not packed:
+                engine._forward = torch.compile(engine.model, dynamic=True)
+            elif compiled:
+                engine.packed._layer_fn = torch.compile(engine.packed._layer, dynamic=True)
             flops_tok = model_flops_per_token(engine.model.config, seq)
             gen = torch.Generator().manual_seed(0)
-            for budget in BUDGETS:
+            started = time.perf_counter()
+            for budget in (BUDGETS if not SMOKE["on"] else (1024,)):
                 rows = budget // seq
                 batch = torch.randint(1000, 20000, (rows, seq), generator=gen).tolist()
-                for _ in range(3):
-                    engine.embed(batch)
-                torch.cuda.synchronize()
+                engine.embed(batch)
+                engine.embed(batch)
+                sync()
                 reps, t0 = 0, time.perf_counter()
-                while time.perf_counter() - t0 < 3.0 or reps < 5:
+                while time.perf_counter() - t0 < n(1, 0) or reps < 3:
                     engine.embed(batch)
                     reps += 1
-                elapsed = time.perf_counter() - t0
-                tps = rows * seq * reps / elapsed
-                results[(dtype, budget)] = tps
-                line = {"figure": "forward_tokens_per_s", "model": name, "dtype": dtype, "max_batch_tokens": budget,
-                        "seq_len": seq, "batch_rows": rows, "tokens_per_s": round(tps),
-                        "model_tflops": round(tps * flops_tok / 1e12, 1)}
+                tps = rows * seq * reps / (time.perf_counter() - t0)
+                if dtype == "bfloat16" and label in ("padded", "packed"):
+                    base.setdefault((name, budget), tps)
+                line = {"figure": "forward_tokens_per_s", "model": name, "variant": label, "dtype": dtype,
+                        "max_batch_tokens": budget, "seq_len": seq, "batch_rows": rows, "tokens_per_s": round(tps),
+                        "model_tflops": round(tps * flops_tok / 1e12, 1),
+                        "utilisation_of_measured_gemm": round(tps * flops_tok / ceiling, 3)}
                 if peak:
-                    line["bf16_peak_tflops"] = round(peak / 1e12)
                     line["utilisation_of_bf16_peak"] = round(tps * flops_tok / peak, 3)
-                if dtype == "fp8":
-                    line["fp8_over_bf16"] = round(tps / results[("bfloat16", budget)], 3)
+                if (name, budget) in base:
+                    line["over_eager_bf16"] = round(tps / base[(name, budget)], 3)
                 emit(line)
-            del engine
-            torch.cuda.empty_cache()
-
-
-def latency_figures(models: dict[str, Path], emit) -> None:
-    import httpx
-
-    path = models["encoder-bge-large"]
-    words = " ".join(["token"] * 126)  # + [CLS] [SEP] = 128 tokens with the BERT tokenizer
-    for dtype in ("bfloat16", "fp8"):
-        srv = Server("--model", str(path), "--device", "cuda", "--dtype", dtype, "--fp8-min-cosine", "0.99")
-        try:
-            with httpx.Client(base_url=srv.url, timeout=60) as c:
-                served = c.get("/v1/models").json()["data"][0]["dtype"]
-                tokens = len(c.post("/tokenize", json={"inputs": words}).json()[0])
-                samples = []
-                for i in range(600):
-                    t0 = time.perf_counter()
-                    r = c.post("/v1/embeddings", json={"input": words})
-                    if i >= 100:
-                        samples.append(time.perf_counter() - t0)
-                    r.raise_for_status()
-            emit({"figure": "single_query_latency", "model": "encoder-bge-large", "requested_dtype": dtype,
-                  "served_dtype": served, "tokens": tokens, "concurrency": 1, **percentiles(samples)})
+            emit({"figure": "forward_setup_s", "model": name, "variant": label, "dtype": dtype,
+                  "seconds_incl_compile": round(time.perf_counter() - started, 1)})
+        except Exception as exc:
+            emit({"figure": "forward_tokens_per_s", "model": name, "variant": label, "dtype": dtype,
+                  "error": f"{type(exc).__name__}: {exc}"[:500]})
         finally:
-            srv.stop()
-
-
-async def _server_throughput(url: str, texts: list[str], per_request: int, concurrency: int) -> float:
-    import httpx
-
-    chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
-    queue: asyncio.Queue = asyncio.Queue()
-    for chunk in chunks:
-        queue.put_nowait(chunk)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        async def worker() -> None:
-            while not queue.empty():
-                r = await client.post("/v1/embeddings", json={"input": queue.get_nowait(),
-                                                              "encoding_format": "base64"})
-                r.raise_for_status()
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return len(texts) / (time.perf_counter() - t0)
-
-
-def sentence_transformers_figure(models: dict[str, Path], emit) -> None:
-    import torch
-    from sentence_transformers import SentenceTransformer
-
-    path = models["encoder-bge-large"]
-    texts = corpus(20_000)
-    st_model = SentenceTransformer(str(path), device="cuda", model_kwargs={"torch_dtype": torch.bfloat16})
-    st_model.encode(texts[:512], batch_size=64)
-    best = (0.0, 0)
-    for batch_size in (32, 64, 128, 256, 512):
-        t0 = time.perf_counter()
-        st_model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
-        rate = len(texts) / (time.perf_counter() - t0)
-        best = max(best, (rate, batch_size))
-    del st_model
-    torch.cuda.empty_cache()
-    for dtype in ("bfloat16", "fp8"):
-        srv = Server("--model", str(path), "--device", "cuda", "--dtype", dtype, "--fp8-min-cosine", "0.99",
-                     "--max-batch-tokens", "32768", "--max-batch-requests", "256")
-        try:
-            asyncio.run(_server_throughput(srv.url, texts[:2000], 64, 16))
-            ours = asyncio.run(_server_throughput(srv.url, texts, 64, 32))
-        finally:
-            srv.stop()
-        emit({"figure": "vs_sentence_transformers", "model": "encoder-bge-large", "inputs": len(texts),
-              "dtype": dtype, "ours_embeddings_per_s": round(ours, 1),
-              "sentence_transformers_embeddings_per_s": round(best[0], 1),
-              "sentence_transformers_best_batch_size": best[1], "ratio": round(ours / best[0], 2)})
+            engine = None
+            torch._dynamo.reset()
+            empty_cache()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("forward", "latency", "st"), help="run one figure group")
+    p.add_argument("--only", choices=("server", "latency", "profile", "forward"), help="run one section")
+    p.add_argument("--budget-s", type=float, default=300.0, help="start no section after this many seconds")
     p.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--smoke", action="store_true", help="on the CPU at toy sizes: checks this script, no figures")
     args = p.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
+    SMOKE["on"] = args.smoke
+    if args.smoke:
+        args.results_dir = Path(tempfile.mkdtemp(prefix="gpu-bench-smoke-"))
+    elif not torch.cuda.is_available():
         print(json.dumps({"figure": "gpu", "skipped": True,
                           "reason": "no CUDA device (torch.cuda.is_available() is False); run on an NVIDIA GPU"}))
         return 0
-    gpu = torch.cuda.get_device_name()
+    began = time.monotonic()
+    deadline = began + (args.budget_s if not args.smoke else 1e9)
+    gpu = torch.cuda.get_device_name() if not args.smoke else "cpu-smoke"
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / (re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-") + ".jsonl")
     meta = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     def emit(line: dict) -> None:
-        line = {**line, **meta}
+        line = {**line, **meta, "t_s": round(time.monotonic() - began, 1)}
         print(json.dumps(line), flush=True)
         with out.open("a") as fh:
             fh.write(json.dumps(line) + "\n")
 
+    sections = {"server": lambda m: server_figures(m, emit, deadline),
+                "latency": lambda m: latency_figures(m, emit, deadline),
+                "profile": lambda m: profile_figure(emit, LOG_DIR),
+                "forward": lambda m: forward_figures(m, gpu, emit, deadline)}
     with tempfile.TemporaryDirectory(prefix="embedfleet-gpu-bench-") as tmp:
         models = build_models(Path(tmp))
-        if args.only in (None, "forward"):
-            forward_figures(models, gpu, emit)
-        if args.only in (None, "latency"):
-            latency_figures(models, emit)
-        if args.only in (None, "st"):
-            sentence_transformers_figure(models, emit)
+        emit({"figure": "models_built", "seconds": round(time.monotonic() - began, 1)})
+        for name, run in sections.items():
+            if args.only not in (None, name):
+                continue
+            try:
+                run(models)
+            except Exception as exc:
+                import traceback
+
+                traceback.print_exc()
+                emit({"figure": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
+    emit({"figure": "gpu_bench_total", "seconds": round(time.monotonic() - began, 1)})
     return 0
 
 

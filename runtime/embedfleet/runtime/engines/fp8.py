@@ -95,14 +95,20 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", weight_q)
         self.register_buffer("weight_scale", weight_scale.float())
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
-        # cuBLASLt's FP8 kernels need both GEMM dims of the weight to be multiples of 16
+        # cuBLASLt's FP8 kernels need both GEMM dims of the weight to be multiples of 16; decided here, once,
+        # from the weight's device, so the forward holds no device query (torch.compile traces it whole)
         self.kernel_shape_ok = self.in_features % 16 == 0 and self.out_features % 16 == 0
-        self._use_kernel: bool | None = None  # decided on the first call, when the device is known
+        self._use_kernel = self.kernel_shape_ok and scaled_mm_supported(weight_q.device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, act_scaling: ActScaling = "token") -> Fp8Linear:
         q, scale = quantize_weight(linear.weight.data)
         return cls(q, scale, linear.bias, act_scaling)
+
+    def _apply(self, fn, recurse=True):  # .to(device) moves the weight: decide the kernel again
+        out = super()._apply(fn, recurse)
+        self._use_kernel = self.kernel_shape_ok and scaled_mm_supported(self.weight.device)
+        return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -112,8 +118,6 @@ class Fp8Linear(nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         qa, scale_a = quantize_activation(flat, self.act_scaling)
-        if self._use_kernel is None:
-            self._use_kernel = self.kernel_shape_ok and scaled_mm_supported(x.device)
         if self._use_kernel:
             y = scaled_mm_cuda(qa, scale_a, self.weight, self.weight_scale, x.dtype)
         else:

@@ -103,7 +103,17 @@ def pack_host(batch: Sequence, position_offset: int, tokens_to: int | None = Non
     out[3 * tokens:4 * tokens] = seg
     out[4 * tokens:4 * tokens + segments + 1] = np.concatenate([[0], np.cumsum(lens)])
     out[4 * tokens + segments + 1:] = lens
-    return out, tokens, segments, int(lens.max()) if segments else 0
+    return out, tokens, segments, longest_bucket(int(lens.max()) if segments else 0)
+
+
+def longest_bucket(n: int) -> int:
+    """The longest sequence as the kernel is told it: rounded up to a power of two (at least 64). Any bound
+    at or above the real one is correct; a few distinct values keep torch.compile from specialising on
+    every batch's own."""
+    size = 64
+    while size < n:
+        size *= 2
+    return size
 
 
 class PackedEncoder:
