@@ -3,8 +3,12 @@ and says so in the log, in /v1/models and in /metrics."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
+
+from embedfleet.runtime.engines.quality_gate import FP8_MARGIN_FACTOR, required_min_cosine
 
 TEXTS = ["how do I reset my password", "FP8 keeps the ranking", "a longer passage about embeddings " * 5]
 
@@ -25,7 +29,11 @@ def test_fp8_accepted_is_served_and_reported(runtime_factory, tiny):
     fp8 = runtime_factory("--model", str(tiny["bert-embed"]), "--dtype", "fp8")
     card = _card(fp8)
     assert card["dtype"] == "fp8" and card["requested_dtype"] is None
-    assert card["fp8_min_cosine"] >= 0.999
+    # the bound it had to reach is the threshold less the margin, and the figure shown is the one it judged
+    assert card["fp8_required_cosine"] == pytest.approx(required_min_cosine(0.999, FP8_MARGIN_FACTOR))
+    assert card["fp8_min_cosine"] >= card["fp8_required_cosine"] > 0.999
+    judged = re.search(r"fp8 accepted for embed: min cosine ([0-9.]+)", fp8.log())
+    assert judged and card["fp8_min_cosine"] == pytest.approx(float(judged.group(1)), abs=1e-6)
     assert fp8.metric("embedfleet_fp8_min_cosine", model="bert-embed") == pytest.approx(card["fp8_min_cosine"])
     assert fp8.metric("embedfleet_fp8_accepted", model="bert-embed") == 1
     assert "fp8 accepted for embed" in fp8.log()
@@ -34,7 +42,7 @@ def test_fp8_accepted_is_served_and_reported(runtime_factory, tiny):
     a, b = _embed(fp8, TEXTS), _embed(bf16, TEXTS)
     cos = (a * b).sum(axis=1)  # the served vectors are normalised
     assert cos.min() >= 0.999 and not np.array_equal(a, b)
-    assert _card(bf16)["fp8_min_cosine"] is None
+    assert _card(bf16)["fp8_min_cosine"] is None and _card(bf16)["fp8_required_cosine"] is None
     with pytest.raises(KeyError):
         bf16.metric("embedfleet_fp8_min_cosine")
 
@@ -43,7 +51,7 @@ def test_fp8_refused_by_the_gate_falls_back_to_bf16(runtime_factory, tiny):
     srv = runtime_factory("--model", str(tiny["bert-embed"]), "--dtype", "fp8", "--fp8-min-cosine", "1.0")
     card = _card(srv)
     assert card["dtype"] == "bfloat16" and card["requested_dtype"] == "fp8"
-    assert card["fp8_min_cosine"] < 1.0
+    assert card["fp8_min_cosine"] < card["fp8_required_cosine"] == 1.0
     assert srv.metric("embedfleet_fp8_accepted", model="bert-embed") == 0
     log = srv.log()
     assert "fp8 refused for embed" in log and "falling back to bfloat16" in log
@@ -60,7 +68,8 @@ def test_fp8_strict_refuses_to_start(runtime_factory, tiny):
 
 def test_fp8_reranker_serves_same_ranking(runtime_factory, tiny):
     srv = runtime_factory("--model", str(tiny["bert-rerank"]), "--dtype", "fp8", "--fp8-activation-scaling", "tensor")
-    assert _card(srv)["dtype"] == "fp8"
+    card = _card(srv)
+    assert card["dtype"] == "fp8" and card["fp8_required_cosine"] is None  # judged on order, not a bound
     assert "every query's document ranking unchanged" in srv.log()
     with srv.client() as c:
         r = c.post("/rerank", json={"query": "capital of Australia", "texts": ["Canberra", "Sydney", "Paris"]})

@@ -19,7 +19,14 @@ from embedfleet.runtime.api.schemas import ModelCard, ModelList, ProbeAnswer, Si
 from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.probe import fingerprint, probe_body
 from embedfleet.runtime.core.tokenize import TooManyTokens
-from embedfleet.runtime.service import Models
+from embedfleet.runtime.service import Models, ModelService
+
+
+def fp8_required_cosine(svc: ModelService) -> float | None:
+    """The bound the FP8 gate's calibration minimum had to reach (its threshold less the margin), shown
+    beside the minimum so a reader sees how close the verdict was; None when FP8 was not asked for."""
+    gate = svc.engine.fp8_gate if svc.engine is not None else None
+    return gate.required if gate is not None else None
 
 
 def meta_router(models: Models, gate_state: GateState) -> APIRouter:
@@ -53,7 +60,7 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
                            pooling=s.spec.pooling, dtype=s.effective_dtype, device=settings.device,
                            digest=s.spec.digest, architecture=",".join(s.spec.architectures),
                            requested_dtype=settings.dtype if settings.dtype != s.effective_dtype else None,
-                           fp8_min_cosine=s.fp8_min_cosine,
+                           fp8_min_cosine=s.fp8_min_cosine, fp8_required_cosine=fp8_required_cosine(s),
                            int8_min_cosine=s.int8_min_cosine, revision=s.revision or None,
                            batching=s.batching.card() if s.batching is not None else None,
                            packed=getattr(s.engine, "packed", None) is not None if settings.device == "cuda" else None,

@@ -104,7 +104,10 @@ class ModelCard(BaseModel):
     device: str
     digest: str
     requested_dtype: str | None = None  # set when it differs from dtype (fp8 fell back to bf16)
-    fp8_min_cosine: float | None = None  # the quality gate's measurement, for fp8 requests
+    # fp8 requests: the quality gate's lowest calibration cosine (the figure it judged; rerankers: score
+    # correlation), and the bound that figure had to reach, the threshold less its margin (engines/quality_gate.py)
+    fp8_min_cosine: float | None = None
+    fp8_required_cosine: float | None = None
     int8_min_cosine: float | None = None  # the int8 gate's measurement (engines/int8_cpu.py), for int8 requests
     # on CUDA: the batching served (engines/gpu_batching.py) and what chose each value ("user" or "device")
     batching: dict | None = None
