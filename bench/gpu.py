@@ -49,6 +49,11 @@ PEAK_BF16 = {"h100 nvl": 835e12, "h100 pcie": 756e12, "h100": 989e12, "h200": 98
 BUDGETS = (16384, 65536)
 # --smoke: every section on the CPU at toy sizes, to check this script before spending GPU time on it
 SMOKE = {"on": False}
+FILTER = {"re": None}  # --filter: run only server runs / forward variants whose label matches
+
+
+def wanted(label: str) -> bool:
+    return FILTER["re"] is None or re.search(FILTER["re"], label) is not None
 LOG_DIR = Path(os.environ.get("EMBEDFLEET_BENCH_LOG_DIR", tempfile.gettempdir()))
 
 
@@ -247,6 +252,8 @@ def server_figures(models: dict[str, Path], emit, deadline: float) -> None:
     st_fp32, st_bs32, st_vec = st_rate(minilm, texts, "float32")
     runs = (("bfloat16", ()), ("fp8", ("--fp8-min-cosine", "0.99")), ("bfloat16-padded", ("--no-packed",)))
     for dtype, extra in runs:
+        if not wanted(f"minilm-{dtype}"):
+            continue
         if time.monotonic() > deadline:
             emit({"figure": "server_vs_st", "dtype": dtype, "skipped": "time budget"})
             continue
@@ -266,6 +273,8 @@ def server_figures(models: dict[str, Path], emit, deadline: float) -> None:
               "st_bf16_batch_size": st_bs, "st_fp32_embeddings_per_s": round(st_fp32), "st_fp32_batch_size": st_bs32,
               "ratio_vs_st_bf16": round(ours / st_bf16, 2),
               "cos_vs_st_fp32_min": round(float(cos.min()), 5), "cos_vs_st_fp32_mean": round(float(cos.mean()), 5)})
+    if not wanted("bge-large-server"):
+        return
     if time.monotonic() > deadline:
         emit({"figure": "server_vs_st", "model": "encoder-bge-large", "skipped": "time budget"})
         return
@@ -299,18 +308,48 @@ def latency_figures(models: dict[str, Path], emit, deadline: float) -> None:
             card = srv.card()
             with httpx.Client(base_url=srv.url, timeout=60) as c:
                 tokens = len(c.post("/tokenize", json={"inputs": words}).json()[0])
-                samples = []
+                samples, parts = [], {h: [] for h in ("x-total-time", "x-tokenization-time", "x-queue-time",
+                                                      "x-inference-time")}
                 for i in range(n(700, 120)):
                     t0 = time.perf_counter()
                     r = c.post("/v1/embeddings", json={"input": words})
                     if i >= 100:
                         samples.append(time.perf_counter() - t0)
+                        for h, got in parts.items():
+                            got.append(float(r.headers.get(h, "nan")))
                     r.raise_for_status()
         finally:
             srv.stop()
         emit({"figure": "single_query_latency", "model": "encoder-bge-large", "requested_dtype": dtype,
               "served_dtype": card.get("dtype"), "packed": card.get("packed"), "tokens": tokens, "concurrency": 1,
-              **percentiles(samples)})
+              **percentiles(samples),
+              "server_p50_ms": {h[2:-5]: round(float(np.median(v)), 3) for h, v in parts.items()}})
+    engine_latency(path, emit)
+
+
+def engine_latency(path: Path, emit) -> None:
+    """The same 128-token query straight into the engine, with and without its CUDA graphs: the server's
+    p50 less this is the host path's share."""
+    from embedfleet.runtime.engines.torch_engine import TorchEngine
+    from embedfleet.runtime.models.spec import load_spec
+
+    spec = load_spec(path)
+    query = [[101] + [5000] * 126 + [102]]
+    for graphs in (True, False):
+        engine = TorchEngine(spec, device=device(), dtype="bfloat16", cuda_graphs=graphs if not SMOKE["on"] else None)
+        engine.warmup()
+        samples = []
+        for i in range(n(600, 30)):
+            t0 = time.perf_counter()
+            engine.embed(query)
+            if i >= 100 or SMOKE["on"]:
+                samples.append(time.perf_counter() - t0)
+        emit({"figure": "engine_single_query", "model": "encoder-bge-large", "dtype": "bfloat16",
+              "cuda_graphs": bool(engine.graph_shapes), "tokens": len(query[0]), **percentiles(samples)})
+        del engine
+        empty_cache()
+        if SMOKE["on"]:
+            break
 
 
 # -- 3. profile of one server batch ---------------------------------------------------------------
@@ -393,6 +432,8 @@ def forward_figures(models: dict[str, Path], gpu: str, emit, deadline: float) ->
     base: dict[tuple[str, int], float] = {}
     seq = 512
     for name, label, dtype, packed, compiled in variants:
+        if not wanted(f"{name}/{label}/{dtype}"):
+            continue
         if time.monotonic() > deadline:
             emit({"figure": "forward_tokens_per_s", "model": name, "variant": label, "dtype": dtype,
                   "skipped": "time budget"})
@@ -453,7 +494,9 @@ def forward_figures(models: dict[str, Path], gpu: str, emit, deadline: float) ->
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("server", "latency", "profile", "forward"), help="run one section")
+    p.add_argument("--only", help="comma-separated sections to run: server, latency, profile, forward")
+    p.add_argument("--filter", help="regex: only the server runs (minilm-bfloat16, minilm-fp8, minilm-bfloat16-padded, "
+                   "bge-large-server) and forward variants (model/variant/dtype) it matches")
     p.add_argument("--budget-s", type=float, default=300.0, help="start no section after this many seconds")
     p.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--smoke", action="store_true", help="on the CPU at toy sizes: checks this script, no figures")
@@ -461,6 +504,7 @@ def main() -> int:
     import torch
 
     SMOKE["on"] = args.smoke
+    FILTER["re"] = args.filter
     if args.smoke:
         args.results_dir = Path(tempfile.mkdtemp(prefix="gpu-bench-smoke-"))
     elif not torch.cuda.is_available():
@@ -489,7 +533,7 @@ def main() -> int:
         models = build_models(Path(tmp))
         emit({"figure": "models_built", "seconds": round(time.monotonic() - began, 1)})
         for name, run in sections.items():
-            if args.only not in (None, name):
+            if args.only and name not in args.only.split(","):
                 continue
             try:
                 run(models)
