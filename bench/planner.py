@@ -23,8 +23,8 @@ Figures, per case:
 Run: .venv/bin/python bench/planner.py (about 20 s).
 
 This machine (2 cores, a VM shared with other jobs; Python 3.11), the run in bench/results/planner-cpu.json:
-  max_items 32: 1.4-1.5x (both planners mostly sort the queue then); 256: 4.6-4.9x; 1024: 14.8x at 16384
-  tokens (30 ms -> 2.0 ms a plan) and 17.7x at 65536 (39 ms -> 2.2 ms); the same cost on every queue.
+  max_items 32: 1.2x (both planners mostly sort the queue then); 256: 5.2-5.4x; 1024: 21.4x at 16384
+  tokens (23 ms -> 1.1 ms a plan) and 26.3x at 65536 (30 ms -> 1.15 ms); the same cost on every queue.
 """
 
 from __future__ import annotations
@@ -41,18 +41,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "runtime"))
 
-from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, pick_anchor, plan_batch  # noqa: E402
+from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch  # noqa: E402
+
+
+def old_pick_anchor(queue: Sequence[Entry], candidates: list[int], served: Mapping[str, float]) -> int:
+    oldest: dict[str, int] = {}
+    for i in candidates:
+        t = queue[i].tenant
+        if t not in oldest or queue[i].seq < queue[oldest[t]].seq:
+            oldest[t] = i
+    return min(oldest.values(), key=lambda i: (served.get(queue[i].tenant, 0.0), queue[i].seq))
 
 
 def old_plan_batch(queue: Sequence[Entry], max_tokens: int, max_items: int,
                    overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS,
                    served: Mapping[str, float] | None = None) -> list[int]:
-    """The planner as it was: the same anchor and candidates, then every window tried."""
+    """The planner as it was (commit af7fe72): the same anchor and candidates, then every window tried."""
     if not queue:
         return []
     urgent = [i for i, e in enumerate(queue) if e.urgent]
     candidates = urgent or list(range(len(queue)))
-    anchor = pick_anchor(queue, candidates, served or {})
+    anchor = old_pick_anchor(queue, candidates, served or {})
     own = [i for i in candidates if queue[i].tenant == queue[anchor].tenant]
     if len(own) < len(candidates) and (len(own) >= max_items or sum(queue[i].length for i in own) >= max_tokens):
         candidates = own

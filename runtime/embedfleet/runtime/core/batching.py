@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, compress
+from operator import attrgetter
 
 DEFAULT_OVERHEAD_TOKENS = 48
+SEQ, TENANT, URGENT = attrgetter("seq"), attrgetter("tenant"), attrgetter("urgent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,13 @@ def padded_cost(lengths: Sequence[int]) -> int:
 
 
 def pick_anchor(queue: Sequence[Entry], candidates: list[int], served: Mapping[str, float]) -> int:
-    """The oldest candidate of the least-served tenant (ties: the tenant whose oldest item is older)."""
+    """The oldest candidate of the least-served tenant (ties: the tenant whose oldest item is older).
+    With one tenant queued (the common case) that is the oldest candidate, found without a Python-level
+    loop: this runs on every plan, over the whole queue."""
+    entries = list(map(queue.__getitem__, candidates))
+    if len(set(map(TENANT, entries))) == 1:
+        seqs = list(map(SEQ, entries))
+        return candidates[seqs.index(min(seqs))]
     oldest: dict[str, int] = {}
     for i in candidates:
         t = queue[i].tenant
@@ -58,12 +66,14 @@ def plan_batch(queue: Sequence[Entry], max_tokens: int, max_items: int,
     """
     if not queue:
         return []
-    urgent = [i for i, e in enumerate(queue) if e.urgent]
+    urgent = list(compress(range(len(queue)), map(URGENT, queue)))
     candidates = urgent or list(range(len(queue)))
     anchor = pick_anchor(queue, candidates, served or {})
-    own = [i for i in candidates if queue[i].tenant == queue[anchor].tenant]
-    if len(own) < len(candidates) and (len(own) >= max_items or sum(queue[i].length for i in own) >= max_tokens):
-        candidates = own
+    tenant = queue[anchor].tenant
+    if len(set(map(TENANT, map(queue.__getitem__, candidates)))) > 1:
+        own = [i for i in candidates if queue[i].tenant == tenant]
+        if len(own) >= max_items or sum(queue[i].length for i in own) >= max_tokens:
+            candidates = own
     order = by_length(queue, candidates)
     pos = order.index(anchor)
     lo, hi = max(0, pos - max_items + 1), min(len(order), pos + max_items)  # all a window can reach
@@ -86,43 +96,50 @@ def best_window(lengths: Sequence[int], pos: int, max_tokens: int, max_items: in
     """The window [lo, hi] of `lengths` (sorted ascending) around `pos` that costs least per real token,
     `(overhead + lengths[hi] x count) / sum(lengths[lo..hi])`; ties go to the larger window, then to
     the one further left. Windows hold at most `max_items` and pad to at most `max_tokens` (a lone item
-    always may). Lengths are at least 1: every input has a token. O(max_items x log max_items), so that
-    batches of a thousand inputs (a GPU's) are planned in well under a millisecond; trying every window
-    was quadratic in `max_items`.
+    always may). Lengths are at least 1: every input has a token. O(len(lengths) + max_items): one sweep
+    over the right ends, so that batches of a thousand inputs (a GPU's) are planned in about a
+    millisecond; trying every window was quadratic in `max_items`.
 
-    Why one binary search per right end is enough: with `hi` fixed, taking in one more item on the
-    left adds L[hi] to the numerator and L[lo-1] to the denominator, so it lowers the cost exactly when
-    L[hi] / L[lo-1] is below the cost so far (the new cost is the mediant of the two). That ratio only
-    grows as lo moves left (the lengths are sorted), and once it is above the cost it stays above every
-    later cost (each new cost lies between the old cost and the ratio). So "the next item does not
-    raise the cost" holds for a prefix of window sizes and then never again: the first size where it
-    fails is the cheapest (and the largest of equally cheap ones), and within the sizes the anchor and
-    the caps allow, the cheapest is that size clipped to them. Costs are compared as exact integer
-    fractions, never as floats.
+    Why a sweep is enough. With `hi` fixed, taking in one more item on the left adds L[hi] to the
+    numerator and L[lo-1] to the denominator, so it lowers the cost exactly when L[hi] / L[lo-1] is below
+    the cost so far (the new cost is the mediant of the two). That ratio only grows as lo moves left (the
+    lengths are sorted), and once it is above the cost it stays above every later cost (each new cost
+    lies between the old cost and the ratio). So "the next item on the left does not raise the cost"
+    holds while the window grows from `hi` and then never again: the cheapest window ending at `hi` (and
+    the largest of equally cheap ones) starts where it first fails, and within the sizes the anchor and
+    the caps allow, the cheapest is that size clipped to them. Where it first fails only moves right as
+    `hi` does: with a the length of the item at lo-1, the test is S / a <= overhead / L[hi] + count (S the
+    window's sum); one step of `hi` adds L[hi+1] / a >= 1 to the left side and at most 1 to the right,
+    so a test that failed still fails. One pointer therefore walks left to right once, in step with `hi`.
+    Costs are compared as exact integer fractions, never as floats.
     """
     prefix = list(accumulate(lengths, initial=0))  # the sum of lengths[lo..hi] is prefix[hi + 1] - prefix[lo]
-    best: tuple[int, int, int, int] | None = None  # (numerator, denominator, lo, hi)
-    for hi in range(pos, min(len(lengths), pos + max_items)):
-        top = lengths[hi]
+    # where the cheapest window ending at hi starts, before the caps clip it; it only moves right
+    start = max(0, pos - max_items)
+    best_num, best_den, best_lo, best_hi = overhead_tokens + lengths[pos], lengths[pos], pos, pos
+    cap = max_items if max_items < len(lengths) - pos else len(lengths) - pos
+    for hi in range(pos, pos + cap):  # (min and max as comparisons: this loop is the planner's hot spot)
+        top, total = lengths[hi], prefix[hi + 1]
         least = hi - pos + 1  # the window must reach left to the anchor
-        most = min(max_items, hi + 1, max(max_tokens // top, 1 if hi == pos else 0))
+        most = max_tokens // top
         if most < least:  # too long to pad to: every further hi is longer and needs more items
-            break
-        a, b = least, most
-        while a < b:  # the first size at which the next item on the left would raise the cost
-            k = (a + b) // 2
-            lo = hi - k + 1
-            if top * (prefix[hi + 1] - prefix[lo]) <= lengths[lo - 1] * (overhead_tokens + top * k):
-                a = k + 1
-            else:
-                b = k
-        lo = hi - a + 1
-        num, den = overhead_tokens + top * a, prefix[hi + 1] - prefix[lo]
-        if best is None:
-            best = (num, den, lo, hi)
-            continue
-        bnum, bden, blo, bhi = best
-        if num * bden < bnum * den or (num * bden == bnum * den and (blo - bhi, blo) > (lo - hi, lo)):
-            best = (num, den, lo, hi)
-    assert best is not None  # hi == pos always has the anchor's own window
-    return best[2], best[3]
+            if hi > pos:
+                break
+            most = 1  # the anchor alone always may
+        if most > max_items:
+            most = max_items
+        # move on while the item left of `start + 1` would raise the cost of [start + 1, hi]
+        while start < hi and top * (total - prefix[start + 1]) > lengths[start] * (
+                overhead_tokens + top * (hi - start)):
+            start += 1
+        count = hi - start + 1
+        if count < least:
+            count = least
+        elif count > most:
+            count = most
+        lo = hi - count + 1
+        num, den = overhead_tokens + top * count, total - prefix[lo]
+        if num * best_den < best_num * den or (
+                num * best_den == best_num * den and (best_lo - best_hi, best_lo) > (lo - hi, lo)):
+            best_num, best_den, best_lo, best_hi = num, den, lo, hi
+    return best_lo, best_hi
