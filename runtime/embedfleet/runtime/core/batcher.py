@@ -35,13 +35,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from itertools import compress
 
 import numpy as np
 
 from embedfleet.runtime.core.admission import decide
 from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch
 from embedfleet.runtime.core.bookkeeping import Bookkeeping
-from embedfleet.runtime.core.jobs import DeadlineUnmet, Item, Job, QueueFull, as_rows
+from embedfleet.runtime.core.jobs import DeadlineUnmet, Item, Job, QueueFull, scatter
 from embedfleet.runtime.core.lateness import late_jobs
 from embedfleet.runtime.metrics import ModelMetrics
 from embedfleet.runtime.tracing import RequestTrace, trace_batch
@@ -72,9 +73,12 @@ class BatchManager:
         self._last_urgent = float("-inf")  # time.monotonic() of the last urgent submit
         self.metrics = metrics
         self._queue: list[Item] = []
+        # the jobs with inputs queued, in submission order (the queue's order of jobs), each with its first
+        # item: what expiry, promotion and the lateness check walk instead of every queued input
+        self._jobs: dict[Job, Item] = {}
+        self._stale = False  # a job was dropped: its items are still in the queue, to be filtered out
         self._queued_tokens = 0  # running totals: see the module docstring
         self._urgent_tokens = 0
-        self._queued_jobs = 0
         self._running_tokens = 0  # in the engine now
         self._seq = 0
         # the one thread that ever touches the model (see ModelService.load); an EngineThread hands a batch
@@ -137,6 +141,10 @@ class BatchManager:
     @_tokens_per_s.setter
     def _tokens_per_s(self, value: float) -> None:
         self._books.tokens_per_s = value
+
+    @property
+    def _queued_jobs(self) -> int:
+        return len(self._jobs)
 
     @property
     def saturated(self) -> bool:
@@ -219,19 +227,19 @@ class BatchManager:
                 f"{waited}, over the bound of {bound:g}s (--max-queue-seconds{'' if urgent else '-bulk'}); retry "
                 f"in {decision.retry_after}s{hint}", retry_after=decision.retry_after, reason="expected_wait")
         job = Job(inputs, urgent, asyncio.get_running_loop().create_future(), remaining=len(inputs),
-                  results=[None] * len(inputs), deadline=deadline, queued_tokens=tokens,
+                  deadline=deadline, queued_tokens=tokens,
                   queued_items=len(inputs), promote_at=None if urgent or max_wait is None else
                   now + self._promote_after(max_wait, tokens, self.drain_rate()), tenant=tenant, admitted_at=now,
                   trace=trace, bound=bound, promised=None if max_wait is None else now + max_wait)
-        for i in range(len(inputs)):
-            self._queue.append(Item(job, i, self._seq))
-            self._seq += 1
+        items = [Item(job, i, self._seq + i) for i in range(len(inputs))]
+        self._seq += len(items)
+        self._queue += items
+        self._jobs[job] = items[0]
         self._queued_tokens += tokens
         if urgent:
             self._urgent_tokens += tokens
             self._last_urgent = now
             self._books.urgent_arrived(tokens, now)
-        self._queued_jobs += 1
         self._schedule_kick()
         return job
 
@@ -271,8 +279,8 @@ class BatchManager:
         self._queued_tokens -= job.queued_tokens
         if job.urgent:
             self._urgent_tokens -= job.queued_tokens
-        if job.queued_items:
-            self._queued_jobs -= 1
+        if self._jobs.pop(job, None) is not None:
+            self._stale = True
         job.queued_tokens = job.queued_items = 0
 
     # -- scheduler -------------------------------------------------------------------------
@@ -295,34 +303,41 @@ class BatchManager:
         the planner never hands the engine work nobody will read. Bulk jobs still queued at their
         `promote_at` are promoted to urgent: a steady stream of queries (which go first) would otherwise
         starve them. They join the urgent queue at its back (new sequence numbers), not at their old
-        place: queries admitted meanwhile were promised a wait that did not count them."""
+        place: queries admitted meanwhile were promised a wait that did not count them.
+
+        Expiry and promotion are decided per job (a job's inputs share its deadline and its promotion), so
+        a plan walks the queued jobs, not the queued inputs; the inputs are walked only when some job was
+        dropped (to filter its items out) or promoted (to renumber them)."""
         now = time.monotonic()
-        live = []
-        promoted: set[int] = set()
-        for item in self._queue:
-            job = item.job
-            if not job.dropped and job.deadline is not None and job.deadline <= now:
+        promoted: set[Job] = set()
+        for job in list(self._jobs):
+            if job.deadline is not None and job.deadline <= now:
                 self.expire(job)
-            if not job.dropped and not job.urgent and job.promote_at is not None and job.promote_at <= now:
+                if job.dropped:
+                    continue
+            if not job.urgent and job.promote_at is not None and job.promote_at <= now:
                 job.urgent = True
                 self._urgent_tokens += job.queued_tokens
-                promoted.add(id(job))
-            if not job.dropped:
-                if promoted and id(job) in promoted:
-                    item.seq = self._seq
+                promoted.add(job)
+        self._refuse_late(now)
+        if self._stale:
+            self._stale = False
+            self._queue = [item for item in self._queue if not item.job.dropped]
+        if promoted:  # new sequence numbers in queue order: the back of the urgent queue
+            for item in self._queue:
+                if item.job in promoted:
+                    item.renumber(self._seq)
                     self._seq += 1
-                live.append(item)
-        return self._refuse_late(live, now)
+        return self._queue
 
-    def _refuse_late(self, live: list[Item], now: float) -> list[Item]:
-        """Refuse (429) the bounded jobs in `live` that `late_jobs` finds would be answered later than
-        their bound plus one batch (admitted on a rate the engine no longer keeps: it slowed since)."""
+    def _refuse_late(self, now: float) -> None:
+        """Refuse (429) the bounded queued jobs that `late_jobs` finds would be answered later than their
+        bound plus one batch (admitted on a rate the engine no longer keeps: it slowed since). It is given
+        one item per job, the jobs in queue order: all it reads of an item is its job."""
         urgent_ahead = self.ahead_of(urgent=True) - self._urgent_tokens
         bulk_ahead = self.ahead_of(urgent=False) - self._queued_tokens  # of the batches in the engine
-        late = late_jobs(live, now, urgent_ahead, bulk_ahead, self._urgent_tokens, self._books.last_batch_s,
-                         lambda: (self.drain_rate(True), self.drain_rate(False)))
-        if not late:
-            return live
+        late = late_jobs(list(self._jobs.values()), now, urgent_ahead, bulk_ahead, self._urgent_tokens,
+                         self._books.last_batch_s, lambda: (self.drain_rate(True), self.drain_rate(False)))
         for job, ahead, rate in late:
             finish = now - job.admitted_at + ((ahead + job.queued_tokens) / rate if rate else 0.0)
             retry = decide(ahead, job.queued_tokens, rate, job.bound).retry_after or 1
@@ -333,18 +348,21 @@ class BatchManager:
                 f"finish after about {finish:.1f}s, over the bound of {job.bound:g}s "
                 f"(--max-queue-seconds{'' if job.urgent else '-bulk'}); retry in {retry}s",
                 retry_after=retry, reason="expected_wait"))
-        return [item for item in live if not item.job.dropped]
 
     def _plan(self) -> list[Item]:
         """The next batch, taken off the queue with admission's running totals updated."""
         self._queue = self._live_queue()
         if not self._queue:
             return []
-        entries = [Entry(item.seq, item.length, item.job.urgent, item.job.tenant) for item in self._queue]
-        chosen = set(plan_batch(entries, self._budget(entries), self.max_batch_requests, self.overhead_tokens,
-                                self._books.served))
-        batch = [self._queue[i] for i in sorted(chosen)]
-        self._queue = [item for i, item in enumerate(self._queue) if i not in chosen]
+        entries = [item.entry for item in self._queue]
+        chosen = sorted(plan_batch(entries, self._budget(entries), self.max_batch_requests, self.overhead_tokens,
+                                   self._books.served))
+        queue = self._queue
+        batch = [queue[i] for i in chosen]
+        keep = [True] * len(queue)
+        for i in chosen:
+            keep[i] = False
+        self._queue = list(compress(queue, keep))
         for item in batch:
             job, length = item.job, item.length
             job.queued_tokens -= length
@@ -353,7 +371,7 @@ class BatchManager:
             if job.urgent:
                 self._urgent_tokens -= length
             if job.queued_items == 0:
-                self._queued_jobs -= 1
+                del self._jobs[job]
         return batch
 
     def _running(self, batch: list[Item]) -> None:
@@ -536,25 +554,26 @@ class BatchManager:
                     item.job.future.set_exception(error)
             return
         on_engine = started + (time.monotonic() - time.perf_counter())  # the start on the admission clock
-        for item, row in zip(batch, rows, strict=True):
+        if isinstance(rows, np.ndarray):
+            scatter(batch, rows, started, ended - started - paused, on_engine)
+            return
+        for item, row in zip(batch, rows, strict=True):  # ragged rows: each request gets its list
             job = item.job
             if job.future.done():
                 continue
-            if job._last_batch != started:
-                if job._last_batch is None:
-                    job.started_at = on_engine
-                job._last_batch = started
-                job.inference_s += ended - started - paused
+            job.ran(started, ended - started - paused, on_engine)
+            if not job.results:
+                job.results = [None] * len(job.inputs)
             job.results[item.index] = row
             job.remaining -= 1
             if job.remaining == 0:
-                job.future.set_result(as_rows(job.results) if isinstance(rows, np.ndarray) else job.results)
+                job.future.set_result(job.results)
 
     def _after(self, batch: list[Item], inputs: list, started: float, ended: float, paused: float,
                scheduled: bool) -> None:
         """Bookkeeping of a batch answered last turn; `scheduled`: it was the engine's batch (not one run
         during a pause), so the next batch is planned now."""
-        self._books.record(batch, inputs, started, ended, paused, scheduled, waiting=bool(self._queued_tokens))
+        self._books.record(batch, started, ended, paused, scheduled, waiting=bool(self._queued_tokens))
         if any(item.job.trace is not None for item in batch):  # tracing on (tracing.py); answers are out
             trace_batch([(item.job.trace, item.length) for item in batch], started + paused, ended)
         if scheduled:

@@ -12,7 +12,6 @@ reads no clock: the manager passes its times in (``time.monotonic()`` for arriva
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 from embedfleet.runtime.core.drain_rate import DrainRate
 from embedfleet.runtime.core.jobs import Item
@@ -79,13 +78,15 @@ class Bookkeeping:
         self._served_at = now
         self.served = {t: v * keep for t, v in self.served.items() if v * keep >= 1.0}
 
-    def record(self, batch: list[Item], inputs: Sequence, started: float, ended: float, paused: float,
-               scheduled: bool, waiting: bool) -> None:
+    def record(self, batch: list[Item], started: float, ended: float, paused: float, scheduled: bool,
+               waiting: bool) -> None:
         """The metrics and the drain rate of a batch answered (times: time.perf_counter()); `scheduled`:
-        it was the engine's batch, not one run during a pause; `waiting`: work is queued now."""
-        tokens = sum(len(x) for x in inputs)
+        it was the engine's batch, not one run during a pause; `waiting`: work is queued now. Lengths
+        are the items' own (measured once, at submit), not the inputs' measured again."""
+        lengths = [item.length for item in batch]
+        tokens = sum(lengths)
         self.metrics.batch_size.observe(len(batch))
-        self.metrics.batch_tokens.observe(max(len(x) for x in inputs) * len(inputs))
+        self.metrics.batch_tokens.observe(max(lengths) * len(lengths))
         self.metrics.inputs.inc(len(batch))
         self.metrics.tokens.inc(tokens)
         self.metrics.engine_busy.inc(ended - started - paused)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from embedfleet.runtime.core.batching import Entry
 from embedfleet.runtime.tracing import RequestTrace
 
 
@@ -34,7 +35,8 @@ class Job:
     urgent: bool
     future: asyncio.Future
     remaining: int
-    results: list[np.ndarray | None] = field(default_factory=list)
+    rows: np.ndarray | None = None  # fixed-width rows, in input order, filled batch by batch (allocated at the first)
+    results: list[np.ndarray | None] = field(default_factory=list)  # ragged rows (a list per input), likewise
     cancelled: bool = False
     deadline: float | None = None  # time.monotonic() after which nobody reads the answer
     promote_at: float | None = None  # bulk work waiting past its bound (time.monotonic()) is served as urgent
@@ -50,6 +52,15 @@ class Job:
     inference_s: float = 0.0  # engine time of the batches its inputs ran in, each batch counted once
     _last_batch: float | None = None  # the start (perf_counter) of the last batch counted in inference_s
 
+    def ran(self, started: float, seconds: float, on_engine: float) -> None:
+        """Some of its inputs ran in the batch that started at `started` (perf_counter) and took `seconds`
+        of engine time; `on_engine`: that start on the admission clock. Each batch counts once."""
+        if self._last_batch != started:
+            if self._last_batch is None:
+                self.started_at = on_engine
+            self._last_batch = started
+            self.inference_s += seconds
+
     @property
     def queue_s(self) -> float:
         """Seconds from admission until its first batch started on the engine (0 until one has run)."""
@@ -58,16 +69,50 @@ class Job:
 
 @dataclass(eq=False, slots=True)
 class Item:
+    """One queued input. Its length and its view for the planner (`entry`) are taken once, at submit:
+    every plan reads them for the whole queue, and a GPU's queue holds thousands of inputs."""
+
     job: Job
     index: int
     seq: int
+    length: int = field(init=False)
+    entry: Entry = field(init=False)
 
-    @property
-    def length(self) -> int:
-        return len(self.job.inputs[self.index])
+    def __post_init__(self) -> None:
+        self.length = len(self.job.inputs[self.index])
+        self.entry = Entry(self.seq, self.length, self.job.urgent, self.job.tenant)
+
+    def renumber(self, seq: int) -> None:
+        """A new place in the queue (promotion: the job's urgency changed with it)."""
+        self.seq = seq
+        self.entry = Entry(seq, self.length, self.job.urgent, self.job.tenant)
 
 
-def as_rows(results: list[np.ndarray]) -> np.ndarray:
-    """A job's rows as one array; a lone row (the single query) as a view, without `np.stack`'s
-    Python-level checks on the path from the engine to the answer."""
-    return results[0][np.newaxis] if len(results) == 1 else np.stack(results)
+def scatter(batch: list[Item], rows: np.ndarray, started: float, seconds: float, on_engine: float) -> None:
+    """Fixed-width rows into each request's own array, a block copy per request and batch rather than
+    a row at a time: a GPU batch holds a thousand inputs, and a request's inputs sit side by side in
+    it more often than not (the planner groups by length, and a request's texts are often alike).
+    A request of one input gets its row as a view (the single query's path: no copy, no allocation).
+    On the loop, for a batch the engine answered with one row per input (the batch manager checks
+    that); `seconds`: its engine time, `on_engine`: its start on the admission clock (`Job.ran`)."""
+    positions: dict[Job, list[int]] = {}
+    for pos, item in enumerate(batch):
+        positions.setdefault(item.job, []).append(pos)
+    for job, where in positions.items():
+        if job.future.done():
+            continue
+        job.ran(started, seconds, on_engine)
+        job.remaining -= len(where)
+        if len(job.inputs) == 1:
+            job.future.set_result(rows[where[0]][np.newaxis])
+            continue
+        if job.rows is None:
+            job.rows = np.empty((len(job.inputs), *rows.shape[1:]), rows.dtype)
+        first, last = batch[where[0]].index, batch[where[-1]].index
+        # a batch is in queue order, so a request's inputs in it are in input order
+        if where[-1] - where[0] == last - first == len(where) - 1:  # and here side by side
+            job.rows[first:last + 1] = rows[where[0]:where[-1] + 1]
+        else:
+            job.rows[[batch[pos].index for pos in where]] = rows[where]
+        if job.remaining == 0:
+            job.future.set_result(job.rows)
