@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine gets every GPU figure and the GPU tests (prepared with
-# ../shared/gpu/prepare.sh; see docs/gpu.md "Measuring on a GPU"):
+# One call on a GPU machine gets every GPU figure and the GPU tests (its missing wheels and the model
+# carried and installed first; see docs/gpu.md "Measuring on a GPU"):
 #   source .gpu/on_device.sh; bash bench/gpu_session.sh [BENCH_BUDGET_S] [TESTS_TIMEOUT_S]
 # Writes bench.log, tests.log, the figures (<gpu>.jsonl), server logs and a profile table under $OUT.
 # The bench runs first: its figures matter most, and tests can be rerun on their own.

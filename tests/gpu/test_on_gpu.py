@@ -47,7 +47,10 @@ def test_fp8_on_real_weights_gate_and_reference(minilm):
     gate = engine.fp8_gate
     assert gate is not None
     print(gate.summary())
-    assert gate.min_cosine > 0.99  # FP8 vs bf16 is close whatever the verdict
+    # FP8 vs bf16 is close whatever the verdict: the calibration's rare-word passages are MiniLM's worst
+    # inputs, at 0.9895 on an H200 and in the CPU emulation alike (docs/gpu.md); far below means broken maths
+    assert gate.min_cosine > 0.985
+    assert gate.passed == (gate.min_cosine >= gate.required)
     if gate.passed:
         assert engine.effective_dtype == "fp8"
         assert _cos(reference, run_calibration(engine.embed, batches)).min() >= 0.995
