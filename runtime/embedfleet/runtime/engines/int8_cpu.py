@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
-from embedfleet.runtime.engines.cache_dir import default_engine_cache_dir
+from embedfleet.runtime.engines.cache_dir import build_lock, default_engine_cache_dir
 from embedfleet.runtime.engines.quality_gate import (
     Calibration,
     GateResult,
@@ -302,9 +302,12 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
     manifest = read_cached(path, key)
     fp32: TorchEngine | None = None
     if manifest is None:
-        fp32 = TorchEngine(spec, dtype="float32", num_threads=num_threads)
-        manifest = _build(fp32, spec, key, path, calibration, num_threads)
-    else:
+        with build_lock(path):  # replicas starting together on one node build once, the others wait
+            manifest = read_cached(path, key)
+            if manifest is None:
+                fp32 = TorchEngine(spec, dtype="float32", num_threads=num_threads)
+                manifest = _build(fp32, spec, key, path, calibration, num_threads)
+    if fp32 is None:
         log.info("%s: int8 build reused from %s", spec.name, path)
     gate = _gate_of(manifest, min_cosine)
     summary = gate.summary().replace("fp8", "int8", 1)

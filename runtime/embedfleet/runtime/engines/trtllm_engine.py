@@ -15,15 +15,13 @@ Where `tensorrt_llm` is not importable the engine refuses to start with what to 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ import numpy as np
 import torch
 
 from embedfleet.runtime.engines.base import Capabilities
-from embedfleet.runtime.engines.cache_dir import default_engine_cache_dir
+from embedfleet.runtime.engines.cache_dir import build_lock, default_engine_cache_dir
 from embedfleet.runtime.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -112,17 +110,6 @@ def is_built(path: Path, key: EngineKey) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_engine(path: Path, key: EngineKey, build: Callable[[Path], None]) -> bool:
     """Build into `path` unless a finished build for `key` is there; True when it built.
 
@@ -131,7 +118,7 @@ def ensure_engine(path: Path, key: EngineKey, build: Callable[[Path], None]) -> 
     """
     if is_built(path, key):
         return False
-    with _build_lock(path):
+    with build_lock(path):
         if is_built(path, key):  # another process built it while we waited
             return False
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
