@@ -90,6 +90,24 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, path: str = "/rea
     raise TimeoutError(f"{url} not ready")
 
 
+def thread_cpu_seconds(pid: int) -> tuple[float, float]:
+    """(the main thread's, all other threads') CPU seconds of a process so far, from /proc: for the server,
+    its event loop against its tokenizer, engine and library threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main = rest = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        if task.name == str(pid):
+            main += seconds
+        else:
+            rest += seconds
+    return main, rest
+
+
 def percentiles(samples: list[float]) -> dict[str, float]:
     import numpy as np
 

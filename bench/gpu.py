@@ -155,7 +155,10 @@ def served(*flags: str, name: str) -> Server:
 
 
 # -- 1. server vs sentence-transformers -------------------------------------------------------------
-def _client_process(url: str, chunks: list[list[str]], concurrency: int) -> tuple[int, float, float]:
+TIME_HEADERS = ("x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time")
+
+
+def _client_process(url: str, chunks: list[list[str]], concurrency: int) -> tuple[int, float, float, dict]:
     import asyncio
 
     import httpx
@@ -177,6 +180,8 @@ def _client_process(url: str, chunks: list[list[str]], concurrency: int) -> tupl
                         await asyncio.sleep(float(r.headers.get("retry-after", "1")))  # refused: as told, again
                     if r.status_code != 200:  # a plain error: exceptions with httpx objects do not pickle
                         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+                    for h in TIME_HEADERS:
+                        parts[h].append(float(r.headers.get(h, "nan")))
                     done += len(chunk)
                 return done
 
@@ -184,22 +189,70 @@ def _client_process(url: str, chunks: list[list[str]], concurrency: int) -> tupl
             counts = await asyncio.gather(*(worker() for _ in range(concurrency)))
             return sum(counts), t0, time.time()
 
-    return asyncio.run(run())
+    parts: dict[str, list[float]] = {h: [] for h in TIME_HEADERS}
+    done, t0, t1 = asyncio.run(run())
+    return done, t0, t1, parts
 
 
 def server_throughput(url: str, texts: list[str], per_request: int = 64, concurrency: int = 32,
-                      processes: int = 4) -> float:
+                      processes: int = 4, server_pid: int | None = None, profile_to: Path | None = None) -> float:
     """Embeddings per second through the server: `concurrency` clients split over `processes` client
-    processes (one Python client process tops out below what a GPU server answers)."""
+    processes (one Python client process tops out below what a GPU server answers). With `server_pid`,
+    LAST_RUN gets where the server's time went: its own x-*-time medians, and the CPU its event loop (the
+    main thread) and its other threads spent per 1,000 embeddings; with `profile_to` and py-spy on the PATH,
+    a py-spy profile of the server during the run."""
+    import shutil
+    import subprocess
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
+    from _common import thread_cpu_seconds
+
     chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
     shares = [chunks[p::processes] for p in range(processes)]
+    spy = None
+    if profile_to is not None and server_pid is not None and shutil.which("py-spy"):
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(server_pid), "--duration", "6", "--rate", "250",
+                                "--threads", "--nonblocking", "--format", "raw", "--output", str(profile_to)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    before = thread_cpu_seconds(server_pid) if server_pid else None
     with ProcessPoolExecutor(processes, mp_context=get_context("spawn")) as pool:
         results = list(pool.map(_client_process, [url] * processes, shares, [concurrency // processes] * processes))
     done = sum(r[0] for r in results)
-    return done / (max(r[2] for r in results) - min(r[1] for r in results))
+    rate = done / (max(r[2] for r in results) - min(r[1] for r in results))
+    if before is not None:
+        after = thread_cpu_seconds(server_pid)
+        merged = {h: [v for r in results for v in r[3][h]] for h in TIME_HEADERS}
+        LAST_RUN.clear()
+        LAST_RUN.update({
+            "server_median_ms": {h[2:-5]: float(np.nanmedian(v)) for h, v in merged.items()},
+            "loop_cpu_ms_per_1k": round((after[0] - before[0]) * 1e6 / done, 1),
+            "other_threads_cpu_ms_per_1k": round((after[1] - before[1]) * 1e6 / done, 1)})
+    if spy is not None:
+        spy.wait(30)
+    return rate
+
+
+LAST_RUN: dict = {}  # where the server's time went in the last server_throughput run given a server_pid
+
+
+def pyspy_summary(path: Path, top: int = 8) -> dict:
+    """From a py-spy raw profile (--threads): busy samples per thread name, and the event loop's (MainThread)
+    most frequent innermost frames: what the loop spends its time on."""
+    from collections import Counter
+
+    threads: Counter = Counter()
+    leaves: Counter = Counter()
+    if not path.exists():
+        return {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        name = frames[0].split(": ", 1)[-1]
+        threads[re.sub(r"_\d+$", "", name)] += int(count)
+        if name == "MainThread" and len(frames) > 1:
+            leaves[frames[-1][:90]] += int(count)
+    return {"pyspy_busy_samples": dict(threads.most_common(6)), "pyspy_loop_top": leaves.most_common(top)}
 
 
 def served_vectors(url: str, texts: list[str]) -> np.ndarray:
@@ -262,7 +315,9 @@ def server_figures(models: dict[str, Path], emit, deadline: float) -> None:
         try:
             card = srv.card()
             server_throughput(srv.url, texts[:n(3000, 100)])
-            ours = server_throughput(srv.url, texts)
+            ours = server_throughput(srv.url, texts, server_pid=srv.proc.pid,
+                                     profile_to=LOG_DIR / f"pyspy-minilm-{dtype}.txt")
+            where = {**LAST_RUN, **pyspy_summary(LOG_DIR / f"pyspy-minilm-{dtype}.txt")}
             cos = _cosines(st_vec, served_vectors(srv.url, texts[:n(4000, 300)]))
         finally:
             srv.stop()
@@ -272,7 +327,8 @@ def server_figures(models: dict[str, Path], emit, deadline: float) -> None:
               "ours_embeddings_per_s": round(ours), "st_bf16_embeddings_per_s": round(st_bf16),
               "st_bf16_batch_size": st_bs, "st_fp32_embeddings_per_s": round(st_fp32), "st_fp32_batch_size": st_bs32,
               "ratio_vs_st_bf16": round(ours / st_bf16, 2),
-              "cos_vs_st_fp32_min": round(float(cos.min()), 5), "cos_vs_st_fp32_mean": round(float(cos.mean()), 5)})
+              "cos_vs_st_fp32_min": round(float(cos.min()), 5), "cos_vs_st_fp32_mean": round(float(cos.mean()), 5),
+              **where})
     if not wanted("bge-large-server"):
         return
     if time.monotonic() > deadline:
