@@ -185,8 +185,10 @@ def test_server_side_defaults_equal_model_defaults() -> None:
     assert cr_errors("EmbeddingDeployment", defaulted) == []
     from_server = EmbeddingDeploymentSpec.model_validate(defaulted["spec"])
     assert from_server == EmbeddingDeploymentSpec.model_validate(MINIMAL["spec"])
-    assert defaulted["spec"]["runtime"]["maxBatchRequests"] == 32
-    # No server default: unset is what lets the autoscaler fall back (autoscale_target.py).
+    # No server defaults: unset batching lets the runtime size it (for the GPU on GPUs: docs/gpu.md), and an
+    # unset inFlightPerReplica lets the autoscaler fall back (autoscale_target.py).
+    assert "maxBatchRequests" not in defaulted["spec"]["runtime"]
+    assert "maxBatchTokens" not in defaulted["spec"]["runtime"]
     assert "inFlightPerReplica" not in defaulted["spec"]["autoscaling"]
     assert defaulted["spec"]["autoscaling"]["scaleDown"]["stabilizationWindowSeconds"] == 300
 

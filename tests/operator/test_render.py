@@ -382,3 +382,10 @@ def test_any_valid_spec_renders_valid_objects(
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
     for m in manifests:
         assert k8s_model_problems(m) == []
+
+
+def test_unset_batching_is_left_to_the_runtime() -> None:
+    """No EMBEDFLEET_MAX_BATCH_* unless the spec sets them: the runtime's own defaults apply, and on a GPU
+    its start-up sizing (docs/gpu.md) instead of CPU numbers."""
+    config = next(o for o in render("m", "ml", "u", spec_of(runtime={"gpu": {"count": 1}})) if o["kind"] == "ConfigMap")
+    assert "EMBEDFLEET_MAX_BATCH_TOKENS" not in config["data"] and "EMBEDFLEET_MAX_BATCH_REQUESTS" not in config["data"]

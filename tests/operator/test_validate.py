@@ -28,7 +28,7 @@ def with_(**changes: Any) -> dict[str, Any]:
 
 def test_good_spec_passes() -> None:
     spec, problems = check("bge", GOOD)
-    assert problems == [] and spec is not None and spec.runtime.max_batch_requests == 32
+    assert problems == [] and spec is not None and spec.runtime.max_batch_requests is None
 
 
 @pytest.mark.parametrize(
@@ -160,3 +160,17 @@ def test_int8_on_cpu_is_accepted_and_reaches_the_runtime() -> None:
     spec, problems = check("bge", cpu)
     assert problems == [] and spec is not None and spec.runtime.dtype == "int8"
     assert runtime_env("bge", spec)["EMBEDFLEET_DTYPE"] == "int8"
+
+
+def test_unset_batching_is_the_runtimes_own() -> None:
+    """Unset maxBatchTokens: on CPU the runtime's default is checked against the longest input; on a GPU the
+    runtime sizes the budget itself, so nothing is refused here."""
+    from embedfleet.operator.validate import RUNTIME_CPU_MAX_BATCH_TOKENS
+    from embedfleet.runtime.settings import RuntimeSettings
+
+    assert RUNTIME_CPU_MAX_BATCH_TOKENS == RuntimeSettings.model_fields["max_batch_tokens"].default
+    _, problems = check("m", with_(model__maxInputTokens=32768, runtime__maxInputTokens=32768))
+    assert any("maxBatchTokens (16384, the runtime's CPU default)" in p for p in problems), problems
+    _, problems = check("m", with_(model__maxInputTokens=32768, runtime__maxInputTokens=32768,
+                                   runtime__gpu={"count": 1, "type": "nvidia-h100"}))
+    assert not any("maxBatchTokens" in p for p in problems), problems

@@ -50,6 +50,8 @@ KNOWN_MODEL_MAX_TOKENS: dict[str, int] = {
 
 #: Object names are derived from the resource name (``<name>-prepull-<pool>``, Service = DNS-1035 label).
 MAX_NAME_LENGTH = 45
+#: The runtime's --max-batch-tokens default on CPU (runtime/settings.py; a test keeps the two equal).
+RUNTIME_CPU_MAX_BATCH_TOKENS = 16384
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _HF_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -169,9 +171,15 @@ def validate(spec: EmbeddingDeploymentSpec, name: str | None = None) -> list[str
             f"spec.runtime.maxInputTokens ({runtime.max_input_tokens}) exceeds the model's "
             f"maximum length ({max_len})"
         )
-    if needed is not None and runtime.max_batch_tokens < needed:
+    # unset: the runtime's CPU default; on a GPU the runtime sizes it to hold the longest input where memory
+    # allows, and refuses to start, saying so, where it does not
+    budget = runtime.max_batch_tokens
+    if budget is None and runtime.gpu.count == 0:
+        budget = RUNTIME_CPU_MAX_BATCH_TOKENS
+    if needed is not None and budget is not None and budget < needed:
+        set_or_default = "" if runtime.max_batch_tokens is not None else ", the runtime's CPU default"
         problems.append(
-            f"spec.runtime.maxBatchTokens ({runtime.max_batch_tokens}) is smaller than the longest input "
+            f"spec.runtime.maxBatchTokens ({budget}{set_or_default}) is smaller than the longest input "
             f"({needed} tokens): one full-length input would never fit in a batch"
         )
 

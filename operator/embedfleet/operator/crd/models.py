@@ -165,13 +165,16 @@ class RuntimeSpec(CamelModel):
     dtype: DType = Field(default="float32", description="int8: CPU only, an OpenVINO int8 build kept only if "
                          "every calibration vector keeps cosine >= 0.99 with float32 (docs/runtime.md).")
     quantization: Quantization = Field(default="none", description="fp8 runs the engine in FP8 (GPU only).")
-    max_batch_requests: int = Field(
-        default=32, ge=1, le=4096,
-        description="Inputs per engine batch (the runtime's --max-batch-requests). While "
-        "spec.autoscaling.inFlightPerReplica is unset, a value other than 32 here is also the autoscaler's "
-        "in-flight target per replica (deprecated).",
+    max_batch_requests: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="Inputs per engine batch (the runtime's --max-batch-requests). Unset: the runtime's own, 32 "
+        "on CPU, sized for the GPU at start-up on GPUs (up to 1024). While spec.autoscaling.inFlightPerReplica is "
+        "unset, a value other than 32 here is also the autoscaler's in-flight target per replica (deprecated).",
     )
-    max_batch_tokens: int = Field(default=16384, ge=1, le=4_194_304, description="Padded tokens per batch.")
+    max_batch_tokens: int | None = Field(
+        default=None, ge=1, le=4_194_304,
+        description="Tokens per engine batch (the runtime's --max-batch-tokens). Unset: the runtime's own, 16384 "
+        "on CPU, sized from the GPU's free memory at start-up on GPUs (up to 65536).")
     max_client_batch_size: int = Field(default=2048, ge=1, le=1_000_000)
     max_concurrent_requests: int = Field(default=512, ge=1, le=1_000_000)
     max_queue_seconds: float | None = Field(

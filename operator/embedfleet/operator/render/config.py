@@ -37,8 +37,6 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[
         "EMBEDFLEET_DEVICE": "cuda" if rt.gpu.count > 0 else "cpu",
         "EMBEDFLEET_DTYPE": "fp8" if rt.quantization == "fp8" else rt.dtype,
         "EMBEDFLEET_ENGINE": rt.engine,
-        "EMBEDFLEET_MAX_BATCH_TOKENS": str(rt.max_batch_tokens),
-        "EMBEDFLEET_MAX_BATCH_REQUESTS": str(rt.max_batch_requests),
         "EMBEDFLEET_MAX_CLIENT_BATCH_SIZE": str(rt.max_client_batch_size),
         "EMBEDFLEET_MAX_CONCURRENT_REQUESTS": str(rt.max_concurrent_requests),
         "EMBEDFLEET_DRAIN_TIMEOUT": str(rt.drain_timeout_seconds),
@@ -48,6 +46,9 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[
         "EMBEDFLEET_PROBE_MIN_COSINE": f"{spec.rollout.min_cosine:g}",
     }
     optional = {
+        # unset: the runtime's own (its CPU defaults; on a GPU, sized at start-up: docs/gpu.md)
+        "EMBEDFLEET_MAX_BATCH_TOKENS": rt.max_batch_tokens,
+        "EMBEDFLEET_MAX_BATCH_REQUESTS": rt.max_batch_requests,
         "EMBEDFLEET_MAX_INPUT_TOKENS": rt.max_input_tokens,
         "EMBEDFLEET_PAYLOAD_LIMIT": rt.payload_limit,
         "EMBEDFLEET_TOKENIZER_WORKERS": rt.tokenizer_workers,
