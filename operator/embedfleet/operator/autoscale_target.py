@@ -13,10 +13,10 @@ The rule, in order:
    written before inFlightPerReplica existed keep their target.
 3. else `DEFAULT_IN_FLIGHT_PER_REPLICA` (32), no deprecation.
 
-Why "other than its default" and not "present in the dict": the CRD schema defaults
-``runtime.maxBatchRequests`` to 32, so the API server stores 32 in every object that names a runtime
-block, whether the user wrote it or not. A stored 32 and an unset field give the same target (32), so
-nothing is borrowed in effect and nothing is reported.
+Why "other than its default" and not "present in the dict": earlier versions of the CRD schema defaulted
+``runtime.maxBatchRequests`` to 32, so objects written then hold 32 whether the user wrote it or not (the
+field has no default now: unset, the runtime sizes its batches itself). A stored 32 and an unset field give
+the same target (32), so nothing is borrowed in effect and nothing is reported.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 #: The target per replica (before targetUtilization) of a spec that sets neither field.
 DEFAULT_IN_FLIGHT_PER_REPLICA = 32
-#: spec.runtime.maxBatchRequests' own default (the CRD schema writes it into stored objects).
+#: spec.runtime.maxBatchRequests' former CRD default (objects written before it was dropped hold it).
 RUNTIME_MAX_BATCH_REQUESTS_DEFAULT = 32
 DEPRECATION_REASON = "Deprecated"
 
