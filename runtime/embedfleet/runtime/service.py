@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -26,8 +26,8 @@ from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.quantize import CALIBRATION_TEXTS, Calibration, calibration_file
 from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
 from embedfleet.runtime.drift import DriftMonitor
+from embedfleet.runtime.engines import gpu_batching as sizing
 from embedfleet.runtime.engines.base import Engine
-from embedfleet.runtime.engines.gpu_batching import Batching
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.models.spec import ModelSpec, Task, load_spec
 from embedfleet.runtime.settings import ModelEntry, RuntimeSettings
@@ -94,36 +94,32 @@ def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
                        packed=settings.packed, compile=settings.compile)
 
 
-def gpu_batching(settings: RuntimeSettings, engine: Engine, run: Callable[[list], object]) -> Batching | None:
+def gpu_batching(settings: RuntimeSettings, engine: Engine, run: Callable[[list], object]) -> sizing.Batching | None:
     """On the engine thread, for a torch engine on CUDA: the batching sized for the GPU (the values the
     user did not set), with the per-call overhead measured here. None elsewhere (the settings serve)."""
     model = getattr(engine, "model", None)
     if settings.device != "cuda" or model is None or not hasattr(engine, "free_memory"):
         return None
-    from embedfleet.runtime.engines import gpu_batching as sizing
-
     fields = ("max_batch_tokens", "max_batch_requests", "batch_overhead_tokens")
     user = {f: getattr(settings, f) for f in fields if f in settings.model_fields_set}
     spec = engine.spec  # type: ignore[attr-defined]
     chosen = sizing.choose(user, model.config, engine.effective_dtype, engine.free_memory(), spec.max_length)
-    if "batch_overhead_tokens" not in user:
-        token = spec.pad_token_id + 1
-        width = min(256, spec.max_length)
-        rows = max(1, min(chosen.max_batch_requests, chosen.max_batch_tokens // width))
-        small, large = [[token] * 8], [[token] * width for _ in range(rows)]
-        times = []
-        for batch in (small, large):
+    if "batch_overhead_tokens" in user:
+        return chosen
+    token = spec.pad_token_id + 1
+    width = min(256, spec.max_length)
+    rows = max(1, min(chosen.max_batch_requests, chosen.max_batch_tokens // width))
+    small, large = [[token] * 8], [[token] * width for _ in range(rows)]
+    times = []
+    for batch in (small, large):
+        run(batch)
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
             run(batch)
-            best = float("inf")
-            for _ in range(3):
-                started = time.perf_counter()
-                run(batch)
-                best = min(best, time.perf_counter() - started)
-            times.append(best)
-        measured = sizing.overhead_tokens(times[0], times[1], rows * width, 8)
-        chosen = sizing.choose(user, model.config, engine.effective_dtype, engine.free_memory(), spec.max_length,
-                               overhead=measured)
-    return chosen
+            best = min(best, time.perf_counter() - started)
+        times.append(best)
+    return replace(chosen, batch_overhead_tokens=sizing.overhead_tokens(times[0], times[1], rows * width, 8))
 
 
 class ModelService:
@@ -144,7 +140,7 @@ class ModelService:
         self.created = int(time.time())
         self.probe: probing.ProbeState | None = None  # fingerprint and vector space, from the start-up probe
         self.drift: DriftMonitor | None = None
-        self.batching: Batching | None = None  # on CUDA: the batching sized for the GPU (engines/gpu_batching.py)
+        self.batching: sizing.Batching | None = None  # on CUDA: the batching sized for the GPU
 
     @property
     def loaded(self) -> bool:
