@@ -34,6 +34,7 @@ from embedfleet.operator.scheduling import (
     Toleration,
     place,
 )
+from embedfleet.operator.scheduling.cost import cost_per_million, params_from_name, prior_rate
 from embedfleet.operator.scheduling.divide import divide, divide_arrays
 from embedfleet.operator.scheduling.filters import SpokePolicy, no_schedule, run_filters
 from embedfleet.operator.scheduling.policy import Rules, resolve
@@ -117,7 +118,7 @@ class Candidate:
     def __init__(self, cluster: Cluster, resource: str, have: int, capacity: int, cap: int, prev: int) -> None:
         self.cluster, self.name, self.region, self.resource = cluster, cluster.name, cluster.region, resource
         self.have, self.capacity, self.cap, self.prev = have, capacity, cap, prev
-        self.limit, self.score, self.price, self.notes = cap, 0.0, 0.0, []
+        self.limit, self.score, self.price, self.cost, self.notes = cap, 0.0, 0.0, 0.0, []
 
 
 def reference_place(
@@ -158,8 +159,13 @@ def reference_one(
         types = present(c)
         return c.price(types[0]) if len(types) == 1 else min(g.hourly_price for g in c.gpus)
 
+    def cost(c: Cluster) -> float:  # per million embeddings, at the prior rate of the first present pool
+        resource = present(c)[0] if gpu else "cpu"
+        return cost_per_million(price(c), prior_rate(resource, params_from_name(d.model)))
+
     prices = {c.name: price(c) for c in passed}
-    cheapest, dearest = min(prices.values(), default=0.0), max(prices.values(), default=0.0)
+    costs = {c.name: cost(c) for c in passed}
+    cheapest, dearest = min(costs.values(), default=0.0), max(costs.values(), default=0.0)
     maxes = {n: high for n, _, high in rules.cluster_limits if high is not None}
     floors_all = {n: low for n, low, _ in rules.cluster_limits if low > 0}
     cands = []
@@ -168,9 +174,9 @@ def reference_one(
         resource = next((t for t in types if free[c.name].get(t, 0) >= d.gpus_per_replica), types[0])
         have = free[c.name].get(resource, 0)
         x = Candidate(c, resource, have, c.capacity(resource), have // per, d.previous.get(c.name, 0))
-        x.price = prices[c.name]
+        x.price, x.cost = prices[c.name], costs[c.name]
         x.score = FREE_POINTS * have / x.capacity + (
-            PRICE_POINTS * (dearest - x.price) / (dearest - cheapest) if dearest > cheapest else PRICE_POINTS)
+            PRICE_POINTS * (dearest - x.cost) / (dearest - cheapest) if dearest > cheapest else PRICE_POINTS)
         x.score += STICKY_POINTS if x.prev > 0 else 0.0
         x.score += CACHED_POINTS if d.digest is not None and d.digest in c.cached_digests else 0.0
         if c.name in maxes and maxes[c.name] < x.limit:
@@ -280,7 +286,8 @@ def reference_one(
         high = max(k, min(ceiling, k + max(0, x.cap - k), max(x.limit, k)))
         free[n][x.resource] = free[n].get(x.resource, 0) - k * per
         shares.append((n, (k, k, high), x.region, x.resource, why if n in weight_of else "spill", x.score, x.price,
-                       f"{weight_of[n]:g}/{weight_sum:g}" if divided and n in weight_of else "", tuple(x.notes)))
+                       f"{weight_of[n]:g}/{weight_sum:g}" if divided and n in weight_of else "", tuple(x.notes),
+                       x.cost))
     placed = {s[0] for s in shares}
     filtered = dict(rejected)
     for x in cands:
@@ -296,7 +303,7 @@ def reference_one(
 def summary(result: dict[str, Placement]) -> dict[str, Summary]:
     return {key: (p.accepted, p.policy, p.mode, p.target, p.problems,
                   [(n, (c.range.min, c.range.desired, c.range.max), c.region, c.resource, c.role, c.score, c.price,
-                    c.weight, c.notes) for n, c in p.clusters.items()], dict(p.filtered))
+                    c.weight, c.notes, c.cost) for n, c in p.clusters.items()], dict(p.filtered))
             for key, p in result.items()}
 
 
@@ -357,6 +364,7 @@ def workloads(draw: st.DrawFn, clusters: int = 9, most: int = 8) -> list[Deploym
             previous=draw(st.dictionaries(st.sampled_from([*names, "gone"]), st.integers(0, 6), max_size=4)),
             running=draw(st.dictionaries(st.sampled_from(names), st.integers(0, 6), max_size=2)),
             refused=draw(st.dictionaries(st.sampled_from(["p1", "p2"]), st.just("refused"), max_size=1)),
+            model=draw(st.sampled_from(["", "hf://org/bge-small-en", "hf://org/Qwen3-Embedding-8B"])),
         ))
     return out
 

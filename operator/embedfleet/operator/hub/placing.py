@@ -39,7 +39,9 @@ from embedfleet.operator.hub.writes import REFUSAL_RETRY_S, SpokeWrites, Write, 
 from embedfleet.operator.kube import up_to_date
 from embedfleet.operator.rollout import waves
 from embedfleet.operator.scheduling import Deployment, Placement, place
+from embedfleet.operator.scheduling.learn import Learned, model_identity
 from embedfleet.operator.scheduling.spill import spill_targets
+from embedfleet.operator.spoke.heartbeat import THROUGHPUT_ANNOTATION
 from embedfleet.operator.validate import check
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,21 @@ class Placing:
         self.writes = writes
         self.ramp = ramp
         self.secret_recheck = secret_recheck
+        #: Embeddings per second per busy replica, per (model, resource), smoothed over the spokes' heartbeats.
+        self.learned = Learned()
+
+    def learn(self, views: Mapping[str, SpokeView]) -> None:
+        """Take each spoke's throughput report from its heartbeat Lease (as its informer holds it) into the
+        smoothed table the cost ranking reads (scheduling/learn.py); a spoke whose Lease is unread keeps
+        what it reported last."""
+        reports: dict[str, str | None] = {}
+        for name, view in views.items():
+            lease = view.link.lease if view.link is not None else None
+            if lease is None or not lease.synced:
+                continue
+            for item in lease.items().values():
+                reports[name] = ((item.get("metadata") or {}).get("annotations") or {}).get(THROUGHPUT_ANNOTATION)
+        self.learned.observe_all(reports)
 
     def views(self, now: float) -> dict[str, SpokeView]:
         """Each judged spoke as this pass sees it: its health as last judged, and its copies as its watch
@@ -120,11 +137,15 @@ class Placing:
                        for c, o in copies.items()}
             labels = dict(((namespaces.get(meta["namespace"]) or {}).get("metadata") or {}).get("labels") or {})
             refused = convert.refusals(obj.get("spec") or {}, spoke_policies)
-            deployments.append(convert.deployment_from(key, parsed, labels, target, previous, running, refused))
+            deployment = convert.deployment_from(key, parsed, labels, target, previous, running, refused)
+            deployments.append(dataclasses.replace(
+                deployment, model=model_identity(parsed.model.source, parsed.model.revision)))
             info[key] = (obj, target)
             parsed_specs[key] = parsed
 
-        placements = place(deployments, [v.cluster for v in views.values()], policies, now, ramp_seconds=self.ramp)
+        self.learn(views)
+        placements = place(deployments, [v.cluster for v in views.values()], policies, now, ramp_seconds=self.ramp,
+                           throughput=self.learned.throughput())
         plans: dict[str, list[Write]] = {name: [] for name in views}
         decisions = {key: self._rollout(info[key][0], parsed_specs[key], placement, views)
                      for key, placement in placements.items()}

@@ -29,6 +29,7 @@ from embedfleet.operator.hub.writes import Outcome
 from embedfleet.operator.kube import Kube, KubeError
 from embedfleet.operator.rollout import waves
 from embedfleet.operator.scheduling import Placement
+from embedfleet.operator.scheduling.explain import placement_line
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,10 @@ class Reporter:
         self._events(obj, old_rows, rows, placement)
         generation = obj["metadata"].get("generation")
         conds = convert.conditions(placement, rows, failures, unavailable, generation, deprecation)
+        line = placement_line(placement)
+        for cond in conds:  # where it runs, what its embeddings cost there, what was left out and why
+            if line and cond.get("type") == "Placed":
+                cond["message"] = f"{cond.get('message') or ''}; {line}"
         self._deprecation_event(obj, status, conds)
         if decision is not None:
             self._rollout_events(obj, status.get("rollout") or {}, decision.status["rollout"])

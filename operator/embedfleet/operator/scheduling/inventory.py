@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embedfleet.operator.scheduling.cost import Throughput, cost_array
 from embedfleet.operator.scheduling.filters import Filter, no_schedule, run_filters
 from embedfleet.operator.scheduling.model import CPU, Cluster
 from embedfleet.operator.scheduling.policy import Rules
@@ -42,10 +43,16 @@ class Inventory:
     ramp: tuple[float, ...]
     #: Weights digest -> per cluster, is it cached there (filled as digests come up).
     digests: dict[str, np.ndarray]
+    #: Measured throughput for the cost ranking (None: rank by hourly price alone).
+    throughput: Throughput | None = None
+    #: (group id, model, units per replica) -> its candidates' `Costs` (filled as they come up).
+    costs: dict[tuple[int, str, int], Costs] | None = None
 
     @classmethod
-    def of(cls, clusters: tuple[Cluster, ...], now: float, ramp_seconds: float) -> Inventory:
-        """``clusters`` sorted by name; ``now`` and ``ramp_seconds`` place each on its return ramp."""
+    def of(cls, clusters: tuple[Cluster, ...], now: float, ramp_seconds: float,
+           throughput: Throughput | None = None) -> Inventory:
+        """``clusters`` sorted by name; ``now`` and ``ramp_seconds`` place each on its return ramp;
+        ``throughput``: what the fleet measured, for ranking by cost per embedding (None: by hourly price)."""
         resources = (CPU, *sorted({g.type for c in clusters for g in c.gpus} - {CPU}))
         column = {r: j for j, r in enumerate(resources)}
         capacity = np.zeros((len(clusters), len(resources)), dtype=np.int64)
@@ -60,7 +67,7 @@ class Inventory:
             price[i, 0] = c.cpu_hourly_price
         ramp = tuple(_ramp_fraction(c, now, ramp_seconds) for c in clusters)
         return cls(clusters, {c.name: i for i, c in enumerate(clusters)}, resources, column, capacity.ravel(),
-                   price.ravel(), capacity.ravel().copy(), ramp, {})
+                   price.ravel(), capacity.ravel().copy(), ramp, {}, throughput, {})
 
     def cached(self, digest: str) -> np.ndarray:
         """Per cluster: does it report these weights cached?"""
@@ -68,6 +75,39 @@ class Inventory:
         if where is None:
             where = self.digests[digest] = np.array([digest in c.cached_digests for c in self.clusters], dtype=bool)
         return where
+
+
+    def cost_of(self, g: Group, model: str, per_replica: int) -> Costs:
+        """What ranks ``g``'s candidates for a deployment of ``model`` needing ``per_replica`` units: dollars
+        per million embeddings of each candidate's pool (its hourly price without a cost ranking), once
+        per (group, model, units). A candidate allowed several GPU types is costed at its cheapest price
+        and its first present type's rate (the pool it draws from is chosen per deployment)."""
+        key = (id(g), model, per_replica)
+        costs = self.costs
+        assert costs is not None
+        found = costs.get(key)
+        if found is None:
+            if self.throughput is None or not len(g):
+                value, measured = g.price, np.zeros(len(g), dtype=bool)
+            else:
+                rates, known = self.throughput.unit_rates(model, per_replica, self.resources)
+                columns = g.flat % len(self.resources)
+                value, measured = cost_array(g.price, rates[columns]), known[columns]
+            finite = value[np.isfinite(value)]
+            found = costs[key] = Costs(value, measured, float(finite.min()) if len(finite) else 0.0,
+                                       float(finite.max()) if len(finite) else 0.0)
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """One deployment's ranking figure per candidate (cost per million embeddings, or hourly price), whether
+    it was measured, and its lowest and highest finite value."""
+
+    value: np.ndarray
+    measured: np.ndarray
+    cheapest: float
+    dearest: float
 
 
 def _ramp_fraction(cluster: Cluster, now: float, ramp_seconds: float) -> float:
@@ -98,9 +138,8 @@ class Group:
     #: Candidates allowed several GPU types, as (position, columns of the types present, in rule order): the
     #: first with room for one replica is taken, deployment by deployment.
     choices: tuple[tuple[int, tuple[int, ...]], ...]
+    #: Hourly price of one unit of each candidate's pool (`Inventory.cost_of` turns it into a cost).
     price: np.ndarray
-    cheapest: float
-    dearest: float
     #: clusterLimits max and maxReplicasPerCluster, the lower of the two (None: no candidate has one).
     limit: np.ndarray | None
     #: Untolerated NoSchedule taint: keeps what it runs, gains nothing (None: no candidate has one).
@@ -192,8 +231,6 @@ class Group:
             capacity=inventory.capacity[flat],
             choices=tuple(choices),
             price=price,
-            cheapest=float(price.min()) if n else 0.0,
-            dearest=float(price.max()) if n else 0.0,
             limit=limit,
             no_schedule=np.array(tainted, dtype=bool) if any(tainted) else None,
             ramping=ramping,

@@ -7,6 +7,7 @@ pydantic, kopf or an API server, and so its inputs are hashable (filter results 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -140,6 +141,8 @@ class Deployment:
     previous: Mapping[str, int] = field(default_factory=dict)
     running: Mapping[str, int] = field(default_factory=dict)
     refused: Mapping[str, str] = field(default_factory=dict)
+    #: The model's identity (learn.model_identity): keys its measured throughput and sizes its prior.
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +166,16 @@ class ClusterPlacement:
     price: float = 0.0
     weight: str = ""
     notes: tuple[str, ...] = ()
+    #: Dollars per million embeddings of a replica here (cost.py); None when placed by hourly price alone.
+    cost: float | None = None
+    #: Whether ``cost`` rests on measured throughput (else on the size-based prior).
+    measured: bool = False
 
     @property
     def reasons(self) -> tuple[str, ...]:
-        out = [self.role, f"score {self.score:.0f}", f"{self.resource} at {self.price:.2f}/h"]
+        out = [self.role, f"score {self.score:.0f}", f"{self.resource} at ${self.price:.2f}/h"]
+        if self.cost is not None:
+            out.append(money(self.cost) + ("" if self.measured else " (prior)"))
         if self.weight:
             out.append(f"weight {self.weight}")
         return (*out, *self.notes)
@@ -192,3 +201,12 @@ class Placement:
 
     def desired(self) -> dict[str, int]:
         return {name: c.range.desired for name, c in self.clusters.items() if c.range.desired > 0}
+
+
+def money(cost: float) -> str:
+    """``$0.41/M embeddings``; two significant digits below a cent (a CPU pool for a tiny model is that
+    cheap, and ``$0.00`` would hide which of two such pools is cheaper)."""
+    if not math.isfinite(cost):
+        return "cost unknown"
+    text = f"{cost:.2f}" if cost >= 0.01 or cost == 0 else f"{cost:.2g}"
+    return f"${text}/M embeddings"

@@ -182,8 +182,9 @@ def decide(d: Deployment, g: Group, inventory: Inventory, ramp_seconds: float, l
     if g.no_schedule is not None:
         limit = np.where(g.no_schedule, np.minimum(limit, previous), limit)
     cached = g.nowhere if d.digest is None else inventory.cached(d.digest)[g.rows]
-    scores = total(Candidates(have, capacity, g.price, np.full(len(g), g.cheapest), np.full(len(g), g.dearest),
-                               previous, cached))
+    costs = inventory.cost_of(g, d.model, per_replica)
+    scores = total(Candidates(have, capacity, costs.value, np.full(len(g), costs.cheapest),
+                              np.full(len(g), costs.dearest), previous, cached))
 
     target = d.target
     if rules.mode == "ActiveActive":

@@ -11,8 +11,8 @@ For each deployment, in key order (deterministic; earlier ones see more free cap
             and the *return ramp*: a cluster that came back less than ``ramp_seconds`` ago may grow only to
             ``max(previous, ceil(fraction_elapsed * fair share))``; what it may not take yet stays where it
             runs now (gradual move back, no thundering herd, healthy replicas kept until then).
-4. score    order candidates: the points of the plugins in ``scores.SCORES`` (free capacity, price,
-            stickiness, cached weights), added up.
+4. score    order candidates: the points of the plugins in ``scores.SCORES`` (free capacity, cost per
+            million embeddings (cost.py), stickiness, cached weights), added up.
 5. select   ActiveActive/RegionLocked: all candidates (or the best ``maxClusters``, regions first);
             ActivePassive: candidates in the primary regions, else the best-scoring standby region.
 6. divide   Duplicated (each selected cluster runs the target) or Divided (by weight, floors first).
@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from operator import attrgetter
 
+from embedfleet.operator.scheduling.cost import Throughput
 from embedfleet.operator.scheduling.even import decide_even
 from embedfleet.operator.scheduling.filters import SpokePolicy
 from embedfleet.operator.scheduling.inventory import Group, Inventory
@@ -48,6 +49,8 @@ from embedfleet.operator.scheduling.policy import Rules, resolve
 from embedfleet.operator.scheduling.shares import Ledger
 
 DEFAULT_RAMP_SECONDS = 60.0
+#: Nothing measured yet: every cost rests on the prior.
+NO_MEASUREMENTS = Throughput()
 
 
 def _refusals(
@@ -70,10 +73,15 @@ def place(
     now: float = 0.0,
     *,
     ramp_seconds: float = DEFAULT_RAMP_SECONDS,
+    throughput: Throughput | None = NO_MEASUREMENTS,
 ) -> dict[str, Placement]:
-    """Deployment key -> Placement. Same inputs, same output; see the module docstring for the pipeline."""
+    """Deployment key -> Placement. Same inputs, same output; see the module docstring for the pipeline.
+
+    ``throughput``: the embeddings per second the fleet measured per (model, resource) (learn.py); the price
+    score ranks candidates by cost per million embeddings from it, and from the size-based prior where
+    nothing was measured (cost.py). None ranks by hourly price alone (bench/placement_cost.py compares)."""
     with _collector_paused():
-        return _place(deployments, clusters, policies, now, ramp_seconds)
+        return _place(deployments, clusters, policies, now, ramp_seconds, throughput)
 
 
 @contextmanager
@@ -94,9 +102,9 @@ def _collector_paused() -> Iterator[None]:
 
 def _place(
     deployments: Iterable[Deployment], clusters: Iterable[Cluster], policies: Sequence[Policy], now: float,
-    ramp_seconds: float,
+    ramp_seconds: float, throughput: Throughput | None,
 ) -> dict[str, Placement]:
-    inventory = Inventory.of(tuple(sorted(clusters, key=attrgetter("name"))), now, ramp_seconds)
+    inventory = Inventory.of(tuple(sorted(clusters, key=attrgetter("name"))), now, ramp_seconds, throughput)
     ledger = Ledger(inventory)
     groups: dict[tuple[Rules, bool, SpokePolicy | None], Group] = {}
     # (intent, namespace labels, GPU type, GPU or CPU, spoke verdicts) -> (rules, policy, problems, group):

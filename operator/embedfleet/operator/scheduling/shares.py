@@ -56,6 +56,11 @@ class Ledger:
         self.limits: list[tuple[int, np.ndarray]] = []
         self.previous: list[tuple[int, np.ndarray]] = []
         self.cached: list[tuple[int, np.ndarray]] = []
+        #: Per deployment: its placed candidates' cost figures and whether measured, its group's cheapest
+        #: and dearest.
+        self.costs: list[np.ndarray] = []
+        self.measured: list[np.ndarray] = []
+        self.bounds: list[tuple[float, float]] = []
 
     def add(
         self, shares: Shares, d: Deployment, placed: np.ndarray, replicas: np.ndarray, free: np.ndarray,
@@ -79,6 +84,10 @@ class Ledger:
             self.previous.append((self.size, previous[placed]))
         if d.digest is not None:
             self.cached.append((self.size, self.inventory.cached(d.digest)[shares.group.rows[placed]]))
+        costs = self.inventory.cost_of(shares.group, d.model, shares.per_replica)
+        self.costs.append(costs.value[placed])
+        self.measured.append(costs.measured[placed])
+        self.bounds.append((costs.cheapest, costs.dearest))
         self.size += len(placed)
 
     def finish(self) -> None:
@@ -95,9 +104,10 @@ class Ledger:
         price = np.concatenate([g.price for g in groups])[at]
         flat = _overlay(np.concatenate([g.flat for g in groups])[at], self.pools)
         free = np.concatenate(self.free)
+        cost = np.concatenate(self.costs)
         scores = total(Candidates(
-            free, self.inventory.capacity[flat], price, self._each((s.group.cheapest for s in shares), np.float64),
-            self._each((s.group.dearest for s in shares), np.float64),
+            free, self.inventory.capacity[flat], cost, self._each((b[0] for b in self.bounds), np.float64),
+            self._each((b[1] for b in self.bounds), np.float64),
             _overlay(np.zeros(self.size, dtype=np.int64), self.previous),
             _overlay(np.zeros(self.size, dtype=bool), self.cached),
         ))
@@ -126,6 +136,8 @@ class Ledger:
         made = map(
             ClusterPlacement, ranges[which].tolist(), regions, resources, chain.from_iterable(s.roles for s in shares),
             scores.tolist(), price.tolist(), chain.from_iterable(s.weights for s in shares), notes,
+            *((cost.tolist(), np.concatenate(self.measured).tolist()) if self.inventory.throughput is not None
+              else ()),
         )
         by_name = iter(names)
         for s, n in zip(shares, counts, strict=True):

@@ -44,6 +44,10 @@ REGION_ANNOTATION = "embedfleet.dev/region"
 POLICY_ANNOTATION = "embedfleet.dev/platform-policy"
 #: This cluster's gateway load (gateway_load.py); absent while the gateway pods cannot be listed.
 GATEWAY_LOAD_ANNOTATION = "embedfleet.dev/gateway-load"
+#: Measured embeddings per second per busy replica, per (model, resource): the hub's cost ranking learns from
+#: it (scheduling/learn.py: its format; `learn.annotation` writes it). Absent: the hub ranks by its prior. A beat
+#: writes it only when given one and never removes it, so a measurement written beside the heartbeat stays.
+THROUGHPUT_ANNOTATION = "embedfleet.dev/throughput"
 ENV_NAMESPACE = "EMBEDFLEET_NAMESPACE"
 ENV_INTERVAL = "EMBEDFLEET_HEARTBEAT_INTERVAL"
 ENV_DURATION = "EMBEDFLEET_LEASE_DURATION"
@@ -57,7 +61,7 @@ def policy_json(policy: platform.PlatformPolicy) -> str:
 
 def lease_body(
     namespace: str, holder: str, duration: int, cached: list[str], region: str | None, problem: str | None = None,
-    policy: str | None = None, gateway: str | None = None,
+    policy: str | None = None, gateway: str | None = None, throughput: str | None = None,
 ) -> dict[str, Any]:
     """The Lease as the spoke writes it; a ``None`` annotation value removes that annotation (merge patch)."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -68,6 +72,8 @@ def lease_body(
         POLICY_ANNOTATION: policy,
         GATEWAY_LOAD_ANNOTATION: gateway,
     }
+    if throughput is not None:  # never removed by a beat: whoever measures may write it beside the heartbeat
+        annotations[THROUGHPUT_ANNOTATION] = throughput
     return {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",

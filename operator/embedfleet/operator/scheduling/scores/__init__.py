@@ -10,7 +10,8 @@ points out. `total` adds the points of the plugins in `SCORES`, left to right (t
 floating-point sums, so equal inputs give bit-equal scores):
 
   free     up to 40: share of the cluster's pool (this GPU type, or CPU slots) still free
-  price    up to 30: the cheapest hourly price among the candidates gets 30, the dearest 0
+  price    up to 30: the lowest cost per million embeddings among the candidates gets 30, the dearest 0
+           (the hourly price when ``place`` ranks without costs)
   sticky   10 when the cluster already runs this deployment (moves cost cold starts)
   cached   20 when the cluster reports the deployment's weights already cached (no download)
 """

@@ -1,7 +1,7 @@
 """The one interface every score plugin implements: points for each candidate cluster, as one array.
 
 A plugin sees facts, not clusters: what ``place`` already worked out about each candidate of one
-deployment (the pool it would draw from, that pool's price, what the deployment ran there). Facts arrive
+deployment (the pool it would draw from, what a replica's work costs there, what the deployment ran there). Facts arrive
 as arrays in candidate order, so a plugin scores a thousand clusters in a few numpy operations, and a new
 plugin needs no change to ``place`` beyond listing it in ``scores.SCORES``.
 """
@@ -28,9 +28,10 @@ class Candidates:
     free: np.ndarray
     #: That pool's size.
     capacity: np.ndarray
-    #: Hourly price of one unit of that pool.
-    price: np.ndarray
-    #: The lowest and the highest ``price`` among the candidates of the entry's deployment.
+    #: What a replica's work costs there: dollars per million embeddings (cost.py), or, when ``place`` ranks
+    #: by hourly price alone, the hourly price of one unit of that pool.
+    cost: np.ndarray
+    #: The lowest and the highest ``cost`` among the candidates of the entry's deployment.
     cheapest: np.ndarray
     dearest: np.ndarray
     #: Replicas the deployment's previous placement gave each cluster (0: none).
