@@ -13,6 +13,8 @@ from functools import cache, partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from embedfleet.runtime import cold_start
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -117,6 +119,15 @@ class RuntimeMetrics:
         self.probe_checks = Counter(
             "embedfleet_probe_checks_total", "Drift checks by outcome: ok, drift (outside --probe-min-cosine or "
             "order changed), error (the check could not run)", ["model", "outcome"], registry=r)
+        # this process's start, phase by phase (cold_start.py; docs/observability.md, "Cold starts")
+        self.cold_start_seconds = Histogram(
+            "embedfleet_cold_start_seconds", "This process's start by phase: weights (arrival, from where: "
+            "embedfleet_weights_source_info), weights_verify, engine_load, warmup (per model); ready and "
+            "first_request (from process start)", ["phase"], buckets=cold_start.BUCKETS, registry=r)
+        self.weights_source = Gauge(
+            "embedfleet_weights_source_info", "1 per served model: where its weights came from (cache, peer, "
+            "origin, downloaded, in-image)", ["model", "source"], registry=r)
+        self.cold_start = cold_start.ColdStart(self.cold_start_seconds, self.weights_source)
 
     def for_model(self, name: str) -> ModelMetrics:
         """The per-model series (label `model`), so each model's queue is visible on its own."""

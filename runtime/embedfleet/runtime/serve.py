@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Coroutine
 
 from embedfleet.httpserver import Limits, bound_port, server
@@ -126,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_or_exit_code(args, "serve")
     if isinstance(settings, int):
         return settings
+    verifying = time.perf_counter()
     problem = verify_model(settings)
+    verify_s = time.perf_counter() - verifying if settings.model_digest else None
     if problem is not None:
         print(f"embedfleet serve: refusing to load the model: {problem}", file=sys.stderr)
         return 1
@@ -139,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     if tracing is not None:
         log.info("tracing on: %s spans (OTEL_* variables; docs/tracing.md)", ", ".join(names))
     metrics = RuntimeMetrics()
+    if verify_s is not None:
+        metrics.cold_start.weights_verified(verify_s)
     gate = GateState(tracing=tracing)
     models = Models(settings, metrics)
     server = Server(None, settings, gate, metrics)

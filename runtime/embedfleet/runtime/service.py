@@ -20,6 +20,7 @@ import numpy as np
 from embedfleet.compat.gate import ProbeOutputs
 from embedfleet.compat.names import split_model, with_revision
 from embedfleet.runtime import probe as probing
+from embedfleet.runtime.cold_start import read_weights_source
 from embedfleet.runtime.core.batcher import BatchManager
 from embedfleet.runtime.core.engine_thread import EngineThread
 from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
@@ -176,11 +177,16 @@ class ModelService:
         return min(limit, self.settings.max_batch_tokens)
 
     async def load(self) -> None:
+        cold = self._runtime_metrics.cold_start
+        cold.weights(self.name, await asyncio.to_thread(read_weights_source, self.entry.path))
+        started = time.perf_counter()
         spec = await asyncio.to_thread(load_spec, self.entry.path, self.entry.name, self.entry.task)
         # Load, warm up and run the model on one thread for the process' life: torch's OpenMP pools are
         # per calling thread, and a model touched from several threads ran single queries 2x slower here.
         loop = asyncio.get_running_loop()
         engine = await loop.run_in_executor(self.engine_thread, build_engine, self.settings, spec)
+        built = time.perf_counter()
+        cold.engine_loaded(self.name, built - started)
         await loop.run_in_executor(self.engine_thread, engine.warmup)
         self.spec, self.engine = spec, engine
         run = engine_fn(engine, spec.task)
@@ -210,6 +216,7 @@ class ModelService:
         await self._fingerprint(run)
         batcher.start()
         self.batcher = batcher
+        cold.warmed_up(self.name, time.perf_counter() - built)
         if self.drift is not None:
             self.drift.start()
         log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,
@@ -493,6 +500,7 @@ class Models:
                 self.load_error = f"{service.name}: {type(exc).__name__}: {exc}"
                 log.error("model failed to load: %s", self.load_error)
                 raise
+        self.metrics.cold_start.all_ready()
 
     async def close(self) -> None:
         for service in self.services.values():

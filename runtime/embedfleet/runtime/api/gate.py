@@ -68,6 +68,7 @@ class Gate:
         self.expected_wait = expected_wait
         metrics.requests_in_flight.set_function(lambda: state.in_flight)  # read when scraped
         self._duration = cache(metrics.request_duration.labels)  # by route: looked up once each
+        self._cold_start = metrics.cold_start  # told of the first 2xx answer (cold_start.py first_request)
 
     async def _refuse(self, send, status: int, message: str, code: str,
                       extra: list[tuple[bytes, bytes]] | None = None, kind: str | None = None) -> None:
@@ -152,6 +153,8 @@ class Gate:
             nonlocal started_response
             if message["type"] == "http.response.start":
                 started_response = True
+                if self._cold_start.waiting and message["status"] < 300:
+                    self._cold_start.answered()
                 if trace is not None:
                     trace.responded(message["status"])
                 took = (time.monotonic() - arrived) * 1000

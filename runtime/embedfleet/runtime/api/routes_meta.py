@@ -120,10 +120,12 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
     async def load():
         """The replica's load for a gateway's cheap poll (no API key, like the probes): readiness,
         draining, requests in flight and, per model, queued tokens, drain rate and expected wait. The
-        same expected wait rides on every answer as `x-embedfleet-expected-wait`."""
+        same expected wait rides on every answer as `x-embedfleet-expected-wait`. `startup`: this process's
+        cold start by phase (cold_start.py), what the operator reads when the pod turns Ready."""
         now = state()
         return JSON({"ready": now == "ready", "status": now, "draining": gate_state.draining,
-                     "in_flight": gate_state.in_flight, "models": models.load_report()})
+                     "in_flight": gate_state.in_flight, "models": models.load_report(),
+                     "startup": metrics.cold_start.report()})
 
     @router.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def prometheus_metrics():
