@@ -118,7 +118,8 @@ def test_pull_archive_is_verified_then_unpacked(server: FileServer, tmp_path: Pa
     cache = tmp_path / "cache"
     assert pull("--source", server.url + "/w.tar.gz", "--digest", digest, "--cache-dir", str(cache)) == 0
     entry = entry_path(cache, digest)
-    assert sorted(p.name for p in entry.iterdir()) == [".manifest", ".ready", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in entry.iterdir()) == [".manifest", ".ready", ".source.json", "config.json",
+                                                            "model.safetensors"]
     # The manifest records the unpacked tree (the digest covers the archive, which is gone).
     assert (entry / ".manifest").read_text() == (
         f"{sha(CONFIG)[7:]}  config.json\n{sha(WEIGHTS)[7:]}  model.safetensors\n"

@@ -20,6 +20,12 @@ node right and the cache root is the platform's, never a tenant's choice. Each p
 When each entry became unwanted is kept in ``<cache-root>/.agent-state.json``, so a restarted agent (or
 ``--once`` runs) keeps the retention clock.
 
+With ``--peer-port`` the agent also serves its complete entries to other nodes' agents (`peer_server`),
+and a pull asks the agents of nodes labelled ready for the same tenant's entry before the origin: it
+lists those Nodes (label selector) and the agent pods (``--peer-selector`` in ``--peer-namespace``: their
+pod IPs), orders them with `peers.choose_peers` and fetches through one `peers.TokenBucket`
+(``--peer-rate``). A failed lookup (RBAC, API trouble) only means the origin.
+
 With ``--health-dir`` the agent reports to the kubelet's exec probes (`Heartbeat`; the pod has no port):
 ``alive`` is touched whenever the loop makes progress, a download's growing files included, so its age
 says how long the loop has been stuck; ``ready`` exists while the last pass could read the cluster.
@@ -45,6 +51,7 @@ from embedfleet.operator.crd import naming
 from embedfleet.operator.platform import PlatformPolicy
 
 from .digest import READY_MARKER
+from .peers import AgentPod, TokenBucket, choose_peers
 from .pull import PullFailed, pull
 from .wanted import ENTRY_NAME, label_patch, plan, wanted_entries
 
@@ -92,6 +99,15 @@ class AgentConfig:
     max_pull_bytes: int | None = None
     pull_retries: int = 1
     pull_timeout_s: float = 60.0
+    #: Port of this agent's peer server and of every other agent's; None: no peers (serve nor ask).
+    peer_port: int | None = None
+    peer_host: str = "0.0.0.0"
+    #: Where the agent pods are, to find a peer node's agent: a label selector in a namespace.
+    peer_namespace: str = ""
+    peer_selector: str = ""
+    #: Bytes per second this node takes from its peers, all downloads together; None: unlimited.
+    peer_rate: float | None = None
+    max_peers: int = 3
 
 
 class Cluster:
@@ -137,6 +153,22 @@ class Cluster:
             naming.GROUP, naming.VERSION, plural, resource_version="0"
         )
         return list(data.get("items") or [])
+
+    def holders(self, label_key: str) -> dict[str, dict[str, str]]:
+        """Nodes labelled ready for this entry: name -> labels (``nodes list`` with a label selector)."""
+        nodes = self.core.list_node(label_selector=f"{label_key}=ready", resource_version="0")
+        return {n.metadata.name: dict(n.metadata.labels or {}) for n in nodes.items}
+
+    def agent_pods(self, namespace: str, selector: str) -> list[AgentPod]:
+        """The node agents' pods (``pods list`` in the agents' own namespace, nothing more)."""
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector, resource_version="0")
+        out: list[AgentPod] = []
+        for pod in pods.items:
+            conditions = (pod.status.conditions or []) if pod.status else []
+            ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+            out.append(AgentPod(node=pod.spec.node_name or "", ip=(pod.status.pod_ip if pod.status else "") or "",
+                                ready=ready))
+        return out
 
     def patch_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
         self.core.patch_node(
@@ -235,8 +267,24 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def find_peers(config: AgentConfig, cluster: Cluster, node_labels: Mapping[str, str], label_key: str,
+               digest: str) -> list[str]:
+    """Base URLs of the agents holding this entry, best first; [] when peers are off or the lookup fails."""
+    if config.peer_port is None or not config.peer_selector or not config.peer_namespace:
+        return []
+    try:
+        nodes = cluster.holders(label_key)
+        agents = cluster.agent_pods(config.peer_namespace, config.peer_selector)
+    except Exception as exc:  # a lookup is an optimisation: the origin remains
+        log.warning("peer lookup for %s failed (fetching from the origin): %s", label_key, exc)
+        return []
+    nodes.setdefault(config.node_name, dict(node_labels))
+    return choose_peers(config.node_name, label_key, nodes, agents, config.peer_port, salt=digest,
+                        max_peers=config.max_peers)
+
+
 def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None,
-             heartbeat: Heartbeat | None = None) -> list[str]:
+             heartbeat: Heartbeat | None = None, bucket: TokenBucket | None = None) -> list[str]:
     """One pass (see the module docstring); returns the problems met (empty: all done)."""
     now = time.time() if now is None else now
     root = config.root
@@ -256,17 +304,20 @@ def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None,
     for name in decided.delete:
         try:
             _remove(root / name)
+            (root / f".lock-{name}").unlink(missing_ok=True)
             log.info("deleted %s: unwanted for %.0fs or more", name, config.retention_s)
         except OSError as exc:
             problems.append(f"delete {name}: {exc}")
     _save_state(root, decided.unwanted_since)
     for want in decided.pull:
         try:
+            peers = find_peers(config, cluster, node_labels, want.label, want.digest)
             with heartbeat.pulling() if heartbeat is not None else contextlib.nullcontext():
                 result = pull(want.source, want.digest, root, retries=config.pull_retries,
                               timeout_s=config.pull_timeout_s, entry=want.entry,
-                              max_bytes=config.max_pull_bytes)
-            log.info("ready: %s for %s (%s)", result.path, want.namespace, result.fetched)
+                              max_bytes=config.max_pull_bytes, peers=peers, bucket=bucket)
+            log.info("ready: %s for %s (source=%s, %.2fs, %d peer(s) known; %s)", result.path, want.namespace,
+                     result.source, result.seconds, len(peers), result.fetched)
         except (PullFailed, OSError) as exc:
             problems.append(f"pull {want.entry} from {want.source}: {exc}")
             log.error("pull %s from %s failed (retried next pass): %s", want.entry, want.source, exc)
@@ -289,6 +340,12 @@ def run(config: AgentConfig, interval_s: float, once: bool, cluster: Cluster | N
     check_root(config.root)
     cluster = cluster or Cluster()
     heartbeat = Heartbeat(health_dir, config.root) if health_dir is not None and not once else None
+    bucket = TokenBucket(config.peer_rate) if config.peer_rate else None
+    server = None
+    if config.peer_port is not None and not once:
+        from .peer_server import PeerServer  # here: aiohttp is needed only when peers are on
+
+        server = PeerServer(config.root, config.peer_host, config.peer_port).start()
     stop = threading.Event()
     if not once:
         def stopping(*_: Any) -> None:
@@ -302,7 +359,7 @@ def run(config: AgentConfig, interval_s: float, once: bool, cluster: Cluster | N
         if heartbeat is not None:
             heartbeat.beat()
         try:
-            problems = run_pass(config, cluster, heartbeat=heartbeat)
+            problems = run_pass(config, cluster, heartbeat=heartbeat, bucket=bucket)
         except Exception as exc:  # an API hiccup must not end the agent; the next pass retries
             if once:
                 raise
@@ -316,6 +373,8 @@ def run(config: AgentConfig, interval_s: float, once: bool, cluster: Cluster | N
             return 1 if problems else 0
         if _wait(stop, interval_s, heartbeat, cluster.changed):
             cluster.stop()
+            if server is not None:
+                server.stop()
             return 0
 
 

@@ -1,5 +1,6 @@
-"""``embedfleet cache``: the node agent, its one-time root preparation, pulls into a pod's own cache,
-and the digest of a file or directory.
+"""``embedfleet cache``: the node agent, its one-time root preparation, pulls into a pod's own cache
+(or, with ``--namespace``, a node cache's layout, asking ``--peer`` agents first), the agent's peer server
+alone (``serve-peers``), and the digest of a file or directory.
 
 Exit codes: 0 done, 1 failed after retries (never marked ready) or, for ``agent --once``, a pass with a
 failure, 2 bad input or a source this puller cannot fetch (the message names the tool or credential
@@ -14,7 +15,10 @@ import os
 import sys
 from pathlib import Path
 
+from embedfleet.operator.crd import naming
+
 from .digest import MANIFEST_NAME, DigestError, manifest_lines, parse_digest, render_manifest, tree_digest
+from .peers import TokenBucket
 from .pull import PullFailed, link_node_entry, pull
 
 
@@ -22,6 +26,20 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes/s, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {text}")
     return value
 
 
@@ -41,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout per request (s)")
     p.add_argument("--max-bytes", type=_positive_int, default=None,
                    help="refuse a source larger than this many bytes (http(s) and hf; default: no limit)")
+    p.add_argument("--namespace", metavar="NS",
+                   help="the node cache's layout: fill <cache-dir>/<NS>_sha256-<hex> (and ask peers for it)")
+    p.add_argument("--peer", action="append", default=[], metavar="URL",
+                   help="a node agent's peer server (http://IP:PORT) to ask before the source, in the order "
+                        "given; needs --namespace (repeatable)")
+    p.add_argument("--peer-rate", type=_rate, default=None, metavar="BYTES_PER_S",
+                   help="bandwidth limit for peer downloads (default: none)")
 
     a = sub.add_parser("agent", help="keep this node's cache as the cluster's specs want it (node DaemonSet)")
     a.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
@@ -54,6 +79,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="refuse to download a model larger than this many bytes (default: no limit)")
     a.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout per request (s)")
     a.add_argument("--once", action="store_true", help="one pass, then exit (1 if anything in it failed)")
+    a.add_argument("--peer-port", type=_port, default=None,
+                   help="serve complete entries to other nodes' agents on this port and ask them before the "
+                        "origin (default: off)")
+    a.add_argument("--peer-host", default="0.0.0.0", help="address the peer server binds (the chart: the pod IP)")
+    a.add_argument("--peer-namespace", default=os.environ.get("POD_NAMESPACE", ""),
+                   help="namespace of the node-agent pods (default: $POD_NAMESPACE)")
+    a.add_argument("--peer-selector", default="",
+                   help="label selector of the node-agent pods, e.g. app.kubernetes.io/name=embedfleet-node-agent")
+    a.add_argument("--peer-rate", type=_rate, default=None, metavar="BYTES_PER_S",
+                   help="bandwidth this node takes from its peers, all downloads together (default: none)")
+    a.add_argument("--max-peers", type=int, default=3, help="peers one pull asks before the origin (default 3)")
     a.add_argument("--health-dir", type=Path, metavar="DIR",
                    help="keep DIR/alive touched while the loop makes progress and DIR/ready present while "
                         "passes can read the cluster, for the kubelet's exec probes (not with --once)")
@@ -61,6 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = sub.add_parser("prepare", help="as root: create the cache root and hand it to the agent's uid")
     r.add_argument("--cache-root", required=True, type=Path)
     r.add_argument("--owner", required=True, metavar="UID:GID", help="the agent's uid and gid, e.g. 10001:10001")
+
+    s = sub.add_parser("serve-peers", help="only the agent's read-only peer server, in the foreground")
+    s.add_argument("--cache-root", required=True, type=Path)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=_port, default=8476)
 
     d = sub.add_parser("digest", help="print the sha256 digest of a file or directory (see docs/cache.md)")
     d.add_argument("path", type=Path)
@@ -72,6 +113,9 @@ def _pull(args: argparse.Namespace) -> int:
     if args.retries < 0:
         print("embedfleet cache pull: --retries must be >= 0", file=sys.stderr)
         return 2
+    if args.peer and not args.namespace:
+        print("embedfleet cache pull: --peer needs --namespace (peers hold tenants' entries)", file=sys.stderr)
+        return 2
     try:
         parse_digest(args.digest)
         if args.from_node_cache is not None:
@@ -79,15 +123,17 @@ def _pull(args: argparse.Namespace) -> int:
             if link is not None:
                 print(f"ready: {link} -> {args.from_node_cache} (node cache)")
                 return 0
+        entry = naming.cache_entry(args.namespace, args.digest) if args.namespace else None
         result = pull(args.source, args.digest, args.cache_dir, retries=args.retries,
-                      backoff_s=args.backoff, timeout_s=args.timeout, max_bytes=args.max_bytes)
+                      backoff_s=args.backoff, timeout_s=args.timeout, max_bytes=args.max_bytes, entry=entry,
+                      peers=args.peer, bucket=TokenBucket(args.peer_rate) if args.peer_rate else None)
     except DigestError as exc:
         print(f"embedfleet cache pull: {exc}", file=sys.stderr)
         return 2
     except PullFailed as exc:
         print(f"embedfleet cache pull: {exc}; not marked ready", file=sys.stderr)
         return 2 if exc.permanent else 1
-    print(f"ready: {result.path} ({result.fetched}; attempts: {result.attempts})")
+    print(f"ready: {result.path} ({result.fetched}; source: {result.source}; attempts: {result.attempts})")
     return 0
 
 
@@ -102,7 +148,9 @@ def _agent(args: argparse.Namespace) -> int:
         return 2
     config = AgentConfig(node_name=args.node_name, root=args.cache_root, policy=platform.load(),
                          retention_s=args.retention_seconds, max_pull_bytes=args.max_pull_bytes,
-                         pull_timeout_s=args.timeout)
+                         pull_timeout_s=args.timeout, peer_port=args.peer_port, peer_host=args.peer_host,
+                         peer_namespace=args.peer_namespace, peer_selector=args.peer_selector,
+                         peer_rate=args.peer_rate, max_peers=args.max_peers)
     try:
         return run_agent(config, args.interval, args.once, health_dir=args.health_dir)
     except RootNotWritable as exc:
@@ -123,6 +171,12 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_peers(args: argparse.Namespace) -> int:
+    from .peer_server import serve
+
+    return serve(args.cache_root, args.host, args.port)
+
+
 def _digest(args: argparse.Namespace) -> int:
     path: Path = args.path
     if not path.exists():
@@ -139,5 +193,6 @@ def _digest(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    actions = {"pull": _pull, "agent": _agent, "prepare": _prepare, "digest": _digest}
+    actions = {"pull": _pull, "agent": _agent, "prepare": _prepare, "digest": _digest,
+               "serve-peers": _serve_peers}
     return actions[args.action](args)

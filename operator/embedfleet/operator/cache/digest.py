@@ -6,12 +6,14 @@ A directory's digest is the sha256 of its *manifest*: one line per regular file,
 POSIX path (byte order of the UTF-8 path), each line ``<file sha256 hex>  <relative path>\\n`` — exactly
 the ``sha256sum`` format, so a shell can reproduce it::
 
-    (cd DIR && find . -type f ! -name .ready ! -name SHA256SUMS -printf '%P\\n' | LC_ALL=C sort \\
+    (cd DIR && find . -type f ! -name .ready ! -name .manifest ! -name .source.json ! -name SHA256SUMS \\
+        -printf '%P\\n' | LC_ALL=C sort \\
         | xargs -d '\\n' sha256sum) | sha256sum
 
-Three names at the top level are left out because they describe the directory rather than belong to
+Four names at the top level are left out because they describe the directory rather than belong to
 it: ``SHA256SUMS`` (the manifest itself, published next to the files for http(s) directory sources),
-``.ready`` and ``.manifest`` (the cache's own marker and its record of the unpacked tree). Symlinks and
+``.ready``, ``.manifest`` and ``.source.json`` (the cache's own marker, its record of the unpacked tree,
+and its record of where the bytes came from). Symlinks and
 empty directories are not part of a model and are ignored; file modes and times never count.
 
 `verify_entry` is what the runtime runs before it loads a cache entry. This module imports only the
@@ -30,7 +32,9 @@ MANIFEST_NAME = "SHA256SUMS"
 READY_MARKER = ".ready"
 #: Written by the puller next to ``.ready``: the verified, unpacked tree in ``sha256sum`` format.
 ENTRY_MANIFEST = ".manifest"
-EXCLUDED_TOP_LEVEL = frozenset({MANIFEST_NAME, READY_MARKER, ENTRY_MANIFEST})
+#: Written by the puller next to ``.ready``: where the weights came from (peer, origin) and how long it took.
+SOURCE_RECORD = ".source.json"
+EXCLUDED_TOP_LEVEL = frozenset({MANIFEST_NAME, READY_MARKER, ENTRY_MANIFEST, SOURCE_RECORD})
 DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 _CHUNK = 1 << 20
 

@@ -12,22 +12,38 @@ A directory without the marker is a leftover: an empty one (what the kubelet cre
 when a runtime pod's hostPath reaches a node before the weights) is replaced by the rename itself
 (rename(2) may replace an empty directory; only write permission on the cache directory is needed, so
 a non-root puller replaces a root-owned one), anything else is removed first.
+
+Single flight: a pull holds an exclusive ``flock`` on ``<cache-dir>/.lock-<entry>`` from its first look
+at the entry to its publication, so concurrent pulls of one entry on one node (agent passes, a restarted
+agent beside its predecessor, init containers sharing a cache) download it once; the others wait, then
+find it ready. The lock ends with its holder's process, so a killed puller never blocks the next.
+
+With ``peers`` (base URLs of other nodes' agents, best first: `peers.choose_peers`), each is asked once
+for ``peer_entry`` before the origin (`peer_fetch`); a peer that fails in any way is skipped. Beside
+``.ready`` the puller writes ``.source.json``: ``{"source": "peer"|"origin", "from": URL, "seconds",
+"bytes", "at"}``, how this copy came to be (cold-start reporting reads it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from embedfleet.operator.crd import naming
 
-from .digest import ENTRY_MANIFEST, READY_MARKER, manifest_lines, parse_digest, render_manifest
+from .digest import ENTRY_MANIFEST, READY_MARKER, SOURCE_RECORD, manifest_lines, parse_digest, render_manifest
+from .peer_fetch import PeerFailed, fetch_from_peer
+from .peers import TokenBucket, fetch_plan
 from .sources import FetchError, UnsupportedSource, fetch
 
 log = logging.getLogger(__name__)
@@ -48,6 +64,50 @@ class PullResult:
     path: Path
     attempts: int
     fetched: str  # what was fetched, or "already cached"
+    source: str = "cache"  # "peer", "origin", or "cache" (it was there already)
+    seconds: float = 0.0
+
+
+@contextlib.contextmanager
+def entry_lock(cache_dir: Path, name: str) -> Iterator[None]:
+    """Hold the exclusive lock on pulling ``name`` into ``cache_dir`` (see the module docstring)."""
+    with open(cache_dir / f".lock-{name}", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            started = time.monotonic()
+            log.info("another process is pulling %s; waiting for it", name)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            log.info("waited %.1fs for the pull of %s", time.monotonic() - started, name)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _publish(tmp: Path, final: Path, expected_hex: str, record: dict[str, object]) -> bool:
+    """Record, mark and rename ``tmp`` into place; False when a concurrent puller published first."""
+    (tmp / ENTRY_MANIFEST).write_bytes(render_manifest(manifest_lines(tmp)))
+    (tmp / SOURCE_RECORD).write_text(json.dumps(record) + "\n")
+    (tmp / READY_MARKER).write_text(f"sha256:{expected_hex}\n")
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the runtime may run as another user
+    try:
+        tmp.rename(final)
+    except OSError:
+        # Another puller won the race: its complete entry (marker included) is what counts.
+        if (final / READY_MARKER).is_file():
+            return False
+        raise
+    return True
+
+
+def _record(source: str, where: str, seconds: float, size: int) -> dict[str, object]:
+    return {"source": source, "from": where, "seconds": round(seconds, 3), "bytes": size,
+            "at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 class PullFailed(Exception):
@@ -77,38 +137,59 @@ def pull(
     sleep: Callable[[float], None] = time.sleep,
     entry: str | None = None,
     max_bytes: int | None = None,
+    peers: Sequence[str] = (),
+    peer_entry: str | None = None,
+    bucket: TokenBucket | None = None,
 ) -> PullResult:
     """Make ``entry_path(cache_dir, digest, entry)`` hold verified weights; idempotent once ready.
 
-    ``retries`` counts attempts after the first; waits double from ``backoff_s`` (capped at 60 s).
-    ``max_bytes`` bounds what one attempt downloads (a larger source fails permanently).
+    ``peers`` are asked for ``peer_entry`` (default: ``entry``) once each, in order, through ``bucket``;
+    then the origin: ``retries`` counts its attempts after the first; waits double from ``backoff_s``
+    (capped at 60 s). ``max_bytes`` bounds what one attempt downloads (a larger source fails permanently).
     """
     expected_hex = parse_digest(digest)
     cache_dir.mkdir(parents=True, exist_ok=True)
     final = entry_path(cache_dir, digest, entry)
-    if (final / READY_MARKER).is_file():
-        return PullResult(final, 0, "already cached")
-    _clear_leftover(final)
+    with entry_lock(cache_dir, final.name):
+        if (final / READY_MARKER).is_file():
+            return PullResult(final, 0, "already cached")
+        _clear_leftover(final)
+        asked = peer_entry or entry
+        if peers and asked:
+            for step in fetch_plan(peers, source)[:-1]:
+                started = time.monotonic()
+                tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{expected_hex[:12]}-", dir=cache_dir))
+                try:
+                    fetched, size = fetch_from_peer(step.url, asked, expected_hex, tmp, timeout=timeout_s,
+                                                    bucket=bucket, max_bytes=max_bytes)
+                    seconds = time.monotonic() - started
+                    if not _publish(tmp, final, expected_hex, _record("peer", step.url, seconds, size)):
+                        return PullResult(final, 0, "already cached (concurrent pull)")
+                    log.info("cached %s as %s from peer %s in %.2fs", asked, final, step.url, seconds)
+                    return PullResult(final, 0, fetched, "peer", seconds)
+                except (PeerFailed, OSError) as exc:
+                    log.warning("peer %s: %s; trying the next source", step.url, exc)
+                finally:
+                    if tmp.exists():
+                        shutil.rmtree(tmp, ignore_errors=True)
+        return _pull_origin(source, expected_hex, cache_dir, final, retries, backoff_s, timeout_s, sleep, max_bytes)
 
+
+def _pull_origin(source: str, expected_hex: str, cache_dir: Path, final: Path, retries: int, backoff_s: float,
+                 timeout_s: float, sleep: Callable[[float], None], max_bytes: int | None) -> PullResult:
     attempts = 0
     last_error = ""
     while attempts <= retries:
         attempts += 1
+        started = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{expected_hex[:12]}-", dir=cache_dir))
         try:
             fetched = fetch(source, tmp, expected_hex, timeout=timeout_s, max_bytes=max_bytes)
-            (tmp / ENTRY_MANIFEST).write_bytes(render_manifest(manifest_lines(tmp)))
-            (tmp / READY_MARKER).write_text(f"sha256:{expected_hex}\n")
-            os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the runtime may run as another user
-            try:
-                tmp.rename(final)
-            except OSError:
-                # Another puller won the race: its complete entry (marker included) is what counts.
-                if (final / READY_MARKER).is_file():
-                    return PullResult(final, attempts, "already cached (concurrent pull)")
-                raise
+            seconds = time.monotonic() - started
+            if not _publish(tmp, final, expected_hex, _record("origin", source, seconds, _tree_bytes(tmp))):
+                return PullResult(final, attempts, "already cached (concurrent pull)")
             log.info("cached %s as %s after %d attempt(s)", fetched, final, attempts)
-            return PullResult(final, attempts, fetched)
+            return PullResult(final, attempts, fetched, "origin", seconds)
         except UnsupportedSource as exc:
             raise PullFailed(str(exc), attempts, permanent=True) from exc
         except (FetchError, OSError) as exc:

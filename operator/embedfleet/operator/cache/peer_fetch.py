@@ -1,0 +1,88 @@
+"""Fetch one cache entry from another node's agent (`peer_server`), verifying every byte.
+
+The peer's manifest must prove the digest on its own (`peers.manifest_proves`) before any file is
+fetched, and each file must arrive with exactly the size and sha256 its line gives: a peer with a
+damaged disk, an older entry under the same name, or a stalled link raises `PeerFailed`, and the caller
+goes on to the next peer and finally the origin. Downloads go through a `TokenBucket` when one is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+
+from .digest import DigestError, safe_relpath
+from .peers import TokenBucket, manifest_proves
+from .sources import FetchError
+
+_CHUNK = 1 << 20
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+class PeerFailed(FetchError):
+    """This peer cannot give this entry (missing there, unreachable, or bytes that do not verify)."""
+
+
+def _manifest(client: httpx.Client, base: str, entry: str) -> list[tuple[str, str, int]]:
+    url = f"{base}/v1/entries/{entry}/manifest"
+    try:
+        response = client.get(url)
+    except httpx.HTTPError as exc:
+        raise PeerFailed(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != 200:
+        raise PeerFailed(f"GET {url}: HTTP {response.status_code}")
+    try:
+        files = response.json()["files"]
+        out = [(str(f["sha256"]), safe_relpath(str(f["path"])), int(f["size"])) for f in files]
+    except (ValueError, KeyError, TypeError, DigestError) as exc:
+        raise PeerFailed(f"GET {url}: not a manifest ({type(exc).__name__}: {exc})") from exc
+    if not out or any(not _HEX.match(sha) or size < 0 for sha, _, size in out):
+        raise PeerFailed(f"GET {url}: a manifest with no files, a bad sha256 or a negative size")
+    if len({rel for _, rel, _ in out}) != len(out):
+        raise PeerFailed(f"GET {url}: the manifest lists a path twice")
+    return out
+
+
+def _download(client: httpx.Client, url: str, target: Path, sha: str, size: int,
+              bucket: TokenBucket | None) -> None:
+    h = hashlib.sha256()
+    got = 0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with client.stream("GET", url) as response, target.open("wb") as fh:
+            if response.status_code != 200:
+                raise PeerFailed(f"GET {url}: HTTP {response.status_code}")
+            for chunk in response.iter_raw(_CHUNK):
+                got += len(chunk)
+                if got > size:
+                    raise PeerFailed(f"GET {url}: more than the {size} bytes its manifest gives")
+                if bucket is not None:
+                    bucket.take(len(chunk))
+                h.update(chunk)
+                fh.write(chunk)
+    except httpx.HTTPError as exc:
+        raise PeerFailed(f"GET {url}: {type(exc).__name__}: {exc}") from exc
+    if got != size or h.hexdigest() != sha:
+        raise PeerFailed(f"GET {url}: {got} bytes with sha256 {h.hexdigest()}, the manifest says {size} bytes "
+                         f"with sha256 {sha}")
+
+
+def fetch_from_peer(base: str, entry: str, expected_hex: str, dest: Path, timeout: float = 60.0,
+                    bucket: TokenBucket | None = None, max_bytes: int | None = None) -> tuple[str, int]:
+    """Fill the empty directory ``dest`` with ``entry`` from the agent at ``base``; return (what was fetched,
+    bytes). ``timeout`` bounds connecting and each read (a peer that stops sending fails, not hangs)."""
+    with httpx.Client(timeout=timeout, headers={"accept-encoding": "identity"}) as client:
+        files = _manifest(client, base, entry)
+        if not manifest_proves([(sha, rel) for sha, rel, _ in files], expected_hex):
+            raise PeerFailed(f"{base}: the manifest of {entry} does not prove sha256:{expected_hex} (an "
+                             "archive source's unpacked files, or other weights): fetched from the origin")
+        total = sum(size for _, _, size in files)
+        if max_bytes is not None and total > max_bytes:
+            raise PeerFailed(f"{base}: {entry} holds {total} bytes, more than the limit of {max_bytes}")
+        for sha, rel, size in files:
+            _download(client, f"{base}/v1/entries/{entry}/files/{quote(rel)}", dest / rel, sha, size, bucket)
+    return f"peer {base} ({len(files)} files)", total

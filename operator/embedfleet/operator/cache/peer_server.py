@@ -1,0 +1,162 @@
+"""The node agent's peer server: other nodes' agents read complete cache entries from here.
+
+Read-only HTTP (aiohttp's server; files go out with ``sendfile``), two routes besides ``/healthz``:
+
+* ``GET /v1/entries/<namespace>_sha256-<hex>/manifest``: JSON ``{"entry", "digest", "files": [{"path",
+  "size", "sha256"}]}``, read from the entry's ``.manifest``; the fetcher checks it against the digest
+  before it fetches a byte, and each file against its line;
+* ``GET /v1/entries/<namespace>_sha256-<hex>/files/<path>``: one file the manifest lists.
+
+What is never served: anything but a cache entry's name (the entry name is matched against its exact
+form, so ``..``, ``/`` and the root's own files cannot be named); an entry without ``.ready`` naming the
+digest in its name (a pull in progress lives in ``.tmp-*`` and is published by one rename, so it is never
+seen half-written), a symlinked entry, a path the manifest does not list (``.ready``, ``.manifest``,
+``.source.json`` included), a path that is a symlink or resolves outside the entry.
+
+Who may call it is the chart's business (a NetworkPolicy admits only node-agent pods to the port, and the
+server binds the pod IP): tenants' pods never reach it, so serving tenant A's entry to another node's
+agent, the platform's identity, leaks nothing. Entries are asked for by tenant and digest together, and
+a fetching agent only ever asks for the tenant whose entry it is filling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+from aiohttp import web
+
+from .digest import ENTRY_MANIFEST, READY_MARKER, DigestError, parse_manifest
+
+log = logging.getLogger(__name__)
+
+#: A tenant's entry: ``<namespace>_sha256-<64 hex>`` (the older tenant-less layout is never served).
+PEER_ENTRY = re.compile(r"^[a-z0-9](?:[-a-z0-9]*[a-z0-9])?_sha256-([0-9a-f]{64})$")
+DEFAULT_PORT = 8476
+
+
+class EntryUnavailable(Exception):
+    """Not servable: missing, incomplete, or not what its name says."""
+
+
+def entry_files(root: Path, entry: str) -> tuple[str, dict[str, tuple[str, int]]]:
+    """(digest, path -> (sha256 hex, size)) of a complete entry; EntryUnavailable otherwise."""
+    match = PEER_ENTRY.match(entry)
+    if match is None:
+        raise EntryUnavailable(f"not a cache entry name: {entry[:100]!r}")
+    folder = root / entry
+    if folder.is_symlink() or not folder.is_dir():
+        raise EntryUnavailable(f"{entry}: not held here")
+    digest = f"sha256:{match.group(1)}"
+    try:
+        named = (folder / READY_MARKER).read_text().strip()
+        entries = parse_manifest((folder / ENTRY_MANIFEST).read_bytes())
+    except (OSError, DigestError, UnicodeDecodeError) as exc:
+        raise EntryUnavailable(f"{entry}: not complete ({type(exc).__name__})") from exc
+    if named != digest:
+        raise EntryUnavailable(f"{entry}: its {READY_MARKER} names another digest")
+    files: dict[str, tuple[str, int]] = {}
+    for sha, rel in entries:
+        try:
+            st = os.lstat(folder / rel)
+        except OSError as exc:
+            raise EntryUnavailable(f"{entry}: {rel} is missing") from exc
+        files[rel] = (sha, st.st_size)
+    return digest, files
+
+
+def _inside(folder: Path, rel: str) -> Path | None:
+    """The file ``rel`` of ``folder`` when it is a regular file whose real path stays inside ``folder``."""
+    path = folder / rel
+    real_folder = os.path.realpath(folder)
+    real = os.path.realpath(path)
+    if not real.startswith(real_folder + os.sep) or path.is_symlink() or not path.is_file():
+        return None
+    return path
+
+
+def make_app(root: Path) -> web.Application:
+    async def manifest(request: web.Request) -> web.Response:
+        entry = request.match_info["entry"]
+        try:
+            digest, files = await asyncio.to_thread(entry_files, root, entry)
+        except EntryUnavailable as exc:
+            raise web.HTTPNotFound(text=str(exc)) from exc
+        return web.json_response({"entry": entry, "digest": digest, "files": [
+            {"path": rel, "size": size, "sha256": sha} for rel, (sha, size) in files.items()]})
+
+    async def file(request: web.Request) -> web.StreamResponse:
+        entry, rel = request.match_info["entry"], request.match_info["path"]
+        try:
+            _, files = await asyncio.to_thread(entry_files, root, entry)
+        except EntryUnavailable as exc:
+            raise web.HTTPNotFound(text=str(exc)) from exc
+        path = _inside(root / entry, rel) if rel in files else None
+        if path is None:
+            raise web.HTTPNotFound(text=f"{entry}: serves only the files its manifest lists")
+        log.info("serving %s/%s (%d bytes) to %s", entry, rel, files[rel][1], request.remote)
+        return web.FileResponse(path, headers={"Cache-Control": "no-store"})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/entries/{entry}/manifest", manifest)
+    app.router.add_get("/v1/entries/{entry}/files/{path:.+}", file)
+    return app
+
+
+class PeerServer:
+    """The peer server on its own event loop in a daemon thread (the agent's loop is synchronous)."""
+
+    def __init__(self, root: Path, host: str, port: int) -> None:
+        self.root, self.host, self.port = root, host, port
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="peer-server", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start())
+        except BaseException as exc:  # reported to start()
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(make_app(self.root), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    def start(self) -> PeerServer:
+        self._thread.start()
+        self._started.wait(30)
+        if self._error is not None:
+            raise OSError(f"peer server cannot listen on {self.host}:{self.port}: {self._error}")
+        log.info("peer server: serving complete entries of %s on %s:%d", self.root, self.host, self.port)
+        return self
+
+    def stop(self) -> None:
+        if self._runner is not None and self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+def serve(root: Path, host: str, port: int) -> int:
+    """Serve in the foreground until SIGTERM/SIGINT (``embedfleet cache serve-peers``)."""
+    web.run_app(make_app(root), host=host, port=port, access_log=None, print=None,
+                handle_signals=True, shutdown_timeout=5)
+    return 0

@@ -1,0 +1,51 @@
+"""Helpers of the peer tests: a small model folder and `embedfleet cache serve-peers` as a real process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tests.procs import child_env, free_port, spawn
+
+from embedfleet.operator.cache.digest import tree_digest
+
+NS = "team-a"
+CLI = [sys.executable, "-m", "embedfleet.runtime.cli", "cache"]
+
+
+def model(directory: Path, weights_bytes: int = 256 * 1024) -> str:
+    """A model folder with a nested file; returns its directory digest."""
+    (directory / "sub").mkdir(parents=True)
+    (directory / "config.json").write_bytes(b'{"hidden_size": 384}')
+    (directory / "model.safetensors").write_bytes(os.urandom(weights_bytes))
+    (directory / "sub" / "tokenizer.json").write_bytes(b'{"v": 1}')
+    return tree_digest(directory)
+
+
+class Peer:
+    """`embedfleet cache serve-peers` on a cache root, on a free loopback port."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port = root, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = root.parent / f"peer-{self.port}.log"
+        with open(self.log, "w") as out:
+            self.proc = spawn([*CLI, "serve-peers", "--cache-root", str(root), "--host", "127.0.0.1",
+                               "--port", str(self.port)], env=child_env(), stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError(f"peer server did not start: {self.log.read_text()}")
+
+    def served(self) -> list[str]:
+        return [line for line in self.log.read_text().splitlines() if "serving " in line]
+
+
