@@ -12,6 +12,8 @@ Every role exports them (standalone, spoke, hub), standbys included: a standby s
   tests/operator/test_operator_metrics.py fails when a kopf upgrade moves those lists.
 * Watches: the hub's informers count a watch that ended in an error and is opened again
   (``embedfleet_operator_watch_restarts_total{kind}``, hub/informer.py).
+* Cold starts: ``embedfleet_cold_start_seconds{phase}``, each runtime pod's creation -> first Ready by
+  phase (handlers/cold_start.py; the pure part in cold_start.py).
 * Leadership: ``embedfleet_operator_leader{role}`` (main.py sets it around the Lease).
 * The hub: its reconcilers are timed in the same reconcile metrics (kinds ``FleetCluster``, ``Placement``,
   ``PlacementPolicy``; hub/controller.py), its work queue in ``embedfleet_operator_workqueue_*{name="hub"}``
@@ -39,6 +41,8 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from embedfleet.operator.cold_start import POD_PHASES
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,18 @@ HUB_WRITE_BATCH_SECONDS = Histogram(
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
 
+#: Same name, type and buckets as the runtime's own (runtime/embedfleet/runtime/cold_start.py), whose phases
+#: are the parts inside the container: one dashboard query reads both (docs/observability.md, "Cold starts").
+COLD_START_SECONDS = Histogram(
+    "embedfleet_cold_start_seconds",
+    "A runtime pod's time from creation to its first Ready, by phase as the Pod shows it: scheduling, init "
+    "(init containers: the model fetch), image_pull (to the last container started), runtime_start (to Ready)",
+    ["phase"],
+    buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
+)
+for _phase in POD_PHASES:  # exported at 0 from the start, so a pod's first cold start is a change
+    COLD_START_SECONDS.labels(phase=_phase)
+
 #: Set by the handler wrapper for the call it times: a list the handler's code can mark as rejected.
 _CALL: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("embedfleet_reconcile", default=None)
 
@@ -98,6 +114,12 @@ def start_metrics_server(port: int, host: str = "0.0.0.0") -> bool:
         return False
     log.info("metrics: serving on http://%s:%d/metrics", host, port)
     return True
+
+
+def observe_cold_start(phases: dict[str, float]) -> None:
+    """One pod's cold start (operator/cold_start.py pod_phases), one observation per phase."""
+    for phase, seconds in phases.items():
+        COLD_START_SECONDS.labels(phase=phase).observe(seconds)
 
 
 def set_leader(role: str, acting: bool) -> None:
