@@ -15,7 +15,7 @@ from itertools import chain, islice
 
 import numpy as np
 
-from embedfleet.operator.scheduling.inventory import Group, Inventory
+from embedfleet.operator.scheduling.inventory import Costs, Group, Inventory
 from embedfleet.operator.scheduling.model import ClusterPlacement, Deployment, ReplicaRange
 from embedfleet.operator.scheduling.scores import Candidates, total
 
@@ -56,11 +56,8 @@ class Ledger:
         self.limits: list[tuple[int, np.ndarray]] = []
         self.previous: list[tuple[int, np.ndarray]] = []
         self.cached: list[tuple[int, np.ndarray]] = []
-        #: Per deployment: its placed candidates' cost figures and whether measured, its group's cheapest
-        #: and dearest.
-        self.costs: list[np.ndarray] = []
-        self.measured: list[np.ndarray] = []
-        self.bounds: list[tuple[float, float]] = []
+        #: Per deployment: its candidates' cost figures (`Inventory.cost_of`, shared by deployments alike).
+        self.costs: list[Costs] = []
 
     def add(
         self, shares: Shares, d: Deployment, placed: np.ndarray, replicas: np.ndarray, free: np.ndarray,
@@ -84,10 +81,7 @@ class Ledger:
             self.previous.append((self.size, previous[placed]))
         if d.digest is not None:
             self.cached.append((self.size, self.inventory.cached(d.digest)[shares.group.rows[placed]]))
-        costs = self.inventory.cost_of(shares.group, d.model, shares.per_replica)
-        self.costs.append(costs.value[placed])
-        self.measured.append(costs.measured[placed])
-        self.bounds.append((costs.cheapest, costs.dearest))
+        self.costs.append(self.inventory.cost_of(shares.group, d.model, shares.per_replica))
         self.size += len(placed)
 
     def finish(self) -> None:
@@ -104,10 +98,15 @@ class Ledger:
         price = np.concatenate([g.price for g in groups])[at]
         flat = _overlay(np.concatenate([g.flat for g in groups])[at], self.pools)
         free = np.concatenate(self.free)
-        cost = np.concatenate(self.costs)
+        # The same for the cost figures: one index into all distinct `Costs` arrays laid end to end.
+        tables = list({id(c): c for c in self.costs}.values())
+        table_starts = dict(zip(map(id, tables), np.cumsum([0, *(len(c.value) for c in tables)])[:-1].tolist(),
+                                strict=True))
+        at_cost = self._each((table_starts[id(c)] for c in self.costs), np.int64) + positions
+        cost = np.concatenate([c.value for c in tables])[at_cost]
         scores = total(Candidates(
-            free, self.inventory.capacity[flat], cost, self._each((b[0] for b in self.bounds), np.float64),
-            self._each((b[1] for b in self.bounds), np.float64),
+            free, self.inventory.capacity[flat], cost, self._each((c.cheapest for c in self.costs), np.float64),
+            self._each((c.dearest for c in self.costs), np.float64),
             _overlay(np.zeros(self.size, dtype=np.int64), self.previous),
             _overlay(np.zeros(self.size, dtype=bool), self.cached),
         ))
@@ -136,8 +135,8 @@ class Ledger:
         made = map(
             ClusterPlacement, ranges[which].tolist(), regions, resources, chain.from_iterable(s.roles for s in shares),
             scores.tolist(), price.tolist(), chain.from_iterable(s.weights for s in shares), notes,
-            *((cost.tolist(), np.concatenate(self.measured).tolist()) if self.inventory.throughput is not None
-              else ()),
+            *((cost.tolist(), np.concatenate([c.measured for c in tables])[at_cost].tolist())
+              if self.inventory.throughput is not None else ()),
         )
         by_name = iter(names)
         for s, n in zip(shares, counts, strict=True):
