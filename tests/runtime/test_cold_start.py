@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from embedfleet.operator.cold_start import runtime_phases, weights_source
+from embedfleet.operator.handlers.cold_start import read_startup
 from embedfleet.runtime.cold_start import SOURCES, classify_weights, parse_record, process_age_s, read_weights_source
 from embedfleet.runtime.settings import default_model_dir
 from tests.procs import RuntimeServer, start_runtime
@@ -128,8 +129,11 @@ def test_each_phase_is_in_the_load_answer_and_in_metrics(served: tuple[RuntimeSe
     assert srv.metric("embedfleet_cold_start_seconds_sum", phase="weights") == 7.5
     assert srv.metric("embedfleet_weights_source_info", model="cached", source="peer") == 1
     assert srv.metric("embedfleet_weights_source_info", model="mini", source="in-image") == 1
-    # what the operator's Event will say of this runtime
-    assert runtime_phases(report) == phases and weights_source(report) == "in-image,peer"
+    # what the operator's Event will say of this runtime, read the way its handler reads a Ready pod
+    read = read_startup({"metadata": {"name": "p"}, "spec": {"containers": [{"ports": [{"name": "http",
+                         "containerPort": srv.port}]}]}, "status": {"phase": "Running", "podIP": "127.0.0.1",
+                         "conditions": [{"type": "Ready", "status": "True"}]}}, 8080)
+    assert read is not None and runtime_phases(read) == phases and weights_source(read) == "in-image,peer"
 
 
 def test_the_first_answer_is_recorded_once(served: tuple[RuntimeServer, float]) -> None:
