@@ -9,9 +9,11 @@ Figures (goals in brackets):
   c1_p50_int8_over_fp32        one short query at a time, p50 latency, int8 / float32             [<= 0.7]
   quality.cos_min / cos_mean   each of --held-out texts (a corpus seed calibration never used) embedded by
                                both engines in-process                                            [min >= 0.99]
-  quality.top10_overlap        --queries keyword queries (4-8 consecutive words of a passage) over a
-                               --passages index: mean share of float32's top 10 that int8's top 10 also
-                               holds                                                               [>= 0.98]
+  quality.random_vocabulary.top10_overlap   --queries keyword queries (4-8 consecutive words of a passage)
+                               over a --passages index of the random-vocabulary corpus: mean share of
+                               float32's top 10 that int8's top 10 also holds                     [>= 0.98]
+  quality.prose.top10_overlap  the same over real prose: docstring summary lines against docstring
+                               paragraphs of the standard library and installed packages (prose.py)  [>= 0.98]
   quality.source_at_1          how often each engine ranks the query's own passage first
   quality.noise_same_cos_top10_overlap   the overlap float32 keeps against itself plus isotropic noise of
                                the size that gives int8's mean cosine on the index: what any perturbation
@@ -45,6 +47,7 @@ from embedfleet.runtime.engines.int8_cpu import build_int8_engine
 from embedfleet.runtime.engines.torch_engine import TorchEngine
 from embedfleet.runtime.models.spec import load_spec
 from embedfleet.runtime.settings import default_model_dir
+from prose import retrieval_set
 from serve_load import backfill, online
 
 MODEL = "all-MiniLM-L6-v2"
@@ -84,18 +87,13 @@ def keyword_queries(passages: list[str], n: int) -> tuple[list[str], list[int]]:
     return out, sources
 
 
-def quality(cache: Path, held_out: int, passages: int, queries: int) -> dict:
-    spec = load_spec(default_model_dir())
-    fp32 = TorchEngine(spec, dtype="float32")
-    int8 = build_int8_engine(spec, num_threads=2, cache_root=cache)
-    pool = TokenizerPool(spec.path / "tokenizer.json", 2)
-    texts = corpus(held_out, seed=HELD_OUT_SEED)
-    a, b = _encode(fp32, pool, texts, spec.max_length), _encode(int8, pool, texts, spec.max_length)
-    cos = np.sum(a * b, axis=1)
-    index_texts = corpus(passages, seed=PASSAGE_SEED)
-    query_texts, sources = keyword_queries(index_texts, queries)
-    index_a, index_b = (_encode(e, pool, index_texts, spec.max_length) for e in (fp32, int8))
-    q_a, q_b = (_encode(e, pool, query_texts, spec.max_length) for e in (fp32, int8))
+def retrieval(engines: dict[str, object], pool: TokenizerPool, max_length: int, index_texts: list[str],
+              query_texts: list[str], sources: list[int]) -> dict:
+    """Top-10 overlap of int8's ranking with float32's over one index, how often each ranks the query's own
+    passage first, and what isotropic noise of int8's size costs on the same index."""
+    fp32, int8 = engines["float32"], engines["int8"]
+    index_a, index_b = (_encode(e, pool, index_texts, max_length) for e in (fp32, int8))
+    q_a, q_b = (_encode(e, pool, query_texts, max_length) for e in (fp32, int8))
     top_a = np.argsort(-(q_a @ index_a.T), axis=1)[:, :10]
     top_b = np.argsort(-(q_b @ index_b.T), axis=1)[:, :10]
     overlap = [len(set(x) & set(y)) / 10 for x, y in zip(top_a.tolist(), top_b.tolist(), strict=True)]
@@ -112,13 +110,32 @@ def quality(cache: Path, held_out: int, passages: int, queries: int) -> dict:
     top_n = np.argsort(-(noisy_q @ noisy_index.T), axis=1)[:, :10]
     noise_overlap = [len(set(x) & set(y)) / 10 for x, y in zip(top_a.tolist(), top_n.tolist(), strict=True)]
     ranked = np.sort(q_a @ index_a.T, axis=1)[:, ::-1]
-    return {"held_out": held_out, "cos_min": round(float(cos.min()), 4), "cos_mean": round(float(cos.mean()), 4),
-            "below_0_99": int((cos < 0.99).sum()), "passages": passages, "queries": len(query_texts),
+    return {"passages": len(index_texts), "queries": len(query_texts),
             "top10_overlap": round(float(np.mean(overlap)), 4), "top10_overlap_min": round(float(min(overlap)), 2),
             "source_at_1": {k: round(v, 4) for k, v in hit1.items()},
+            "index_cos_min": round(float(np.min(np.sum(index_a * index_b, axis=1))), 5),
             "index_cos_mean": round(index_cos, 5),
             "noise_same_cos_top10_overlap": round(float(np.mean(noise_overlap)), 4),
             "rank9_rank10_gap_median": round(float(np.median(ranked[:, 8] - ranked[:, 9])), 5)}
+
+
+def quality(cache: Path, held_out: int, passages: int, queries: int) -> dict:
+    spec = load_spec(default_model_dir())
+    engines = {"float32": TorchEngine(spec, dtype="float32"),
+               "int8": build_int8_engine(spec, num_threads=2, cache_root=cache)}
+    pool = TokenizerPool(spec.path / "tokenizer.json", 2)
+    texts = corpus(held_out, seed=HELD_OUT_SEED)
+    a, b = (_encode(e, pool, texts, spec.max_length) for e in engines.values())
+    cos = np.sum(a * b, axis=1)
+    index_texts = corpus(passages, seed=PASSAGE_SEED)
+    query_texts, sources = keyword_queries(index_texts, queries)
+    real = retrieval_set(passages, queries)
+    return {"held_out": held_out, "cos_min": round(float(cos.min()), 4), "cos_mean": round(float(cos.mean()), 4),
+            "below_0_99": int((cos < 0.99).sum()),
+            "random_vocabulary": retrieval(engines, pool, spec.max_length, index_texts, query_texts, sources),
+            "prose": {"files_read": real["files"],
+                      **retrieval(engines, pool, spec.max_length, real["passages"], real["queries"],
+                                  real["sources"])}}
 
 
 def main() -> None:
@@ -129,8 +146,14 @@ def main() -> None:
     p.add_argument("--passages", type=int, default=10_000)
     p.add_argument("--queries", type=int, default=200)
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--quality-only", action="store_true", help="only the quality figures (no servers)")
     a = p.parse_args()
 
+    if a.quality_only:
+        with tempfile.TemporaryDirectory(prefix="embedfleet-int8-") as tmp:
+            print(json.dumps({"figure": "int8_quality", "model": MODEL,
+                              "quality": quality(Path(tmp), a.held_out, a.passages, a.queries)}))
+        return
     with tempfile.TemporaryDirectory(prefix="embedfleet-int8-") as tmp:
         cache = Path(tmp)
         started = time.perf_counter()

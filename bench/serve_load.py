@@ -65,8 +65,10 @@ async def online(url: str, model: str, concurrency: int, requests: int, path: st
                 samples.append(time.perf_counter() - t0)
                 resp.raise_for_status()
 
+        started = time.perf_counter()
         await asyncio.gather(*(one(q) for q in queries))
-    return {"concurrency": concurrency, **percentiles(samples)}
+        elapsed = time.perf_counter() - started
+    return {"concurrency": concurrency, "requests_per_s": round(len(queries) / elapsed, 2), **percentiles(samples)}
 
 
 def measure(url: str | None, model: str, n: int, per_request: int, concurrency: int, flags: list[str],
