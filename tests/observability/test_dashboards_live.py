@@ -184,6 +184,10 @@ def test_the_load_made_the_events_the_panels_show(fleet: Fleet) -> None:
     assert metric(fleet.runtime, "embedfleet_async_dead_letters") == DOWN_JOBS
     assert metric(fleet.runtime, "embedfleet_truncated_inputs_total") > 0
     assert metric(fleet.runtime, "embedfleet_max_queue_seconds") == MAX_QUEUE_SECONDS
+    # the cold-start row: this runtime's own start, phase by phase, its weights from the image
+    for phase in ("weights", "engine_load", "warmup", "ready", "first_request"):
+        assert metric(fleet.runtime, "embedfleet_cold_start_seconds_count", phase=phase) == 1, phase
+    assert metric(fleet.runtime, "embedfleet_weights_source_info", source="in-image") == 1
 
 
 @pytest.mark.parametrize("path", RUNTIME_DASHBOARDS, ids=lambda p: p.stem)

@@ -5,7 +5,8 @@ The chart's standalone operator (its command, its ServiceAccount; tests/operator
 against the test control plane with its metrics on a free port; Prometheus scrapes that port every second
 and adds `region` as a target label, as the chart's PodMonitor does (docs/observability.md, "The operator").
 One valid EmbeddingDeployment (reconciled ok) and one invalid (rejected: `invalid_spec`) give the reconcile
-panels their events; the operator's leader gauge gives the stat its value.
+panels their events, the valid one's runtime pod turning Ready gives the cold-start row its one cold start;
+the operator's leader gauge gives the stat its value.
 
 Then every query of every panel outside the Hub row is sent to /api/v1/query with the dashboard's
 variables substituted as test_dashboards_live.py does (region by what its own `label_values` query finds,
@@ -86,6 +87,9 @@ def watched(_session_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
         prometheus = start_prometheus(scrape_config(
             {"embedfleet-operator": [(f"127.0.0.1:{port}", {"region": REGION})]}, rule_files=[RULES]))
         try:
+            # the cold-start panels count with increase(): their series need a sample before the first pod is Ready
+            wait_until(lambda: bool(prometheus.query("embedfleet_cold_start_seconds_count")), 30,
+                       "Prometheus to scrape the cold-start series at 0")
             ns = f"team-{tag}"
             kube_cluster.kubectl("create", "namespace", ns, check=False)
             kube_cluster.apply(small("counted", ns, autoscaling={"enabled": False}, replicas=1))
@@ -99,6 +103,7 @@ def watched(_session_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
                  f'embedfleet_operator_reconcile_seconds_count{{kind="{ED}", result="rejected"}}'),
                 ("the invalid_spec error", 'embedfleet_operator_reconcile_errors_total{reason="invalid_spec"}'),
                 ("the leader gauge", 'embedfleet_operator_leader{role="standalone"} == 1'),
+                ("the runtime pod's cold start", 'embedfleet_cold_start_seconds_count{phase="runtime_start"} >= 1'),
             ]:
                 wait_until(lambda expr=expr: bool(prometheus.query(expr)), 60, f"Prometheus to scrape {what}")
             scraped = f'count_over_time(embedfleet_operator_reconcile_errors_total{{reason="invalid_spec"}}[{WINDOW}])'
@@ -118,6 +123,8 @@ def test_the_operator_made_the_events_the_panels_show(watched: Watched) -> None:
     assert q(f'embedfleet_operator_reconcile_seconds_count{{{here}, result="rejected"}} >= 1')
     assert q(f'embedfleet_operator_reconcile_errors_total{{{here}, reason="invalid_spec"}} >= 1')
     assert q(f'embedfleet_operator_leader{{region="{REGION}", role="standalone"}} == 1')
+    for phase in ("scheduling", "init", "image_pull", "runtime_start"):  # the runtime pod of "counted"
+        assert q(f'embedfleet_cold_start_seconds_count{{region="{REGION}", phase="{phase}"}} == 1'), phase
     errors = watched.operator.unexpected_errors()
     assert errors == [], "\n".join(map(str, errors))
 
