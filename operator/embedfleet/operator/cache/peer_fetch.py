@@ -72,9 +72,11 @@ def _download(client: httpx.Client, url: str, target: Path, sha: str, size: int,
 
 
 def fetch_from_peer(base: str, entry: str, expected_hex: str, dest: Path, timeout: float = 60.0,
-                    bucket: TokenBucket | None = None, max_bytes: int | None = None) -> tuple[str, int]:
+                    bucket: TokenBucket | None = None,
+                    max_bytes: int | None = None) -> tuple[str, int, list[tuple[str, str]]]:
     """Fill the empty directory ``dest`` with ``entry`` from the agent at ``base``; return (what was fetched,
-    bytes). ``timeout`` bounds connecting and each read (a peer that stops sending fails, not hangs)."""
+    bytes, the verified (sha256, path) of every file: ``dest``'s manifest, with no second read).
+    ``timeout`` bounds connecting and each read (a peer that stops sending fails, not hangs)."""
     with httpx.Client(timeout=timeout, headers={"accept-encoding": "identity"}) as client:
         files = _manifest(client, base, entry)
         if not manifest_proves([(sha, rel) for sha, rel, _ in files], expected_hex):
@@ -85,4 +87,4 @@ def fetch_from_peer(base: str, entry: str, expected_hex: str, dest: Path, timeou
             raise PeerFailed(f"{base}: {entry} holds {total} bytes, more than the limit of {max_bytes}")
         for sha, rel, size in files:
             _download(client, f"{base}/v1/entries/{entry}/files/{quote(rel)}", dest / rel, sha, size, bucket)
-    return f"peer {base} ({len(files)} files)", total
+    return f"peer {base} ({len(files)} files)", total, [(sha, rel) for sha, rel, _ in files]

@@ -85,9 +85,11 @@ def entry_lock(cache_dir: Path, name: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _publish(tmp: Path, final: Path, expected_hex: str, record: dict[str, object]) -> bool:
-    """Record, mark and rename ``tmp`` into place; False when a concurrent puller published first."""
-    (tmp / ENTRY_MANIFEST).write_bytes(render_manifest(manifest_lines(tmp)))
+def _publish(tmp: Path, final: Path, expected_hex: str, record: dict[str, object],
+             verified: list[tuple[str, str]] | None = None) -> bool:
+    """Record, mark and rename ``tmp`` into place; False when a concurrent puller published first.
+    ``verified``: the (sha256, path) of every file in ``tmp``, already checked while it arrived."""
+    (tmp / ENTRY_MANIFEST).write_bytes(render_manifest(verified if verified is not None else manifest_lines(tmp)))
     (tmp / SOURCE_RECORD).write_text(json.dumps(record) + "\n")
     (tmp / READY_MARKER).write_text(f"sha256:{expected_hex}\n")
     os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the runtime may run as another user
@@ -160,10 +162,10 @@ def pull(
                 started = time.monotonic()
                 tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{expected_hex[:12]}-", dir=cache_dir))
                 try:
-                    fetched, size = fetch_from_peer(step.url, asked, expected_hex, tmp, timeout=timeout_s,
-                                                    bucket=bucket, max_bytes=max_bytes)
+                    fetched, size, verified = fetch_from_peer(step.url, asked, expected_hex, tmp, timeout=timeout_s,
+                                                              bucket=bucket, max_bytes=max_bytes)
                     seconds = time.monotonic() - started
-                    if not _publish(tmp, final, expected_hex, _record("peer", step.url, seconds, size)):
+                    if not _publish(tmp, final, expected_hex, _record("peer", step.url, seconds, size), verified):
                         return PullResult(final, 0, "already cached (concurrent pull)")
                     log.info("cached %s as %s from peer %s in %.2fs", asked, final, step.url, seconds)
                     return PullResult(final, 0, fetched, "peer", seconds)
