@@ -26,7 +26,7 @@ lists those Nodes (label selector) and the agent pods (``--peer-selector`` in ``
 pod IPs), orders them with `peers.choose_peers` and fetches through one `peers.TokenBucket`
 (``--peer-rate``). A failed lookup (RBAC, API trouble) only means the origin.
 
-With ``--health-dir`` the agent reports to the kubelet's exec probes (`Heartbeat`; the pod has no port):
+With ``--health-dir`` the agent reports to the kubelet's exec probes (`Heartbeat`; the peer port is no health signal):
 ``alive`` is touched whenever the loop makes progress, a download's growing files included, so its age
 says how long the loop has been stuck; ``ready`` exists while the last pass could read the cluster.
 """
