@@ -116,5 +116,5 @@ def runtime_pod_changed(event: Mapping[str, Any], body: kopf.Body, namespace: st
     message = cold_start.event_message(pod["metadata"]["name"], phases, runtime, cold_start.weights_source(startup))
     metrics.observe_cold_start(phases)
     log.info("cold start: %s", message)
-    if owner is not None:
-        kopf.info(owner, reason=cold_start.REASON, message=message[:1000])
+    if owner is not None and not (owner.get("metadata") or {}).get("deletionTimestamp"):
+        kopf.info(owner, reason=cold_start.REASON, message=message[:1000])  # not on an object being deleted
