@@ -21,7 +21,15 @@ from hypothesis import strategies as st
 
 from embedfleet.operator.cold_start import runtime_phases, weights_source
 from embedfleet.operator.handlers.cold_start import read_startup
-from embedfleet.runtime.cold_start import SOURCES, classify_weights, parse_record, process_age_s, read_weights_source
+from embedfleet.runtime.cold_start import (
+    READY_MARKER,
+    SOURCE_RECORD,
+    SOURCES,
+    classify_weights,
+    parse_record,
+    process_age_s,
+    read_weights_source,
+)
 from embedfleet.runtime.settings import default_model_dir
 from tests.procs import RuntimeServer, start_runtime
 
@@ -147,3 +155,21 @@ def test_the_first_answer_is_recorded_once(served: tuple[RuntimeServer, float]) 
     after = startup(srv)["phases"]
     assert after["first_request"] == first >= after["ready"]
     assert srv.metric("embedfleet_cold_start_seconds_count", phase="first_request") == 1
+
+
+def test_an_entry_the_cache_pulled_is_read_as_its_record_says(tmp_path: Path) -> None:
+    """The record `embedfleet cache pull` itself writes (a file:// source: `origin`), and the names both sides use."""
+    from embedfleet.operator.cache import digest
+    from embedfleet.operator.cache.pull import link_node_entry, pull
+
+    assert (digest.SOURCE_RECORD, digest.READY_MARKER) == (SOURCE_RECORD, READY_MARKER)
+    source = tmp_path / "weights"
+    source.mkdir()
+    (source / "model.safetensors").write_bytes(b"w" * 4096)
+    pinned = digest.tree_digest(source)
+    pulled = pull(source.as_uri(), pinned, tmp_path / "node", retries=0).path
+    found = read_weights_source(pulled)
+    assert found.source == "origin" and found.seconds is not None and 0 <= found.seconds < 60
+    # a later pod on that node links the node's entry: a cache hit, nothing waited for
+    linked = link_node_entry(pulled, pinned, tmp_path / "pod")
+    assert read_weights_source(linked).as_dict() == {"source": "cache", "seconds": 0.0, "cached_from": "origin"}
