@@ -7,7 +7,8 @@ second of one busy replica>}``; `parse` reads it, dropping malformed entries (a 
 placement). `Learned.observe` smooths each report into the table with an exponentially weighted moving
 average (`ALPHA`): one odd spoke or one unusual minute moves the figure a little, a lasting change moves it
 within a few beats. A report is taken once per change of the annotation per spoke, not once per pass, so
-the weight of a spoke does not depend on how often the hub reconciles.
+the weight of a spoke does not depend on how often the hub reconciles. The table lives in the hub's memory:
+a hub that starts (or takes over leadership) takes each spoke's current annotation as it is on its first pass.
 
 The model identity is `model_identity`: the spec's ``model.source`` and, when given, ``@revision``.
 """
