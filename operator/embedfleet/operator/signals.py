@@ -37,6 +37,10 @@ ASYNC_DEPTH_METRIC = "embedfleet_async_queue_depth"
 #: The runtime's periodic probe re-check (docs/rollouts.md, "Drift monitoring"), read from the same scrape.
 PROBE_COSINE_METRIC = "embedfleet_probe_cosine"
 PROBE_ORDER_METRIC = "embedfleet_probe_order_kept"
+#: The engine's own work, read from the same scrape (spoke/throughput.py turns their deltas into embeddings per
+#: busy second, which the spoke's heartbeat reports to the hub's cost ranking). Counters: summed over models.
+INPUTS_METRIC = "embedfleet_inputs_total"
+BUSY_METRIC = "embedfleet_engine_busy_seconds_total"
 DEFAULT_QUERY = 'sum(embedfleet_requests_in_flight{namespace="$namespace",service="$service"})'
 # Every replica reports the whole Redis queue, so the fleet's backlog is the max, not the sum.
 ASYNC_DEPTH_QUERY = 'max(embedfleet_async_queue_depth{namespace="$namespace",service="$service"})'
@@ -70,6 +74,9 @@ class PodReading:
     #: The probe re-check's lowest cosine and order (1/0) over the pod's models; None until it re-checked.
     probe_cosine: float | None = None
     probe_order_kept: bool | None = None
+    #: The engine counters (inputs run, seconds busy) summed over the pod's models; None when not exported.
+    inputs: float | None = None
+    busy_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -151,6 +158,18 @@ def parse_probe(text: str) -> tuple[float | None, bool | None]:
     return (min(cosines) if cosines else None), (min(orders) >= 0.5 if orders else None)
 
 
+def parse_engine_counters(text: str) -> tuple[float | None, float | None]:
+    """(inputs run through the engine, seconds the engine was busy), each summed over the pod's models;
+    None for a counter the runtime does not export. Matched by sample name: the parser names a counter's
+    family without its ``_total``."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (INPUTS_METRIC, BUSY_METRIC) and math.isfinite(sample.value):
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    return found.get(INPUTS_METRIC), found.get(BUSY_METRIC)
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -185,8 +204,9 @@ async def scrape_pod(client: httpx.AsyncClient, target: Target, deadline_s: floa
             body = await _read_capped(client, target.url, max_body_bytes)
         text = body.decode("utf-8")
         cosine, order_kept = parse_probe(text)
+        inputs, busy_s = parse_engine_counters(text)
         return PodReading(target.pod, parse_in_flight(text), parse_async_depth(text), probe_cosine=cosine,
-                          probe_order_kept=order_kept)
+                          probe_order_kept=order_kept, inputs=inputs, busy_s=busy_s)
     except TimeoutError:
         reason = f"no complete answer within {deadline_s:g}s"
     except _BodyTooLarge as exc:

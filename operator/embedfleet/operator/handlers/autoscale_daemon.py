@@ -33,6 +33,11 @@ decision's reason (status and Event) names the entry. A spoke's copy of a hub Em
 the schedule to the hub, whose fleet target (hub/autoscale.py) already counts it in this copy's
 minReplicas.
 
+The same scrape also carries each pod's engine counters (inputs run, busy seconds): `record_throughput`
+turns them into this deployment's embeddings per busy second (spoke/throughput.py) in the spoke's registry
+(kopf's ``memo.throughput``, set by spoke/handlers.py; absent in other roles), which the heartbeat reports
+to the hub's cost ranking. No write to the object, no extra request.
+
 Ownership of status fields is documented in operator/status.py: this daemon writes
 ``replicas.desired``, ``inFlight``, ``lastScaleDecision`` and ``probeDrift``, nothing else.
 """
@@ -72,6 +77,7 @@ from embedfleet.operator.handlers.embedding import refresh_status
 from embedfleet.operator.kube import Kube, KubeError
 from embedfleet.operator.render import runtime_name
 from embedfleet.operator.rollout import drift
+from embedfleet.operator.scheduling.learn import model_identity
 from embedfleet.operator.signals import (
     ASYNC_DEPTH_QUERY,
     PodReading,
@@ -83,6 +89,7 @@ from embedfleet.operator.signals import (
     render_query,
     scrape,
 )
+from embedfleet.operator.spoke import throughput
 from embedfleet.operator.stale import FleetLoad, LastSeen, count_pods, due_warnings
 from embedfleet.operator.validate import check
 
@@ -129,6 +136,8 @@ class LoopState:
     announced_hold: tuple[int, float] | None = None
     #: names of the schedule entries open at the last tick (a change is logged).
     schedule_open: tuple[str, ...] = ()
+    #: each pod's engine counters at the start of its current throughput window (spoke/throughput.py).
+    engine_baselines: Mapping[str, throughput.Counters] = field(default_factory=dict)
 
 
 def with_schedule(config: AutoscalerConfig, body: Mapping[str, Any], parsed: EmbeddingDeploymentSpec,
@@ -298,6 +307,7 @@ def tick(
     gateways: Sequence[Mapping[str, Any]] = (),
     spec: EmbeddingDeploymentSpec | None = None,
     live_desired: Callable[[], Any] | None = None,
+    measured: throughput.Registry | None = None,
 ) -> Decision | None:
     """One round of the loop; returns the decision, or None when there was nothing to decide on.
     ``live_desired`` reads status.replicas.desired from kopf's live view of the object (see `_apply`).
@@ -323,6 +333,7 @@ def tick(
     if spec is not None:
         if reading.source == "pods":
             watch_drift(name, namespace, body, spec, state, reading.pods)
+            record_throughput(name, namespace, spec, state, reading.pods, measured)
         elif now - state.drift_checked_at >= drift_every_s(spec):
             state.drift_checked_at = now
             watch_drift(name, namespace, body, spec, state, probe_readings(name, namespace, autoscaling, port, []))
@@ -365,6 +376,20 @@ def tick(
     return _apply(name, namespace, body, decision, state, now,
                   record=decision.changed or first or held or decision.mode != state.last_mode,
                   live_desired=live_desired)
+
+
+def record_throughput(name: str, namespace: str, spec: EmbeddingDeploymentSpec, state: LoopState,
+                      readings: Sequence[PodReading] | None, measured: throughput.Registry | None) -> None:
+    """Feed the pods' engine counters to the spoke's throughput registry (nothing without one: not a spoke)."""
+    if measured is None or readings is None:
+        return
+    resource = throughput.resource_of(spec.runtime.gpu.count, spec.runtime.gpu.type)
+    counters = {r.pod: throughput.Counters(r.inputs, r.busy_s) for r in readings
+                if r.inputs is not None and r.busy_s is not None}
+    state.engine_baselines, window = throughput.advance(state.engine_baselines, counters)
+    if window is not None and resource is not None:
+        measured.record(f"{namespace}/{name}", model_identity(spec.model.source, spec.model.revision), resource,
+                        window)
 
 
 def drift_every_s(spec: EmbeddingDeploymentSpec) -> float:
@@ -491,6 +516,7 @@ async def autoscale(
     runtime_pods: kopf.Index,
     runtime_deployments: kopf.Index,
     gateway_pods: kopf.Index,
+    memo: kopf.Memo,
     **_: Any,
 ) -> None:
     """Runs for as long as the EmbeddingDeployment exists; ``body`` is kopf's live view of it.
@@ -502,6 +528,7 @@ async def autoscale(
     # spec.replicas as the daemon first sees it is the starting point, not a request to resize (the
     # reconcile already rendered it); a later change of it is a `kubectl scale`.
     state = LoopState(seen_spec_replicas=(body.get("spec") or {}).get("replicas"))
+    measured = memo.get("throughput")
     config_key: Any = None
     while not stopped:
         spec = dict(body.get("spec") or {})
@@ -509,7 +536,7 @@ async def autoscale(
         if parsed is None or not parsed.autoscaling.enabled:
             if parsed is not None and time.monotonic() - state.drift_checked_at >= drift_every_s(parsed):
                 state.drift_checked_at = time.monotonic()
-                await _drift_only(name, namespace, body, parsed, state, runtime_pods, logger)
+                await _drift_only(name, namespace, body, parsed, state, runtime_pods, logger, measured)
             await asyncio.sleep(IDLE_RECHECK_S)  # kopf cancels it on stop (see wait_for_tick)
             continue
         autoscaling = parsed.autoscaling.model_dump(by_alias=True, exclude_none=True)
@@ -533,7 +560,7 @@ async def autoscale(
             gateways = list(gateway_pods.get("gateways", []))
             decision = await asyncio.to_thread(
                 tick, name, namespace, dict(body), config, autoscaling, parsed.runtime.port, state,
-                time.monotonic(), deployment, pods, gateways, parsed, lambda: _desired(body),
+                time.monotonic(), deployment, pods, gateways, parsed, lambda: _desired(body), measured,
             )
             if decision is not None and decision.changed:
                 logger.info("%s", decision.reason)
@@ -547,16 +574,21 @@ def _desired(body: Mapping[str, Any]) -> Any:
 
 
 async def _drift_only(name: str, namespace: str, body: kopf.Body, parsed: EmbeddingDeploymentSpec,
-                      state: LoopState, runtime_pods: kopf.Index, logger: kopf.Logger) -> None:
-    """Autoscaling off: no tick scrapes the pods, so drift is read on its own (see `drift_every_s`)."""
+                      state: LoopState, runtime_pods: kopf.Index, logger: kopf.Logger,
+                      measured: throughput.Registry | None = None) -> None:
+    """Autoscaling off: no tick scrapes the pods, so drift is read on its own (see `drift_every_s`); the
+    throughput counters ride on that scrape too."""
     if parsed.rollout.probe_interval_seconds <= 0:
         return
     autoscaling = parsed.autoscaling.model_dump(by_alias=True, exclude_none=True)
     pods = list(runtime_pods.get((namespace, name), []))
     try:
-        await asyncio.to_thread(lambda: watch_drift(
-            name, namespace, dict(body), parsed, state,
-            probe_readings(name, namespace, autoscaling, parsed.runtime.port, pods)))
+        def check_drift() -> None:
+            readings = probe_readings(name, namespace, autoscaling, parsed.runtime.port, pods)
+            watch_drift(name, namespace, dict(body), parsed, state, readings)
+            record_throughput(name, namespace, parsed, state, readings, measured)
+
+        await asyncio.to_thread(check_drift)
     except (KubeError, kubernetes.client.ApiException, OSError) as exc:
         logger.warning("probe drift check failed, retrying later: %s", exc)
 

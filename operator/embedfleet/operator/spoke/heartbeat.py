@@ -14,6 +14,11 @@ And this cluster's gateway load (``embedfleet.dev/gateway-load``, gateway_load.p
 every beat, each for at most a second, so the hub can show each region's load on its FleetCluster. A
 gateway that does not answer is counted ``unanswered``; a refused pod list is a heartbeat problem, like a
 refused node list. Neither ever stops the beat.
+
+And what this spoke's runtimes measurably deliver (``embedfleet.dev/throughput``, throughput.py): embeddings per
+busy second per (model, resource), from the engine counters the autoscaler scrapes. Written only when some
+figure moved by more than `throughput.CHANGE` from what the Lease carries (compared with the live Lease, not
+with this process's last write), and never removed by a beat.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from embedfleet.operator import platform
 from embedfleet.operator.crd import naming
 from embedfleet.operator.gateway_signal import gateway_port
 from embedfleet.operator.kube import Kube, KubeError
-from embedfleet.operator.spoke import gateway_load
+from embedfleet.operator.scheduling import learn
+from embedfleet.operator.spoke import gateway_load, throughput
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +124,24 @@ def gateway_summary(kube: Kube, namespace: str, port: int) -> tuple[str | None, 
         return None, f"cannot list gateway pods, so gateway load is unknown: {_refusal(exc)}"
 
 
+def throughput_update(lease: dict[str, Any] | None, measured: list[tuple[str, str, float]]) -> str | None:
+    """The throughput annotation to write, or None to leave the Lease's as it is (`throughput.noticeable`)."""
+    written = (((lease or {}).get("metadata") or {}).get("annotations") or {}).get(THROUGHPUT_ANNOTATION)
+    return learn.annotation(measured) if throughput.noticeable(written, measured) else None
+
+
 def renew(kube: Kube, namespace: str, holder: str, duration: int, policy: str | None = None,
-          port: int | None = None) -> str | None:
+          port: int | None = None, measured: list[tuple[str, str, float]] | None = None) -> str | None:
     """Create or renew the Lease; returns the problem it reported (None: a complete heartbeat).
-    ``port``: the gateways' (default: the chart's, EMBEDFLEET_GATEWAY_PORT)."""
+    ``port``: the gateways' (default: the chart's, EMBEDFLEET_GATEWAY_PORT). ``measured``: this spoke's
+    throughput figures (`throughput.Registry.entries`)."""
     cached, problem = cached_models(kube)
     gateway, gateway_problem = gateway_summary(kube, namespace, gateway_port() if port is None else port)
     problem = "; ".join(p for p in (problem, gateway_problem) if p) or None
+    lease = kube.get("Lease", LEASE_NAME, namespace)
     body = lease_body(namespace, holder, duration, cached, os.environ.get("EMBEDFLEET_REGION"), problem, policy,
-                      gateway)
-    if kube.get("Lease", LEASE_NAME, namespace) is None:
+                      gateway, throughput_update(lease, measured or []))
+    if lease is None:
         meta = body["metadata"]
         meta["annotations"] = {k: v for k, v in meta["annotations"].items() if v is not None}
         kube.create(body)
@@ -137,8 +151,11 @@ def renew(kube: Kube, namespace: str, holder: str, duration: int, policy: str | 
 
 
 class Heartbeat:
-    def __init__(self, kube: Kube | None = None, policy: platform.PlatformPolicy | None = None) -> None:
+    def __init__(self, kube: Kube | None = None, policy: platform.PlatformPolicy | None = None,
+                 measured: throughput.Registry | None = None) -> None:
         self.kube = kube or Kube()
+        #: Filled by the autoscale daemons of this process (spoke/handlers.py hands it to them).
+        self.measured = measured if measured is not None else throughput.Registry()
         # The rules this spoke's operator enforces (the same env it reads), published for the hub.
         self.policy = policy_json(policy if policy is not None else platform.load())
         # The chart's namespace (POD_NAMESPACE), where its Role lets the operator write Leases.
@@ -153,7 +170,8 @@ class Heartbeat:
 
     def beat(self) -> None:
         """One renewal; a problem is logged when it appears or changes, not every beat."""
-        problem = renew(self.kube, self.namespace, self.holder, self.duration, self.policy, self.gateway_port)
+        problem = renew(self.kube, self.namespace, self.holder, self.duration, self.policy, self.gateway_port,
+                        self.measured.entries())
         if problem != self.problem:
             if problem:
                 log.warning("heartbeat incomplete (the hub sees this on the FleetCluster): %s", problem)
