@@ -119,3 +119,40 @@ def bert_embedder(path: Path, seed: int) -> Path:
     bert_tokenizer(path)
     sentence_transformers_files(path, "mean", 32)
     return path
+
+
+def encoder_family_embedder(root: Path, family: str, seed: int = 0) -> Path:
+    """A tiny random sentence embedder (mean pooling, 32 dims) of another encoder family than BERT:
+    ``roberta``, ``xlm-roberta`` or ``mpnet``, with the byte-level BPE of bpe_tokenizer (pad 0, <s> 1, </s> 2).
+    What `--dtype int8` is checked against for the families the runtime serves besides BERT."""
+    from transformers import MPNetConfig, MPNetModel, RobertaConfig, RobertaModel, XLMRobertaConfig, XLMRobertaModel
+
+    classes = {"roberta": (RobertaConfig, RobertaModel), "xlm-roberta": (XLMRobertaConfig, XLMRobertaModel),
+               "mpnet": (MPNetConfig, MPNetModel)}
+    config_cls, model_cls = classes[family]
+    torch.manual_seed(seed)
+    path = root / f"{family}-embed"
+    path.mkdir()
+    model_cls(config_cls(vocab_size=400, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=130, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)).save_pretrained(path)
+    bpe_tokenizer(path)
+    sentence_transformers_files(path, "mean", 32)
+    # MPNet's positions are offset by padding_idx + 1 like RoBERTa's, which the spec only knows for RoBERTa
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 120}))
+    return path
+
+
+def bert_reranker(path: Path, seed: int = 0, initializer_range: float = 0.1) -> Path:
+    """A tiny random BERT cross-encoder (one logit per pair) whose scores spread: the default initialisation
+    (0.02) of build_all's bert-rerank gives every pair nearly the same score (differences ~1e-5), a ranking
+    any rounding reorders; wider weights give pairs scores that differ the way a trained reranker's do."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    path.mkdir()
+    BertForSequenceClassification(BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=128, num_labels=1, initializer_range=initializer_range)).save_pretrained(path)
+    bert_tokenizer(path)
+    return path

@@ -1,6 +1,7 @@
 """`--dtype int8` on CPU: the OpenVINO int8 build of the embedded default passes the gate, is cached by model
 digest (a second start neither loads float32 nor quantises), a gate it fails refuses the start (or serves
-float32 when told to), models it cannot judge are refused by name, and a real server reports what it serves."""
+float32 when told to), models it cannot judge are refused by name, and a real server reports what it serves.
+Rerankers and classifiers: tests/runtime/test_int8_scoring.py; encoder families: test_int8_families.py."""
 
 from __future__ import annotations
 
@@ -81,8 +82,6 @@ def test_a_failed_gate_refuses_the_start_or_serves_float32(spec: ModelSpec, buil
 
 
 @pytest.mark.parametrize(("change", "device", "says"), [
-    ({"task": "rerank"}, "cpu", "rerank model"),
-    ({"task": "classify"}, "cpu", "classify model"),
     ({"task": "sparse"}, "cpu", "sparse model"),
     ({"task": "multivector"}, "cpu", "multivector model"),
     ({"is_decoder": True, "model_type": "qwen2"}, "cpu", "decoder"),

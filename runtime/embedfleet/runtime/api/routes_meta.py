@@ -19,6 +19,7 @@ from embedfleet.runtime.api.schemas import ModelCard, ModelList, ProbeAnswer, Si
 from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.probe import fingerprint, probe_body
 from embedfleet.runtime.core.tokenize import TooManyTokens
+from embedfleet.runtime.engines.int8_scoring import card_fields
 from embedfleet.runtime.service import Models, ModelService
 
 
@@ -62,6 +63,7 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
                            requested_dtype=settings.dtype if settings.dtype != s.effective_dtype else None,
                            fp8_min_cosine=s.fp8_min_cosine, fp8_required_cosine=fp8_required_cosine(s),
                            int8_min_cosine=s.int8_min_cosine, revision=s.revision or None,
+                           **card_fields(s.engine.int8_gate if s.engine is not None else None),
                            batching=s.batching.card() if s.batching is not None else None,
                            packed=getattr(s.engine, "packed", None) is not None if settings.device == "cuda" else None,
                            vector_space=s.vector_space, fingerprint=s.fingerprint,

@@ -109,6 +109,12 @@ class ModelCard(BaseModel):
     fp8_min_cosine: float | None = None
     fp8_required_cosine: float | None = None
     int8_min_cosine: float | None = None  # the int8 gate's measurement (engines/int8_cpu.py), for int8 requests
+    # int8 rerankers and classifiers: what the scoring gate measured (engines/int8_scoring.py)
+    int8_min_spearman: float | None = None
+    int8_mean_spearman: float | None = None
+    int8_top1_agreement: float | None = None
+    int8_label_agreement: float | None = None
+    int8_max_prob_diff: float | None = None
     # on CUDA: the batching served (engines/gpu_batching.py) and what chose each value ("user" or "device")
     batching: dict | None = None
     packed: bool | None = None  # on CUDA: batches run as packed sequences (engines/packed.py)

@@ -17,8 +17,10 @@ engines/calibration.json plus a few degenerate repetitions (STRESS_TEXTS), and j
 FP8 (every calibration embedding's cosine with its float32 twin >= --int8-min-cosine). The result (the int8
 model and the gate's verdict, pass or fail) is cached by model digest under --engine-cache-dir, so the
 second start neither quantises nor re-judges.
-Refused: decoders, rerankers and classifiers (their gate would have to judge rankings and labels),
-sparse and multi-vector models, any device but CPU, and any model the gate fails.
+Rerankers and sequence classifiers are built the same way and judged on scores, rankings and labels
+instead of cosines (engines/int8_scoring.py).
+Refused: decoders, encoder families outside INT8_FAMILIES (named in the message), sparse and multi-vector
+models, any device but CPU, and any model the gate fails.
 """
 
 from __future__ import annotations
@@ -107,17 +109,35 @@ class Int8Rejected(EngineError):
     """int8 failed the quality gate (or cannot serve this model) and no fallback was allowed."""
 
 
+# Encoder families (config.json's model_type) the recipe is verified on: each is converted, quantised and
+# judged in tests/runtime/test_int8_families.py. Any other family is refused by name rather than quantised
+# on trust: the MatMuls kept float32 are found by graph shape, which another attention layout may not match.
+INT8_FAMILIES = {"bert": "BERT", "roberta": "RoBERTa", "xlm-roberta": "XLM-R"}
+# Families the runtime knows but int8 refuses, with why (said in the refusal).
+REFUSED_FAMILIES = {
+    "mpnet": ("MPNet", "the float32 reference it is built and judged from cannot be loaded (transformers has no "
+                       "SDPA attention for MPNet, which the torch engine loads with)"),
+}
+INT8_TASKS = ("embed", "rerank", "classify")
+
+
 def refusal(spec: ModelSpec, device: str) -> str | None:
-    """Why int8 cannot serve `spec` on `device`, or None. Only encoder embedders pass: the gate compares
-    pooled embeddings, and decoders' long-tailed activations are outside what the recipe was measured on."""
+    """Why int8 cannot serve `spec` on `device`, or None. Encoders of INT8_FAMILIES pass for embedding,
+    reranking and classification: decoders' long-tailed activations are outside what the recipe was
+    measured on, and sparse/multi-vector outputs have no gate here."""
+    served = ", ".join(INT8_FAMILIES.values())
     if device != "cpu":
         return f"--dtype int8 is a CPU precision; on {device} use --dtype fp8 (quality-gated) or bfloat16"
     if spec.is_decoder:
-        return (f"--dtype int8 serves encoder embedders (BERT, RoBERTa/XLM-R, MPNet families); {spec.name} is a "
+        return (f"--dtype int8 serves encoders ({served} families); {spec.name} is a "
                 f"decoder ({spec.model_type}): serve it --dtype float32 or bfloat16")
-    if spec.task != "embed":
-        return (f"--dtype int8 serves embedding models only; {spec.name} is a {spec.task} model, whose quality "
-                "would have to be judged on rankings or labels: serve it --dtype float32 or bfloat16")
+    if spec.task not in INT8_TASKS:
+        return (f"--dtype int8 serves embedders, rerankers and classifiers; {spec.name} is a {spec.task} model, "
+                "which no int8 gate judges: serve it --dtype float32 or bfloat16")
+    if spec.model_type not in INT8_FAMILIES:
+        family, why = REFUSED_FAMILIES.get(spec.model_type, (spec.model_type or "unknown", "not verified"))
+        return (f"--dtype int8 serves the {served} encoder families; {spec.name} is of the {family} family "
+                f"({spec.model_type}), which it refuses: {why}. Serve it --dtype float32")
     return None
 
 
@@ -219,21 +239,31 @@ def quantize(fp32: TorchEngine, batches: list[list], out: Path, keep_float: bool
     """Convert the float32 engine's model to OpenVINO, quantise it on the calibration batches (one text per
     sample: per-text ranges), and save the int8 IR as out/model.xml. `keep_float=False` quantises every
     MatMul NNCF would (the bench's comparison row), not the recipe's."""
+    pad = fp32.spec.pad_token_id
+    quantize_module(_Pooled(fp32.model, fp32.spec.pooling), [[_feeds([x], pad) for x in b] for b in batches],
+                    _feeds(batches[0][:2], pad), out, keep_float)
+
+
+def quantize_module(module: torch.nn.Module, samples: list[list[dict[str, np.ndarray]]],
+                    example: dict[str, np.ndarray], out: Path, keep_float: bool = True, keep_last: int = 0) -> None:
+    """The recipe on any traced module: convert with `example`, quantise on `samples` (batches of one-input
+    feeds), keep the recipe's MatMuls float32 and also the last `keep_last` MatMuls (a classification head),
+    save out/model.xml. Shared with engines/int8_scoring.py."""
     no_telemetry()
     import nncf
     import openvino as ov
 
     logging.getLogger("nncf").setLevel(logging.WARNING)  # one INFO line per layer it leaves float32
-    pad = fp32.spec.pad_token_id
-    example = _feeds(batches[0][:2], pad)
     with torch.inference_mode():
-        model = ov.convert_model(_Pooled(fp32.model, fp32.spec.pooling).eval(),
-                                 example_input={k: torch.from_numpy(v) for k, v in example.items()})
-    samples = [_feeds([x], pad) for batch in batches for x in batch]
-    scope = nncf.IgnoredScope(names=kept_float(model) if keep_float else [], validate=False)
+        model = ov.convert_model(module.eval(), example_input={k: torch.from_numpy(v) for k, v in example.items()})
+    flat = [feed for batch in samples for feed in batch]
+    names = kept_float(model) if keep_float else []
+    if keep_last:
+        names += [n.get_friendly_name() for n in model.get_ordered_ops() if n.get_type_name() == "MatMul"][-keep_last:]
+    scope = nncf.IgnoredScope(names=names, validate=False)
     with contextlib.redirect_stdout(io.StringIO()):  # NNCF draws progress bars on stdout
-        quantized = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
-                                  subset_size=len(samples), ignored_scope=scope)
+        quantized = nncf.quantize(model, nncf.Dataset(flat), model_type=nncf.ModelType.TRANSFORMER,
+                                  subset_size=len(flat), ignored_scope=scope)
     ov.save_model(quantized, str(out / "model.xml"))
 
 
@@ -289,6 +319,10 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
     why = refusal(spec, "cpu")
     if why:
         raise Int8Rejected(why)
+    if spec.task != "embed":  # rerankers and classifiers: judged on scores and labels
+        from embedfleet.runtime.engines.int8_scoring import build_int8_scoring_engine
+
+        return build_int8_scoring_engine(spec, num_threads=num_threads, strict=strict, cache_root=cache_root)
     try:
         no_telemetry()
         import nncf

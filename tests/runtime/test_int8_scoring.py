@@ -1,0 +1,218 @@
+"""`--dtype int8` for rerankers and classifiers: the scoring gate's pure measures (Spearman at the reference's
+resolution, top-1 agreement, label agreement, probability difference) and real OpenVINO/NNCF builds of tiny
+models. A reranker int8 keeps is served by a real server (/v1/rerank from the int8 engine, the gate's figures
+on /v1/models); one int8 damages refuses the start with the figure that refused it, or serves float32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedfleet.runtime.engines import int8_scoring
+from embedfleet.runtime.engines.int8_cpu import Int8Rejected, build_int8_engine
+from embedfleet.runtime.engines.int8_scoring import (
+    Int8ScoringEngine,
+    judge,
+    measure_classify,
+    measure_rerank,
+    rerank_calibration,
+    spearman,
+)
+from embedfleet.runtime.engines.quality_gate import PairInput, calibration_batches, run_calibration
+from embedfleet.runtime.engines.torch_engine import TorchEngine
+from embedfleet.runtime.models.spec import load_spec
+from tests.tiny_models import bert_reranker, build_all
+
+pytest.importorskip("openvino")
+pytest.importorskip("nncf")
+
+THREADS = 2
+scores = st.lists(st.floats(-50, 50, allow_nan=False), min_size=2, max_size=12)
+
+
+# -- pure measures -------------------------------------------------------------------------------------------
+@given(scores)
+def test_spearman_of_a_list_with_itself_or_any_increasing_map_is_one(x: list[float]) -> None:
+    a = np.array(x)
+    assert spearman(a, a) == pytest.approx(1.0)
+    assert spearman(a, 2 * a) == pytest.approx(1.0)  # rank correlation: the scale is irrelevant (doubling is exact)
+
+
+@given(st.lists(st.floats(-50, 50, allow_nan=False), min_size=2, max_size=12, unique=True))
+def test_a_reversed_order_is_minus_one_and_any_order_is_within_bounds(x: list[float]) -> None:
+    a = np.array(x)
+    assert spearman(a, -a) == pytest.approx(-1.0)
+    rng = np.random.default_rng(len(x))
+    assert -1.0 <= spearman(a, rng.permutation(a)) <= 1.0
+
+
+def test_spearman_matches_the_textbook_formula_and_steps() -> None:
+    ref = np.array([4.0, 3.0, 2.0, 1.0])
+    assert spearman(ref, np.array([4.0, 3.0, 1.0, 2.0])) == pytest.approx(0.8)  # one neighbour swap of 4
+    assert spearman(np.arange(6.0), np.array([0, 1, 2, 3, 5, 4.0])) == pytest.approx(1 - 6 * 2 / (6 * 35))
+
+
+def test_swaps_within_the_resolution_cost_nothing_and_beyond_it_count() -> None:
+    ref = np.array([1.0, 1.001, 5.0, 9.0])
+    swapped = np.array([1.001, 1.0, 5.0, 9.0])
+    assert spearman(ref, swapped, tolerance=0.0) < 1.0
+    assert spearman(ref, swapped, tolerance=0.01) == pytest.approx(1.0)
+    assert spearman(ref, np.array([1.0, 1.001, 9.0, 5.0]), tolerance=0.01) < 0.95  # 5 and 9 are apart
+
+
+def test_degenerate_lists() -> None:
+    flat = np.ones(4)
+    assert spearman(flat, flat) == 1.0  # neither orders anything
+    assert spearman(flat, np.arange(4.0)) == 1.0  # the reference states no order for the candidate to break
+    assert spearman(np.arange(4.0), flat) == 0.0  # the candidate loses the reference's order
+    assert spearman(np.arange(4.0), np.array([0, 1, np.nan, 3])) == 0.0
+    with pytest.raises(ValueError):
+        spearman(np.arange(3.0), np.arange(4.0))
+
+
+def test_rerank_figures_and_verdicts() -> None:
+    ref = np.array([3.0, 2.0, 1.0, 0.0, 10.0, 0.0, 5.0])
+    groups = [4, 3]
+    same = measure_rerank(ref, ref + 0.5, groups)
+    assert same["min_spearman"] == pytest.approx(1.0) and same["top1_agreement"] == 1.0
+    assert judge(same).passed
+    flipped = ref.copy()
+    flipped[4:] = [0.0, 10.0, 5.0]  # the second query's best passage falls to last
+    bad = measure_rerank(ref, flipped, groups)
+    assert bad["worst_query"] == 1 and bad["top1_agreement"] == 0.5
+    verdict = judge(bad)
+    assert not verdict.passed and "calibration query 1" in verdict.reason
+    assert not judge(measure_rerank(ref, ref * np.nan, groups)).passed
+    with pytest.raises(ValueError):
+        measure_rerank(ref, ref, [4, 4])
+
+
+@given(st.integers(0, 2**31 - 1))
+@settings(max_examples=30)
+def test_classify_verdict_follows_labels_and_probabilities(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(20, 3)) * 4
+    assert judge(measure_classify(logits, logits)).passed
+    moved = logits.copy()
+    i = int(rng.integers(20))
+    moved[i, np.argmin(logits[i])] = logits[i].max() + 5  # its least likely label becomes the most likely
+    figures = measure_classify(logits, moved)
+    assert figures["label_agreement"] < 1.0 and figures["max_prob_diff"] > 0.05
+    assert not judge(figures).passed
+
+
+def test_rerank_calibration_is_deterministic_and_holds_long_and_degenerate_inputs() -> None:
+    one, two = rerank_calibration(), rerank_calibration()
+    assert one == two
+    assert len(one.queries) == 8 + int8_scoring.EXTRA_GROUPS
+    passages = [d for docs in one.documents for d in docs]
+    assert any(len(p.split()) >= 200 for p in passages), "passages near the token limit"
+    assert any(p.strip() in ("a", "?") or len(set(p.split())) <= 2 for p in passages), "degenerate passages"
+    assert any(len(set(q.split())) <= 2 for q in one.queries), "degenerate queries"
+
+
+# -- real builds ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    # seed 1 int8 keeps (every calibration ranking); seed 0 it damages (one query's order nearly reversed)
+    out = {"kept": bert_reranker(root / "rerank-kept", seed=1), "damaged": bert_reranker(root / "rerank-damaged")}
+    out["classify"] = build_all(root)["bert-classify"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engines")
+
+
+def test_a_reranker_int8_keeps_is_served_int8_and_scores_like_float32(models: dict[str, Path], cache: Path) -> None:
+    spec = load_spec(models["kept"])
+    engine = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
+    assert isinstance(engine, Int8ScoringEngine) and engine.effective_dtype == "int8"
+    gate = engine.int8_gate
+    assert gate is not None and gate.passed and gate.min_spearman >= int8_scoring.MIN_SPEARMAN, gate
+    assert gate.top1_agreement >= int8_scoring.MIN_TOP1_AGREEMENT
+    batches = calibration_batches(spec, rerank_calibration())
+    fp32 = TorchEngine(spec, dtype="float32", num_threads=THREADS)
+    ref, got = run_calibration(fp32.classify, batches), run_calibration(engine.classify, batches)
+    assert got.shape == ref.shape == (sum(rerank_calibration().groups), 1)
+    assert np.corrcoef(ref[:, 0], got[:, 0])[0, 1] > 0.98
+    with pytest.raises(Exception, match="serves rerank only"):
+        engine.embed([[101, 102]])
+
+
+def test_a_reranker_int8_damages_is_refused_or_served_float32(models: dict[str, Path], cache: Path) -> None:
+    spec = load_spec(models["damaged"])
+    with pytest.raises(Int8Rejected, match=r"int8 refused for rerank: min Spearman .* calibration query \d+"):
+        build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "damaged")
+    fallback = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "damaged", strict=False)
+    assert isinstance(fallback, TorchEngine) and fallback.effective_dtype == "float32"
+    assert fallback.int8_gate is not None and fallback.int8_gate.min_spearman < int8_scoring.MIN_SPEARMAN
+
+
+def test_a_classifier_keeps_its_labels(models: dict[str, Path], cache: Path) -> None:
+    spec = load_spec(models["classify"])
+    engine = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "classify")
+    assert isinstance(engine, Int8ScoringEngine)
+    gate = engine.int8_gate
+    assert gate.passed and gate.label_agreement >= int8_scoring.MIN_LABEL_AGREEMENT
+    assert gate.max_prob_diff <= int8_scoring.MAX_PROB_DIFF
+    batch = [[101, 7592, 2088, 102], [101, 2023, 2003, 1037, 3231, 102]]
+    fp32 = TorchEngine(spec, dtype="float32", num_threads=THREADS)
+    assert engine.classify(batch).shape == (2, 3)
+    assert (np.argmax(engine.classify(batch), 1) == np.argmax(fp32.classify(batch), 1)).all()
+
+
+def test_a_second_start_reuses_the_build(models: dict[str, Path], cache: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = load_spec(models["kept"])
+    first = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a cached build must not load float32 or quantise again")
+
+    monkeypatch.setattr(int8_scoring, "quantize_module", forbidden)
+    monkeypatch.setattr(int8_scoring, "TorchEngine", forbidden)
+    again = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
+    assert isinstance(again, Int8ScoringEngine) and again.int8_gate == first.int8_gate
+
+
+# -- real servers ------------------------------------------------------------------------------------------------
+def test_a_real_server_reranks_on_the_int8_engine(models: dict[str, Path], cache: Path, runtime_factory) -> None:
+    spec = load_spec(models["kept"])
+    engine = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
+    srv = runtime_factory("--model", str(models["kept"]), "--dtype", "int8", "--engine-cache-dir", str(cache / "kept"))
+    query = "which text talks about padding"
+    docs = ["padding must never leak into the result", "the quick brown fox", "numbers 12345 and symbols",
+            "a longer sentence with many more words than the others here"]
+    with srv.client() as c:
+        card = c.get("/v1/models").raise_for_status().json()["data"][0]
+        body = c.post("/v1/rerank", json={"query": query, "documents": docs}).raise_for_status().json()
+    assert card["dtype"] == "int8" and card["requested_dtype"] is None
+    assert card["int8_min_spearman"] == pytest.approx(engine.int8_gate.min_spearman)
+    assert card["int8_top1_agreement"] == pytest.approx(engine.int8_gate.top1_agreement)
+    assert card["int8_mean_spearman"] >= card["int8_min_spearman"]
+    # the served scores are the int8 engine's (sigmoid of its logit), not float32's
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
+    tok.no_padding()
+    encs = tok.encode_batch([(query, d) for d in docs])
+    pairs = [PairInput(list(e.ids), list(e.type_ids) if any(e.type_ids) else None) for e in encs]
+    expected = 1 / (1 + np.exp(-engine.classify(pairs)[:, 0]))
+    for r in body["results"]:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)
+
+
+def test_a_real_server_refuses_to_start_on_a_reranker_int8_damages(models: dict[str, Path], cache: Path,
+                                                                  runtime_factory) -> None:
+    srv = runtime_factory("--model", str(models["damaged"]), "--dtype", "int8",
+                          "--engine-cache-dir", str(cache / "damaged"), wait_ready=False)
+    assert srv.proc.wait(timeout=120) != 0
+    log = srv.log()
+    assert "int8 refused for rerank" in log and "min Spearman" in log and "--no-int8-strict" in log
