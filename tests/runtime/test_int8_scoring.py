@@ -16,6 +16,7 @@ from embedfleet.runtime.engines import int8_scoring
 from embedfleet.runtime.engines.int8_cpu import Int8Rejected, build_int8_engine
 from embedfleet.runtime.engines.int8_scoring import (
     Int8ScoringEngine,
+    build_int8_scoring_engine,
     judge,
     measure_classify,
     measure_rerank,
@@ -132,7 +133,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_reranker_int8_keeps_is_served_int8_and_scores_like_float32(models: dict[str, Path], cache: Path) -> None:
     spec = load_spec(models["kept"])
-    engine = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
+    engine = build_int8_scoring_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
     assert isinstance(engine, Int8ScoringEngine) and engine.effective_dtype == "int8"
     gate = engine.int8_gate
     assert gate is not None and gate.passed and gate.min_spearman >= int8_scoring.MIN_SPEARMAN, gate
@@ -149,15 +150,21 @@ def test_a_reranker_int8_keeps_is_served_int8_and_scores_like_float32(models: di
 def test_a_reranker_int8_damages_is_refused_or_served_float32(models: dict[str, Path], cache: Path) -> None:
     spec = load_spec(models["damaged"])
     with pytest.raises(Int8Rejected, match=r"int8 refused for rerank: min Spearman .* calibration query \d+"):
-        build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "damaged")
-    fallback = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "damaged", strict=False)
+        build_int8_scoring_engine(spec, num_threads=THREADS, cache_root=cache / "damaged")
+    fallback = build_int8_scoring_engine(spec, num_threads=THREADS, cache_root=cache / "damaged", strict=False)
     assert isinstance(fallback, TorchEngine) and fallback.effective_dtype == "float32"
     assert fallback.int8_gate is not None and fallback.int8_gate.min_spearman < int8_scoring.MIN_SPEARMAN
 
 
+def test_the_embedder_build_points_a_reranker_to_the_scoring_gate(models: dict[str, Path], cache: Path) -> None:
+    with pytest.raises(Int8Rejected, match="judged on scores"):
+        build_int8_engine(load_spec(models["kept"]), num_threads=THREADS, cache_root=cache / "wrong")
+    assert not (cache / "wrong").exists()
+
+
 def test_a_classifier_keeps_its_labels(models: dict[str, Path], cache: Path) -> None:
     spec = load_spec(models["classify"])
-    engine = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "classify")
+    engine = build_int8_scoring_engine(spec, num_threads=THREADS, cache_root=cache / "classify")
     assert isinstance(engine, Int8ScoringEngine)
     gate = engine.int8_gate
     assert gate.passed and gate.label_agreement >= int8_scoring.MIN_LABEL_AGREEMENT
@@ -171,21 +178,21 @@ def test_a_classifier_keeps_its_labels(models: dict[str, Path], cache: Path) -> 
 def test_a_second_start_reuses_the_build(models: dict[str, Path], cache: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     spec = load_spec(models["kept"])
-    first = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
+    first = build_int8_scoring_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a cached build must not load float32 or quantise again")
 
     monkeypatch.setattr(int8_scoring, "quantize_module", forbidden)
     monkeypatch.setattr(int8_scoring, "TorchEngine", forbidden)
-    again = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
+    again = build_int8_scoring_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
     assert isinstance(again, Int8ScoringEngine) and again.int8_gate == first.int8_gate
 
 
 # -- real servers ------------------------------------------------------------------------------------------------
 def test_a_real_server_reranks_on_the_int8_engine(models: dict[str, Path], cache: Path, runtime_factory) -> None:
     spec = load_spec(models["kept"])
-    engine = build_int8_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
+    engine = build_int8_scoring_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
     srv = runtime_factory("--model", str(models["kept"]), "--dtype", "int8", "--engine-cache-dir", str(cache / "kept"))
     query = "which text talks about padding"
     docs = ["padding must never leak into the result", "the quick brown fox", "numbers 12345 and symbols",

@@ -71,10 +71,14 @@ def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
         if settings.engine != "torch":
             raise ValueError("--dtype int8 runs on the CPU engine (engines/int8_cpu.py); use --engine torch")
         from embedfleet.runtime.engines.int8_cpu import Int8Rejected, build_int8_engine, refusal
+        from embedfleet.runtime.engines.int8_scoring import build_int8_scoring_engine
 
         why = refusal(spec, settings.device)
         if why:
             raise Int8Rejected(why)
+        if spec.task != "embed":  # rerankers and classifiers: judged on scores and labels, not cosines
+            return build_int8_scoring_engine(spec, num_threads=settings.num_threads or settings.cores(),
+                                             strict=settings.int8_strict, cache_root=settings.engine_cache_dir)
         return build_int8_engine(spec, num_threads=settings.num_threads or settings.cores(),
                                  min_cosine=settings.int8_min_cosine, strict=settings.int8_strict,
                                  cache_root=settings.engine_cache_dir)

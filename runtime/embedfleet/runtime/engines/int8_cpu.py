@@ -18,7 +18,7 @@ FP8 (every calibration embedding's cosine with its float32 twin >= --int8-min-co
 model and the gate's verdict, pass or fail) is cached by model digest under --engine-cache-dir, so the
 second start neither quantises nor re-judges.
 Rerankers and sequence classifiers are built the same way and judged on scores, rankings and labels
-instead of cosines (engines/int8_scoring.py).
+instead of cosines (engines/int8_scoring.py, chosen by task in service.py).
 Refused: decoders, encoder families outside INT8_FAMILIES (named in the message), sparse and multi-vector
 models, any device but CPU, and any model the gate fails.
 """
@@ -319,10 +319,9 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
     why = refusal(spec, "cpu")
     if why:
         raise Int8Rejected(why)
-    if spec.task != "embed":  # rerankers and classifiers: judged on scores and labels
-        from embedfleet.runtime.engines.int8_scoring import build_int8_scoring_engine
-
-        return build_int8_scoring_engine(spec, num_threads=num_threads, strict=strict, cache_root=cache_root)
+    if spec.task != "embed":
+        raise Int8Rejected(f"{spec.name} is a {spec.task} model: its int8 build is judged on scores "
+                           "(engines/int8_scoring.py build_int8_scoring_engine), not embedding cosines")
     try:
         no_telemetry()
         import nncf

@@ -36,6 +36,7 @@ import torch
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
 from embedfleet.runtime.engines.cache_dir import build_lock, default_engine_cache_dir
 from embedfleet.runtime.engines.int8_cpu import (
+    INSTALL_HINT,
     MANIFEST,
     RECIPE,
     STRESS_TEXTS,
@@ -46,6 +47,7 @@ from embedfleet.runtime.engines.int8_cpu import (
     no_telemetry,
     quantize_module,
     read_cached,
+    refusal,
     unrelated_passages,
 )
 from embedfleet.runtime.engines.quality_gate import (
@@ -355,6 +357,9 @@ def build_int8_scoring_engine(spec: ModelSpec, *, num_threads: int, strict: bool
                               calibration: Calibration | None = None) -> Int8ScoringEngine | TorchEngine:
     """The int8 engine if the gate passes; otherwise Int8Rejected (strict) or the float32 torch engine,
     whose `int8_gate` carries the refused measurement. Cached by model digest like the embedders' build."""
+    why = refusal(spec, "cpu")
+    if why:
+        raise Int8Rejected(why)
     if spec.task not in ("rerank", "classify"):
         raise Int8Rejected(f"{spec.name} is a {spec.task} model; the scoring gate judges rerankers and classifiers")
     try:
@@ -362,8 +367,6 @@ def build_int8_scoring_engine(spec: ModelSpec, *, num_threads: int, strict: bool
         import nncf
         import openvino as ov
     except ImportError as exc:
-        from embedfleet.runtime.engines.int8_cpu import INSTALL_HINT
-
         raise EngineError(f"{INSTALL_HINT} ({exc})") from None
     calibration = calibration or scoring_calibration(spec.task)
     key = CacheKey(spec.digest, f"{SCORING_RECIPE}-{spec.task}", ov.__version__, nncf.__version__,
