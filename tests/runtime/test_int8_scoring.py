@@ -223,3 +223,39 @@ def test_a_real_server_refuses_to_start_on_a_reranker_int8_damages(models: dict[
     assert srv.proc.wait(timeout=120) != 0
     log = srv.log()
     assert "int8 refused for rerank" in log and "min Spearman" in log and "--no-int8-strict" in log
+
+
+def test_a_real_server_classifies_on_the_int8_engine(models: dict[str, Path], cache: Path, runtime_factory) -> None:
+    spec = load_spec(models["classify"])
+    engine = build_int8_scoring_engine(spec, num_threads=THREADS, cache_root=cache / "classify")
+    srv = runtime_factory("--model", str(models["classify"]), "--dtype", "int8",
+                          "--engine-cache-dir", str(cache / "classify"))
+    texts = ["padding must never leak into the result", "a", "the quick brown fox " * 20]
+    with srv.client() as c:
+        card = c.get("/v1/models").raise_for_status().json()["data"][0]
+        body = c.post("/classify", json={"input": texts}).raise_for_status().json()
+    assert card["dtype"] == "int8" and card["int8_label_agreement"] == pytest.approx(engine.int8_gate.label_agreement)
+    assert card["int8_max_prob_diff"] == pytest.approx(engine.int8_gate.max_prob_diff)
+    assert card["int8_min_spearman"] is None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(spec.path / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(max_length=spec.max_length)
+    probs = int8_scoring.softmax(engine.classify([e.ids for e in tok.encode_batch(texts)]))
+    labels = ["negative", "neutral", "positive"]
+    for row, item in zip(probs, body["data"], strict=True):
+        got = {ls["label"]: ls["score"] for ls in item["labels"]}
+        assert item["label"] == labels[int(row.argmax())]
+        assert all(got[labels[k]] == pytest.approx(row[k], abs=1e-5) for k in range(3))
+
+
+def test_a_real_server_serves_float32_when_told_to_on_a_refused_reranker(models: dict[str, Path], cache: Path,
+                                                                        runtime_factory) -> None:
+    srv = runtime_factory("--model", str(models["damaged"]), "--dtype", "int8", "--no-int8-strict",
+                          "--engine-cache-dir", str(cache / "damaged"))
+    with srv.client() as c:
+        card = c.get("/v1/models").raise_for_status().json()["data"][0]
+        c.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"]}).raise_for_status()
+    assert card["dtype"] == "float32" and card["requested_dtype"] == "int8"
+    assert card["int8_min_spearman"] < int8_scoring.MIN_SPEARMAN
