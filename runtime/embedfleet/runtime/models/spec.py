@@ -134,18 +134,45 @@ def _pooling_from_config(cfg: dict) -> Pooling:
     raise ModelDirError(f"unsupported pooling configuration: {cfg}")
 
 
-def directory_digest(path: Path) -> str:
-    """A cheap identity for the weights: sha256 over file names, sizes and config contents.
+#: Files up to this size are hashed whole (configs, tokenizers, vocabularies, small weights).
+WHOLE_FILE_BYTES = 4 << 20
+#: Larger files (weights) are hashed in this many windows, evenly spaced from the first byte to the last.
+SAMPLE_WINDOWS = 64
+SAMPLE_BYTES = 64 << 10
 
-    Hashing gigabytes at every start-up would be slow; the operator's cache verifies full content.
+
+def _sampled(p: Path, size: int) -> bytes:
+    """SAMPLE_WINDOWS windows of SAMPLE_BYTES spread over the file, the first and the last included."""
+    h = hashlib.sha256()
+    step = (size - SAMPLE_BYTES) / (SAMPLE_WINDOWS - 1)
+    with p.open("rb") as f:
+        for i in range(SAMPLE_WINDOWS):
+            f.seek(int(i * step))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.digest()
+
+
+def directory_digest(path: Path) -> str:
+    """A cheap identity for the weights: sha256 over file names, sizes and contents, large files sampled.
+
+    It keys what must never be shared between different weights: the default vector space
+    (``weights-<digest>``), the Redis vector cache and the int8/TensorRT-LLM engine builds. A fine-tune of
+    a base model has the same file names, sizes and configs, so contents must count; hashing gigabytes
+    at every start-up would be slow, so files above ``WHOLE_FILE_BYTES`` are read in 64 windows of 64 KiB
+    (4 MiB a file) spread from the first byte to the last: weights that differ in more than a few scattered
+    bytes differ here. The operator's cache verifies full contents where weights are downloaded. Hidden
+    files and folders are left out.
     """
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(path)).encode())
-            h.update(str(p.stat().st_size).encode())
-            if p.suffix == ".json" and p.stat().st_size < 1_000_000:
-                h.update(p.read_bytes())
+        relative = p.relative_to(path)
+        # Hidden entries are bookkeeping, not weights: the node cache's markers and its record of where and
+        # how fast the weights came (different on every node), a hub download's .cache/ metadata.
+        if p.is_file() and not any(part.startswith(".") for part in relative.parts):
+            size = p.stat().st_size
+            h.update(str(relative).encode())
+            h.update(str(size).encode())
+            h.update(p.read_bytes() if size <= WHOLE_FILE_BYTES else _sampled(p, size))
     return "sha256:" + h.hexdigest()
 
 
