@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,6 +95,18 @@ def repeated_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return best
 
 
+def _load(loader: Any, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The model with PyTorch's fused attention (SDPA) where transformers has it for the architecture, else
+    its eager attention: MPNet (all-mpnet-base-v2) has no SDPA path in transformers and would not load."""
+    try:
+        return loader.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa", local_files_only=True)
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc) and "sdpa" not in str(exc).lower():
+            raise
+        log.info("%s has no SDPA attention in transformers; loading its eager attention", path.name)
+        return loader.from_pretrained(str(path), dtype=dtype, attn_implementation="eager", local_files_only=True)
+
+
 class TorchEngine:
     int8_gate: GateResult | None = None  # set by engines/int8_cpu.py when int8 was refused and float32 serves
 
@@ -124,9 +138,7 @@ class TorchEngine:
         self.fp8_gate: GateResult | None = None
         loader = {"embed": AutoModel, "multivector": AutoModel, "sparse": AutoModelForMaskedLM}.get(
             spec.task, AutoModelForSequenceClassification)
-        self.model = loader.from_pretrained(
-            str(spec.path), dtype=self.dtype, attn_implementation="sdpa", local_files_only=True,
-        ).to(self.device).eval()
+        self.model = _load(loader, spec.path, self.dtype).to(self.device).eval()
         if spec.task not in ENCODER_TASKS and self.model.config.pad_token_id is None:
             # decoder classifiers find each row's last token through the pad id
             self.model.config.pad_token_id = spec.pad_token_id

@@ -188,7 +188,7 @@ def load_spec(path: Path, served_name: str | None = None, task: Task | None = No
     pooling: Pooling = "last" if is_decoder else "mean"
     normalize = is_decoder
     max_length = int(config.get("max_position_embeddings") or 512)
-    if model_type in {"roberta", "xlm-roberta", "camembert"}:
+    if model_type in {"roberta", "xlm-roberta", "camembert", "mpnet"}:
         max_length -= 2  # positions are offset by padding_idx + 1
 
     architectures = tuple(config.get("architectures") or ())
