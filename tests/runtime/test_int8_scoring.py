@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedfleet.runtime.engines import int8_scoring
+from embedfleet.runtime.engines import int8_cpu, int8_scoring
 from embedfleet.runtime.engines.int8_cpu import Int8Rejected, build_int8_engine
 from embedfleet.runtime.engines.int8_scoring import (
     Int8ScoringEngine,
@@ -185,6 +185,7 @@ def test_a_second_start_reuses_the_build(models: dict[str, Path], cache: Path,
 
     monkeypatch.setattr(int8_scoring, "quantize_module", forbidden)
     monkeypatch.setattr(int8_scoring, "TorchEngine", forbidden)
+    monkeypatch.setattr(int8_cpu, "TorchEngine", forbidden)  # where the shared build_once loads float32
     again = build_int8_scoring_engine(spec, num_threads=THREADS, cache_root=cache / "kept")
     assert isinstance(again, Int8ScoringEngine) and again.int8_gate == first.int8_gate
 

@@ -34,6 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,28 @@ def read_cached(path: Path, key: CacheKey) -> dict[str, Any] | None:
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     return manifest if manifest.get("key") == asdict(key) and (path / "model.xml").exists() else None
+
+
+Built = tuple[dict[str, Any], Path, "TorchEngine | None"]
+
+
+def build_once(spec: ModelSpec, key: CacheKey, cache_root: Path | None, num_threads: int,
+               build: Callable[[TorchEngine, Path], dict[str, Any]]) -> Built:
+    """The int8 build `key` names, made by `build(float32 engine, folder)` only when no complete one is cached:
+    replicas starting together on one node take the build lock, so one builds and the others wait and read
+    its result. Returns (its manifest, its folder, the float32 engine when this call built it)."""
+    path = cache_path(Path(cache_root or default_engine_cache_dir(spec.path)), key)
+    manifest = read_cached(path, key)
+    fp32: TorchEngine | None = None
+    if manifest is None:
+        with build_lock(path):
+            manifest = read_cached(path, key)
+            if manifest is None:
+                fp32 = TorchEngine(spec, dtype="float32", num_threads=num_threads)
+                manifest = build(fp32, path)
+    if fp32 is None:
+        log.info("%s: int8 build reused from %s", spec.name, path)
+    return manifest, path, fp32
 
 
 class _Pooled(torch.nn.Module):
@@ -332,17 +355,8 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
 
     calibration = calibration or int8_calibration()
     key = CacheKey(spec.digest, RECIPE, ov.__version__, nncf.__version__, calibration_digest(calibration))
-    path = cache_path(Path(cache_root or default_engine_cache_dir(spec.path)), key)
-    manifest = read_cached(path, key)
-    fp32: TorchEngine | None = None
-    if manifest is None:
-        with build_lock(path):  # replicas starting together on one node build once, the others wait
-            manifest = read_cached(path, key)
-            if manifest is None:
-                fp32 = TorchEngine(spec, dtype="float32", num_threads=num_threads)
-                manifest = _build(fp32, spec, key, path, calibration, num_threads)
-    if fp32 is None:
-        log.info("%s: int8 build reused from %s", spec.name, path)
+    manifest, path, fp32 = build_once(
+        spec, key, cache_root, num_threads, lambda fp32, path: _build(fp32, spec, key, path, calibration, num_threads))
     gate = _gate_of(manifest, min_cosine)
     summary = gate.summary().replace("fp8", "int8", 1)
     if gate.passed:

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
-from embedfleet.runtime.engines.cache_dir import build_lock, default_engine_cache_dir
 from embedfleet.runtime.engines.int8_cpu import (
     INSTALL_HINT,
     MANIFEST,
@@ -42,11 +41,10 @@ from embedfleet.runtime.engines.int8_cpu import (
     STRESS_TEXTS,
     CacheKey,
     Int8Rejected,
-    cache_path,
+    build_once,
     int8_calibration,
     no_telemetry,
     quantize_module,
-    read_cached,
     refusal,
     unrelated_passages,
 )
@@ -371,17 +369,8 @@ def build_int8_scoring_engine(spec: ModelSpec, *, num_threads: int, strict: bool
     calibration = calibration or scoring_calibration(spec.task)
     key = CacheKey(spec.digest, f"{SCORING_RECIPE}-{spec.task}", ov.__version__, nncf.__version__,
                    calibration_digest(calibration))
-    path = cache_path(Path(cache_root or default_engine_cache_dir(spec.path)), key)
-    manifest = read_cached(path, key)
-    fp32: TorchEngine | None = None
-    if manifest is None:
-        with build_lock(path):  # replicas starting together on one node build once, the others wait
-            manifest = read_cached(path, key)
-            if manifest is None:
-                fp32 = TorchEngine(spec, dtype="float32", num_threads=num_threads)
-                manifest = _build(fp32, spec, key, path, calibration, num_threads)
-    if fp32 is None:
-        log.info("%s: int8 build reused from %s", spec.name, path)
+    manifest, path, fp32 = build_once(
+        spec, key, cache_root, num_threads, lambda fp32, path: _build(fp32, spec, key, path, calibration, num_threads))
     gate = judge(manifest["figures"])
     if gate.passed:
         log.info("%s: %s", spec.name, gate.summary())
