@@ -224,3 +224,11 @@ def test_the_heartbeat_carries_a_measurement_and_never_removes_one() -> None:
     assert json.loads(text)[0]["perReplica"] == 123.456
     # Without one, the beat's merge patch leaves the annotation as it is (no null that would remove it).
     assert THROUGHPUT_ANNOTATION not in lease_body("ns", "me", 30, [], None)["metadata"]["annotations"]
+
+
+@given(st.floats(min_value=1e-300, max_value=1e300, allow_nan=False, allow_infinity=False))
+def test_a_written_figure_reads_back_within_a_part_in_a_hundred_thousand(rate: float) -> None:
+    # Any rate, however slow: rounding to decimal places once turned 0.0019 into 0.002, a 5% "change" the spoke
+    # rewrote on every beat.
+    [(_, _, back)] = parse(annotation([("m", "cpu", rate)]))
+    assert math.isclose(back, rate, rel_tol=1e-5)

@@ -62,8 +62,10 @@ def parse(annotation: str | None) -> list[tuple[str, str, float]]:
 
 
 def annotation(entries: list[tuple[str, str, float]]) -> str:
-    """The annotation a spoke writes for its measurements (the inverse of `parse`)."""
-    return json.dumps([{"model": m, "resource": r, "perReplica": round(v, 3)} for m, r, v in sorted(entries)],
+    """The annotation a spoke writes for its measurements (the inverse of `parse`). Figures keep six
+    significant digits, not decimal places: a slow model's rate (0.0019 inputs/s) must read back within a
+    fraction of a percent, or the spoke would see its own write as a change and rewrite it every beat."""
+    return json.dumps([{"model": m, "resource": r, "perReplica": float(f"{v:.6g}")} for m, r, v in sorted(entries)],
                       separators=(",", ":"))
 
 
