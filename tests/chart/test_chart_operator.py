@@ -115,14 +115,16 @@ WORKLOAD_RIGHTS = (
        for r in _crud(kind, "get list watch create patch delete")}
     | _crud("servicemonitors.monitoring.coreos.com", "get list create patch delete")
     | _crud("pods", "list watch")
+    | _crud("pods/eviction", "create")  # spec.spot: a spot pod on a node being reclaimed drains
     | _crud("events", "create")
     | _crud("secrets", "get")  # a tenant's apiKeySecret: its labels only (PartialObjectMetadata)
 )
 KOPF_RIGHTS = _crud("customresourcedefinitions.apiextensions.k8s.io", "get list watch")
 
 
-#: Cache status: cachedNodes/totalNodes are counted from the node agents' labels (read only).
-NODE_READ = _crud("nodes", "list")
+#: Cache status: cachedNodes/totalNodes are counted from the node agents' labels; spec.spot watches which
+#: nodes are spot and being reclaimed (read only).
+NODE_READ = _crud("nodes", "list watch")
 #: The node agent's identity (its own ServiceAccount in the release namespace), and nobody else's.
 NODE_AGENT_RIGHTS = (_crud("nodes", "get patch") | _crud("embeddingdeployments.embedfleet.dev", "list watch")
                      | _crud("modelcaches.embedfleet.dev", "list watch"))

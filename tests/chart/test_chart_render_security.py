@@ -67,7 +67,8 @@ def test_the_operator_never_reads_secrets_or_writes_nodes_outside_the_hub() -> N
         tables = _rules(objects)
         granted = {key: verbs for r in operator_roles for key, verbs in tables[r].items()}
         assert granted.get(("", "secrets"), set()) <= {"get"}  # labels of an apiKeySecret, as metadata only
-        assert granted.get(("", "nodes"), set()) == {"list"}  # cache status: read the agents' labels
+        # cache status (the agents' labels) and spec.spot (which nodes are spot, which are reclaimed): read only
+        assert granted.get(("", "nodes"), set()) == {"list", "watch"}
         assert ("ClusterRole", "embedfleet-cache-puller") not in tables
         # The node agent is the one identity with a node write, and holds nothing else.
         assert tables[("ClusterRole", "embedfleet-node-agent")] == {

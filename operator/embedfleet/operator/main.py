@@ -34,7 +34,7 @@ from embedfleet.operator.health import HealthServer, ServedResources, loop_respo
 #: the hub only places deployments on spokes (hub/controller.py), never pods of its own.
 _LOCAL = ("embedfleet.operator.handlers.settings", "embedfleet.operator.handlers.embedding",
           "embedfleet.operator.handlers.model_cache", "embedfleet.operator.handlers.autoscale_daemon",
-          "embedfleet.operator.handlers.cold_start")
+          "embedfleet.operator.handlers.cold_start", "embedfleet.operator.handlers.spot")
 ROLE_HANDLERS: dict[str, tuple[str, ...]] = {
     "standalone": _LOCAL,
     "spoke": (*_LOCAL, "embedfleet.operator.spoke.handlers"),

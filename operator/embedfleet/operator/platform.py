@@ -24,8 +24,10 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
+
+from embedfleet.operator import spot
 
 ENV = "EMBEDFLEET_PLATFORM_POLICY"
 #: The runtime image of deployments that name none (chart values runtimeImage.repository and .tag).
@@ -73,6 +75,41 @@ class SecretRules(_Camel):
     )
 
 
+class SpotTaint(_Camel):
+    key: str = Field(min_length=1, max_length=253)
+    value: str = Field(default="", max_length=63)
+
+
+class SpotRules(_Camel):
+    """spec.spot's view of the nodes (docs/spot.md): the platform's, never a tenant's. A list given here
+    replaces the built-in one; an empty one (the chart's default) is the built-in one."""
+
+    node_labels: dict[str, str] = Field(
+        default_factory=lambda: dict(spot.SPOT_NODE_LABELS),
+        description="A node carrying any one of these labels (key: value) is spot.",
+    )
+    taints: list[SpotTaint] = Field(
+        default_factory=lambda: [SpotTaint(key=k, value=v) for k, v in spot.SPOT_TAINTS],
+        description="NoSchedule taints of spot pools; spot pods tolerate them (key=value).",
+    )
+    reclaim_taints: list[str] = Field(
+        default_factory=lambda: list(spot.RECLAIM_TAINTS),
+        description="Node taint keys that announce a reclaim (a termination notice) or a removal.",
+    )
+
+    @field_validator("node_labels", "taints", "reclaim_taints", mode="before")
+    @classmethod
+    def _empty_is_built_in(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            return value
+        return {"node_labels": dict(spot.SPOT_NODE_LABELS),
+                "taints": [{"key": k, "value": v} for k, v in spot.SPOT_TAINTS],
+                "reclaim_taints": list(spot.RECLAIM_TAINTS)}[str(info.field_name)]
+
+    def taint_pairs(self) -> tuple[tuple[str, str], ...]:
+        return tuple((t.key, t.value) for t in self.taints)
+
+
 class PlatformPolicy(_Camel):
     allowed_images: list[str] = Field(
         default_factory=lambda: [DEFAULT_IMAGE_PREFIX],
@@ -86,6 +123,11 @@ class PlatformPolicy(_Camel):
     cache_root: str = Field(default=DEFAULT_CACHE_ROOT, pattern=r"^/[^\s]*[^/\s]$|^/$")
     allow_control_plane: bool = Field(
         default=False, description="May runtime pods and caches target control-plane nodes?"
+    )
+    spot: SpotRules = Field(
+        default_factory=SpotRules, exclude=True,
+        description="Which nodes are spot and what announces a reclaim; not part of the rules a spoke "
+        "publishes to its hub (a hub of another version reads them).",
     )
     runtime_image: str | None = Field(
         default=None,

@@ -22,6 +22,7 @@ from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema
 
 from embedfleet.operator.crd.base import CamelModel
 from embedfleet.operator.crd.schedule import Schedule
+from embedfleet.operator.crd.spot import SpotSpec, SpotStatus
 
 #: The schema checks the scheme only; embedfleet.operator.validate checks each scheme's shape with a message.
 MODEL_SOURCE_PATTERN = r"^(hf|s3|gs|https?|file|pvc)://\S+$"
@@ -441,6 +442,7 @@ class EmbeddingDeploymentSpec(CamelModel):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     cache: CacheSpec = Field(default_factory=CacheSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    spot: SpotSpec | None = Field(default=None, description="Spot capacity with on-demand fallback (docs/spot.md).")
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     compatibility: Compatibility = Field(
         default="compatible",
@@ -575,6 +577,7 @@ class EmbeddingDeploymentStatus(CamelModel):
     image: str | None = Field(
         default=None, description="The image the runtime Deployment runs (spec.runtime.image or the platform's)."
     )
+    spot: SpotStatus | None = None
 
 
 class ModelCacheSpec(CamelModel):

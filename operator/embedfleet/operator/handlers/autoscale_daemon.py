@@ -73,6 +73,7 @@ from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.gateway_signal import POD_LABELS as GATEWAY_POD_LABELS
 from embedfleet.operator.gateway_signal import GatewayReading, gateway_port, gateway_targets, read_gateways
+from embedfleet.operator.handlers import spot as spot_handlers
 from embedfleet.operator.handlers.embedding import refresh_status
 from embedfleet.operator.kube import Kube, KubeError
 from embedfleet.operator.render import runtime_name
@@ -479,8 +480,8 @@ def _apply(name: str, namespace: str, body: dict[str, Any], decision: Decision, 
     if decision.changed and "replicas" in update and live_desired is not None:
         _await_visible(live_desired, decision.replicas, f"{namespace}/{name}")
     if decision.changed:
-        scale = {"spec": {"replicas": decision.replicas}}
-        KUBE.patch_merge("Deployment", runtime_name(name), namespace, scale)
+        spot_spec = check(name, dict(body["spec"]))[0] if (body.get("spec") or {}).get("spot") else None
+        spot_handlers.resize(name, namespace, body, spot_spec, decision.replicas)
         record_event(body, "Scaled", explain(decision, now))
         spec_replicas = (body.get("spec") or {}).get("replicas")
         if decision.replicas == 0 and spec_replicas not in (None, 0):
@@ -555,7 +556,8 @@ async def autoscale(
                         if schedule is not None and opened else "no window open")
             state.schedule_open = opened
         try:
-            deployment = next(iter(runtime_deployments.get((namespace, name), [])), None)
+            deployment = spot_handlers.autoscaler_view(runtime_deployments.get((namespace, name), []), name,
+                                                       parsed, body.get("status"))
             pods = list(runtime_pods.get((namespace, name), []))
             gateways = list(gateway_pods.get("gateways", []))
             decision = await asyncio.to_thread(

@@ -32,7 +32,7 @@ from typing import Any
 
 import kopf
 
-from embedfleet.operator import platform
+from embedfleet.operator import platform, spot
 from embedfleet.operator import status as st
 from embedfleet.operator.autoscale_target import DEPRECATION_REASON, of_parsed
 from embedfleet.operator.crd import naming
@@ -227,7 +227,8 @@ def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec,
                        cache_root=POLICY.cache_root, allow_control_plane=POLICY.allow_control_plane,
                        autoscaler_desired=autoscaler_desired, service_monitor_available=service_monitor,
                        platform_env=RUNTIME_TRACING, runs=runs, query_vector_space=query_space,
-                       default_image=POLICY.runtime_image)
+                       default_image=POLICY.runtime_image, spot_status=(obj.get("status") or {}).get("spot"),
+                       spot_rules=POLICY.spot)
     return effective_replicas(parsed, autoscaler_desired), manifests
 
 
@@ -335,7 +336,7 @@ def converge(
         # Written here, directly, never through kopf's patch: kopf applies its patch later with a
         # resourceVersion precondition and retries it when that fails, so a stale status from this
         # handler could land after (and undo) a newer one written by an owned-object event.
-        deployment = KUBE.get("Deployment", runtime_name(name), namespace)
+        deployment = _observed(name, namespace, parsed)
         wanted = wanted_status(name, namespace, parsed, status, generation, desired, deployment, plan)
         update = st.status_patch(status, wanted)
         if update:
@@ -424,7 +425,8 @@ def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, log
         return
     if kind not in ("Deployment", "DaemonSet"):
         return
-    if kind == "Deployment" and (name != runtime_name(owner_name) or _rollout_moving(owner.get("status"))):
+    serving = (runtime_name(owner_name), spot.spot_name(runtime_name(owner_name)))
+    if kind == "Deployment" and (name not in serving or _rollout_moving(owner.get("status"))):
         # A candidate's or side revision's pods became ready (the gate reads them now), or the primary
         # rolled on during a promotion (the old revision retires once it has).
         converge(owner, logger, prune=False)
@@ -435,12 +437,20 @@ def owned_changed(body: kopf.Body, event: Mapping[str, Any], namespace: str, log
         status = _fresh_status(owner)
         # Read, not the event's body: an event can be older than what a converge just read and wrote,
         # and status from it would flap (ready 1 -> 0 -> 1).
-        observed = KUBE.get("Deployment", runtime_name(owner_name), namespace)
+        observed = _observed(owner_name, namespace, parsed)
         update = st.status_patch(status, wanted_status(owner_name, namespace, parsed, status,
                                                        owner["metadata"].get("generation"), desired, observed))
         if update:
             KUBE.patch_status(KIND, owner_name, namespace, update)
             announce_deprecation(owner, status, update)
+
+
+def _observed(name: str, namespace: str, parsed: EmbeddingDeploymentSpec) -> Any:
+    """The runtime Deployment as status reads it: with spot, both sides as one (`spot.combined`)."""
+    deployment = KUBE.get("Deployment", runtime_name(name), namespace)
+    if parsed.spot is None:
+        return deployment
+    return spot.combined(deployment, KUBE.get("Deployment", spot.spot_name(runtime_name(name)), namespace))
 
 
 def refresh_status(name: str, namespace: str) -> None:
@@ -458,7 +468,7 @@ def refresh_status(name: str, namespace: str) -> None:
             return
         status = owner.get("status") or {}
         desired = effective_replicas(parsed, _autoscaler_desired(status))
-        observed = KUBE.get("Deployment", runtime_name(name), namespace)
+        observed = _observed(name, namespace, parsed)
         update = st.status_patch(status, wanted_status(name, namespace, parsed, status,
                                                        owner["metadata"].get("generation"), desired, observed))
         if update:

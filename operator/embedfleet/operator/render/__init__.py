@@ -22,8 +22,11 @@ Every name other code uses is re-exported here: import from ``embedfleet.operato
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+from embedfleet.operator import spot
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
+from embedfleet.operator.platform import SpotRules
 from embedfleet.operator.render.common import (
     CONFIG_HASH_ANNOTATION,
     RUNTIME_UID,
@@ -106,6 +109,7 @@ __all__ = [
     "selector_labels",
     "selector_string",
     "spec_for",
+    "spot_split",
 ]
 
 
@@ -123,6 +127,8 @@ def render(
     runs: Sequence[Run] | None = None,
     query_vector_space: str | None = None,
     default_image: str | None = None,
+    spot_status: Mapping[str, Any] | None = None,
+    spot_rules: SpotRules | None = None,
 ) -> list[Manifest]:
     """Every object one EmbeddingDeployment needs, in apply order (config before its consumers).
 
@@ -132,16 +138,24 @@ def render(
     ``default_image`` is the platform's runtime image for a spec that names none.
     ``runs`` are the revisions to run (rollout.revisions.decide; default: the spec as r1), the primary
     first, and ``query_vector_space`` the one the main Service selects (default: the primary's).
+    With ``spec.spot`` the primary revision runs as an on-demand and a spot Deployment, split as
+    ``spot_status`` (the spot daemon's last ``status.spot``) says for this total (`spot_split`), on the
+    nodes ``spot_rules`` (the platform's) call spot.
     """
     runs = list(runs or default_runs(spec))
     primary = next(r for r in runs if r.primary)
     config = render_config_map(name, namespace, uid, spec, platform_env, primary)
     replicas = effective_replicas(spec, autoscaler_desired)
+    deployments = [render_deployment(name, namespace, uid, spec, replicas, content_hash(config["data"]),
+                                     cache_root=cache_root, allow_control_plane=allow_control_plane, run=primary,
+                                     default_image=default_image)]
+    if spec.spot is not None:
+        rules = spot_rules or SpotRules()
+        deployments = list(spot.render_pair(deployments[0], spot_split(spec, replicas, spot_status),
+                                            rules.node_labels, rules.taint_pairs()))
     out = [
         config,
-        render_deployment(name, namespace, uid, spec, replicas, content_hash(config["data"]),
-                          cache_root=cache_root, allow_control_plane=allow_control_plane, run=primary,
-                          default_image=default_image),
+        *deployments,
         render_service(name, namespace, uid, spec, query_vector_space or primary.vector_space),
         render_pdb(name, namespace, uid),
     ]
@@ -158,3 +172,16 @@ def render(
     if spec.monitoring.service_monitor and service_monitor_available:
         out.append(render_service_monitor(name, namespace, uid, spec))
     return out
+
+
+def spot_split(spec: EmbeddingDeploymentSpec, total: int, spot_status: Mapping[str, Any] | None) -> spot.Split:
+    """The split to render: the spot daemon's, while it was made for this total; otherwise with as many
+    stand-ins as it last kept (none recorded: every spot replica, since none has served yet)."""
+    assert spec.spot is not None
+    cap = spot.spot_cap(total, spec.spot.max)
+    fallback = spec.spot.fallback == "onDemand"
+    recorded = spot_status or {}
+    if recorded.get("total") == total and recorded.get("spot") == cap:
+        return spot.Split(total, cap, int(recorded.get("onDemand") or 0), int(recorded.get("fallback") or 0))
+    stand_ins = int(recorded["fallback"]) if "fallback" in recorded else cap
+    return spot.split(total, cap, stand_ins, fallback)
