@@ -30,6 +30,7 @@ from embedfleet.operator.scheduling import (
     Taint,
     Toleration,
 )
+from embedfleet.operator.scheduling.model import WARM_ROLE
 
 #: Label on every object the hub writes to a spoke; its value is the FleetCluster name.
 HUB_MANAGED_LABEL = "embedfleet.dev/hub-managed"
@@ -182,14 +183,19 @@ def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlace
         waves.apply_pin(spec, annotations, pin)
     auto = dict(spec.get("autoscaling") or {})
     rng = share.range
-    if auto.get("enabled", True):
+    if share.role == WARM_ROLE:
+        # Weights only: no replica, so no GPU held; the node agents pre-pull (spec.cache.prePull). A failover
+        # gives this copy a share, and its autoscaling back.
+        auto["enabled"] = False
+        spec["replicas"] = 0
+    elif auto.get("enabled", True):
         auto["minReplicas"] = rng.min
         auto["maxReplicas"] = max(1, rng.max)
         spec.pop("replicas", None)
     else:
         spec["replicas"] = rng.desired
     spec["autoscaling"] = auto
-    if share.resource != "cpu":
+    if share.resource not in ("cpu", ""):
         runtime = dict(spec.get("runtime") or {})
         runtime["gpu"] = {**dict(runtime.get("gpu") or {}), "type": share.resource}
         spec["runtime"] = runtime

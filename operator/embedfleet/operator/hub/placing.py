@@ -203,7 +203,7 @@ class Placing:
             live = view.copies.get(key)
             if live is not None and (live.get("metadata") or {}).get("deletionTimestamp"):
                 continue  # still being deleted on the spoke (its operator's finalizer); created again after
-            share = placement.clusters.get(name) if placement.accepted else None
+            share = placement.share(name, view.region)
             if share is None:
                 if view.link is not None:
                     view.link.refused.pop(key, None)

@@ -56,7 +56,7 @@ class Reporter:
         failures: dict[str, str] = {}
         unavailable: dict[str, str] = {}
         for name, view in sorted(views.items()):
-            share = placement.clusters.get(name) if placement.accepted else None
+            share = placement.share(name, view.region)
             if view.copies is not None and not view.skipped:
                 outcome = outcomes.get(name, {}).get(key)
                 refused = view.link.refused.get(key) if view.link is not None else None

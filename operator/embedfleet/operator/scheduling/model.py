@@ -154,6 +154,10 @@ class ReplicaRange:
     max: int
 
 
+#: `ClusterPlacement.role` of an ActivePassive deployment's warm standby (warm.py): a copy with 0 replicas.
+WARM_ROLE = "warm standby"
+
+
 @dataclass(slots=True)
 class ClusterPlacement:
     """One cluster's share and why. ``reasons`` is built on demand: 10,000 deployments need no strings."""
@@ -173,6 +177,8 @@ class ClusterPlacement:
 
     @property
     def reasons(self) -> tuple[str, ...]:
+        if self.role == WARM_ROLE:
+            return (WARM_ROLE, "weights kept on its nodes, no replicas")
         out = [self.role, f"score {self.score:.0f}", f"{self.resource} at ${self.price:.2f}/h"]
         if self.cost is not None:
             out.append(money(self.cost) + ("" if self.measured else " (prior)"))
@@ -194,6 +200,17 @@ class Placement:
     mode: Mode = "ActiveActive"
     target: int = 0
     problems: tuple[str, ...] = ()
+    #: ActivePassive: the standby region's clusters that keep the weights warm with no replica (warm.py).
+    warm: tuple[str, ...] = ()
+
+    def share(self, name: str, region: str = "") -> ClusterPlacement | None:
+        """``name``'s share: its replicas, a warm standby's empty one, or None (nothing to run there)."""
+        if not self.accepted:
+            return None
+        share = self.clusters.get(name)
+        if share is None and name in self.warm:
+            share = ClusterPlacement(ReplicaRange(0, 0, 0), region, "", role=WARM_ROLE)
+        return share
 
     @property
     def placed(self) -> int:

@@ -14,7 +14,8 @@ For each deployment, in key order (deterministic; earlier ones see more free cap
 4. score    order candidates: the points of the plugins in ``scores.SCORES`` (free capacity, cost per
             million embeddings (cost.py), stickiness, cached weights), added up.
 5. select   ActiveActive/RegionLocked: all candidates (or the best ``maxClusters``, regions first);
-            ActivePassive: candidates in the primary regions, else the best-scoring standby region.
+            ActivePassive: candidates in the primary regions, else the best-scoring standby region; while
+            the primary regions serve, the standby region is named to keep the weights warm (warm.py).
 6. divide   Duplicated (each selected cluster runs the target) or Divided (by weight, floors first).
 7. spill    what the caps left unplaced goes to other candidates: first those already running it, then by
             score. Filters are never relaxed, so a region lock holds during failover too.
@@ -47,6 +48,7 @@ from embedfleet.operator.scheduling.model import Cluster, Deployment, Placement,
 from embedfleet.operator.scheduling.pipeline import decide
 from embedfleet.operator.scheduling.policy import Rules, resolve
 from embedfleet.operator.scheduling.shares import Ledger
+from embedfleet.operator.scheduling.warm import warm_standby
 
 DEFAULT_RAMP_SECONDS = 60.0
 #: Nothing measured yet: every cost rests on the prior.
@@ -111,6 +113,7 @@ def _place(
     # deployments that ask for the same are resolved and filtered once.
     known: dict[tuple[object, ...], tuple[Rules | None, str | None, list[str], Group | None]] = {}
     result: dict[str, Placement] = {}
+    passive: list[tuple[Deployment, Group]] = []
     for d in sorted(deployments, key=attrgetter("key")):
         gpu = d.gpus_per_replica > 0
         spoke = SpokePolicy.of(d.refused)
@@ -134,5 +137,10 @@ def _place(
         if spoke is not None and (problems or placed < target):
             problems += _refusals(spoke, rules, gpu, inventory.clusters, group.rejected)
         result[d.key] = Placement(chosen, filtered, True, policy_name, rules.mode, target, tuple(problems))
+        if rules.mode == "ActivePassive":
+            passive.append((d, group))
     ledger.finish()
+    for d, group in passive:  # after every placement: the free capacity a failover would find
+        placement = result[d.key]
+        placement.warm = warm_standby(placement, group, inventory, d.digest)
     return result
