@@ -135,6 +135,40 @@ def test_a_refused_propagation_shows_in_status_and_as_one_event(fleet: Fleet) ->
     _no_unexpected_errors(fleet, spoke_allow={"us": [(403, "patch")]})
 
 
+PASSIVE = ("passive", "ml")  # inline: ActivePassive, primary us-east-1
+
+
+def test_active_passive_keeps_its_standby_region_warm_with_no_replica(fleet: Fleet) -> None:
+    fleet.marks()
+    fleet.hub.apply(embedding(*PASSIVE, replicas=2, cache={"prePull": True},
+                              placement={"mode": "ActivePassive", "primaryRegions": ["us-east-1"]}))
+
+    def warm() -> bool:
+        standby = fleet.copy("eu", *PASSIVE)
+        row = fleet.rows(*PASSIVE).get("eu") or {}
+        return (standby is not None and standby["spec"].get("replicas") == 0
+                and standby["spec"]["autoscaling"]["enabled"] is False
+                and "warm standby" in row.get("reasons", [])
+                and fleet.ready_pods("us", *PASSIVE) == 2 and fleet.ready_pods("eu", *PASSIVE) == 0)
+
+    try:
+        wait_until(warm, 120, "us serving 2, eu holding a warm copy with 0 replicas")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{fleet.hub_object(*PASSIVE).get('status')}\n{fleet.copies(*PASSIVE)}\n"
+                             f"{fleet.logs()}") from exc
+    standby = fleet.copy("eu", *PASSIVE)
+    assert standby["spec"]["cache"]["prePull"] is True
+    assert not (standby["spec"].get("placement") or {}).get("primaryRegions")  # the hub's placement stays there
+    # The spoke runs it as any copy: accepted, nothing to run.
+    conditions = {c["type"]: c for c in (standby.get("status") or {}).get("conditions") or []}
+    assert conditions.get("Accepted", {}).get("status") == "True", standby.get("status")
+    assert fleet.condition(*PASSIVE, "Placed")["status"] == "True"
+    assert fleet.hub_object(*PASSIVE)["status"]["replicas"]["desired"] == 2  # the warm copy adds none
+    fleet.hub.kubectl("delete", "embeddingdeployment", PASSIVE[0], "-n", PASSIVE[1])
+    wait_until(lambda: not fleet.copies(*PASSIVE), 60, "both copies removed with the hub object")
+    _no_unexpected_errors(fleet)
+
+
 def test_a_stopped_spoke_fails_over_and_returns_without_churn(fleet: Fleet) -> None:
     fleet.wait_settled(*LOCKED, {"eu": 2})
     fleet.wait_settled(*SPREAD, {"eu": 2, "us": 2})
