@@ -214,3 +214,19 @@ def test_the_charts_empty_lists_are_the_built_in_ones() -> None:
     rules = platform.SpotRules.model_validate({"nodeLabels": {}, "taints": [], "reclaimTaints": []})
     assert rules == platform.SpotRules()
     assert rules.node_labels == dict(spot.SPOT_NODE_LABELS) and rules.taint_pairs() == spot.SPOT_TAINTS
+
+
+@pytest.mark.parametrize(("fallback", "on_demand", "on_spot", "status", "total"), [
+    ("onDemand", 4, 2, {}, 4),  # nothing recorded: the render stood in for every spot replica
+    ("none", 2, 2, {}, 4),
+    ("onDemand", 3, 2, {"spot": {"total": 4, "fallback": 1}}, 4),
+    ("onDemand", 2, 2, {"spot": {"total": 4, "fallback": 0}}, 4)])
+def test_the_autoscaler_sees_the_total_not_the_stand_ins(fallback: str, on_demand: int, on_spot: int,
+                                                          status: dict, total: int) -> None:
+    from embedfleet.operator.handlers.spot import autoscaler_view
+
+    deps = [{"metadata": {"name": "emb"}, "spec": {"replicas": on_demand}, "status": {"readyReplicas": on_demand}},
+            {"metadata": {"name": "emb-spot"}, "spec": {"replicas": on_spot}, "status": {"readyReplicas": 1}}]
+    view = autoscaler_view(deps, "emb", _spec(fallback=fallback), status)
+    assert view is not None
+    assert view["spec"]["replicas"] == total and view["status"]["readyReplicas"] == on_demand + 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -33,6 +33,8 @@ RESOURCE = (naming.GROUP, naming.VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL)
 KIND = naming.EMBEDDING_DEPLOYMENT_KIND
 #: How often the daemon looks at its views; a reclaim is acted on within one tick.
 TICK_S = 1.0
+#: At most this long a tick waits for its status write to show in kopf's view before resizing.
+STATUS_VISIBLE_WAIT_S = 2.0
 IDLE_RECHECK_S = 5.0
 
 
@@ -67,8 +69,11 @@ def autoscaler_view(deployments: Iterable[Mapping[str, Any]], name: str, spec: E
     recorded = (status or {}).get("spot") or {}
     total = recorded.get("total")
     if total is None:
+        # Nothing recorded yet: the reconcile rendered every spot replica stood in for (on demand = total),
+        # or without fallback the two sides adding up to it (render.spot_split).
         on_demand = _replicas(primary) or 0
-        total = on_demand - int(recorded.get("fallback") or spot.spot_cap(on_demand, spec.spot.max))
+        spot_side = _by_name(deployments, spot.spot_name(runtime_name(name)))
+        total = on_demand if spec.spot.fallback == "onDemand" else on_demand + (_replicas(spot_side) or 0)
     view["spec"] = {**(view.get("spec") or {}), "replicas": max(0, int(total))}
     return view
 
@@ -95,6 +100,16 @@ def _evict(pod: str, namespace: str) -> None:
             raise
 
 
+def _await_visible(live_spot: Callable[[], Any], wanted: Mapping[str, Any]) -> bool:
+    deadline = time.monotonic() + STATUS_VISIBLE_WAIT_S
+    while live_spot() != wanted:
+        if time.monotonic() >= deadline:
+            log.info("status.spot not in the watch after %.0fs; resizing anyway", STATUS_VISIBLE_WAIT_S)
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _autoscaler_total(spec: EmbeddingDeploymentSpec, status: Mapping[str, Any]) -> int:
     desired = (status.get("replicas") or {}).get("desired") if status.get("lastScaleDecision") else None
     return effective_replicas(spec, int(desired) if desired is not None else None)
@@ -102,8 +117,12 @@ def _autoscaler_total(spec: EmbeddingDeploymentSpec, status: Mapping[str, Any]) 
 
 def tick(name: str, namespace: str, body: Mapping[str, Any], spec: EmbeddingDeploymentSpec,
          stand_ins: spot.StandIns, nodes: Mapping[str, spot.NodeView], pods: Iterable[Mapping[str, Any]],
-         deployments: Iterable[Mapping[str, Any]], now: float) -> dict[str, Any] | None:
-    """One round; returns the status.spot it wrote (None when nothing changed)."""
+         deployments: Iterable[Mapping[str, Any]], now: float,
+         live_spot: Callable[[], Any] | None = None) -> dict[str, Any] | None:
+    """One round; returns the status.spot it wrote (None when nothing changed). ``live_spot`` reads
+    status.spot from kopf's live view of the object: the Deployments are resized only once it shows the new
+    split, since a reconcile renders their replicas from that view (a stale one would put them back; the
+    autoscaler's `_apply` waits the same way)."""
     assert spec.spot is not None
     status = dict(body.get("status") or {})
     total = _autoscaler_total(spec, status)
@@ -119,6 +138,8 @@ def tick(name: str, namespace: str, body: Mapping[str, Any], spec: EmbeddingDepl
     if any(recorded.get(k) != v for k, v in wanted.items()):
         KUBE.patch_status(KIND, name, namespace, {"spot": wanted})
         written = wanted
+        if live_spot is not None:
+            _await_visible(live_spot, wanted)
     deployments = list(deployments)
     on_demand = _by_name(deployments, runtime_name(name))
     spot_side = _by_name(deployments, spot.spot_name(runtime_name(name)))
@@ -138,10 +159,17 @@ def tick(name: str, namespace: str, body: Mapping[str, Any], spec: EmbeddingDepl
                   message=f"{seen.serving} of {cap} spot replicas serving: {cut.fallback} on-demand stand-ins "
                           f"remain, {cut.on_demand} on-demand replicas in all")
     ready = int(((on_demand or {}).get("status") or {}).get("readyReplicas") or 0)
-    for pod in spot.to_drain(seen.doomed, ready, cut.on_demand):
+    # One eviction a tick: the PodDisruptionBudget allows one pod down at a time, so a second in the same
+    # tick would only be refused (429); the next tick sees the first one terminating and goes on.
+    for pod in spot.to_drain(seen.doomed, ready, cut.on_demand)[:1]:
         log.info("%s/%s: evicting spot pod %s before its node goes", namespace, name, pod)
         _evict(pod, namespace)
     return written
+
+
+def _live_spot(body: Mapping[str, Any]) -> Any:
+    spot_status = (body.get("status") or {}).get("spot")
+    return dict(spot_status) if isinstance(spot_status, Mapping) else spot_status
 
 
 @kopf.daemon(*RESOURCE, cancellation_timeout=10.0)
@@ -163,7 +191,7 @@ async def spot_capacity(stopped: kopf.DaemonStopped, name: str, namespace: str, 
             await asyncio.to_thread(
                 tick, name, namespace, dict(body), parsed, stand_ins, _node_views(spot_nodes),
                 list(runtime_pods.get((namespace, name), [])), list(runtime_deployments.get((namespace, name), [])),
-                time.monotonic())
+                time.monotonic(), lambda: _live_spot(body))
         except (KubeError, kubernetes.client.ApiException, OSError) as exc:
             logger.warning("spot tick failed, retrying: %s", exc)
         await asyncio.sleep(TICK_S)
