@@ -34,11 +34,18 @@ class GPUCapacitySpec(CamelModel):
     type: str = Field(min_length=1, max_length=63, description="GPU type, e.g. nvidia-h100 (crd/gpus.py).")
     count: int = Field(ge=0, le=1_000_000)
     hourly_price: float = Field(default=0.0, ge=0, description="Price per GPU hour; cheaper scores higher.")
+    spot_hourly_price: float | None = Field(
+        default=None, ge=0,
+        description="Price per GPU hour on this cluster's spot nodes of this type (docs/spot.md); a deployment "
+        "with spec.spot is costed at its mix of spot and on-demand. Unset: no spot pool.",
+    )
 
 
 class CapacitySpec(CamelModel):
     cpu_replicas: int = Field(default=0, ge=0, le=1_000_000, description="CPU-only runtime replicas it can run.")
     cpu_hourly_price: float = Field(default=0.0, ge=0)
+    cpu_spot_hourly_price: float | None = Field(
+        default=None, ge=0, description="Price of a CPU replica slot on spot nodes. Unset: no spot pool.")
     gpus: list[GPUCapacitySpec] = Field(default_factory=list)
 
 

@@ -56,9 +56,10 @@ def cluster_from(
         provider=spec.provider,
         zones=tuple(spec.zones),
         residency=frozenset(spec.residency),
-        gpus=tuple(GPUCapacity(g.type, g.count, g.hourly_price) for g in spec.capacity.gpus),
+        gpus=tuple(GPUCapacity(g.type, g.count, g.hourly_price, g.spot_hourly_price) for g in spec.capacity.gpus),
         cpu_replicas=spec.capacity.cpu_replicas,
         cpu_hourly_price=spec.capacity.cpu_hourly_price,
+        cpu_spot_hourly_price=spec.capacity.cpu_spot_hourly_price,
         available=health.available,
         available_since=health.available_since,
         taints=tuple(Taint(t.key, t.value, t.effect) for t in spec.taints),
@@ -164,7 +165,17 @@ def deployment_from(
         previous=dict(previous),
         running=dict(running or {}),
         refused=dict(refused or {}),
+        spot_share=spot_share(spec, target),
     )
+
+
+def spot_share(spec: EmbeddingDeploymentSpec, target: int) -> float:
+    """The share of ``target`` replicas spec.spot lets run on spot nodes (0 without it)."""
+    if spec.spot is None:
+        return 0.0
+    if isinstance(spec.spot.max, str):
+        return int(spec.spot.max.rstrip("%")) / 100
+    return min(1.0, spec.spot.max / max(1, target))
 
 
 def spoke_manifest(hub_obj: Mapping[str, Any], cluster: str, share: ClusterPlacement,

@@ -17,9 +17,10 @@ NOT_SELECTED = "not selected"
 
 
 def _where(name: str, c: ClusterPlacement) -> str:
+    resource = f"spot {c.resource} up to {c.spot:.0%}" if c.spot else c.resource
     if c.cost is None:
-        return f"{name} ({c.resource}, ${c.price:.2f}/h)"
-    return f"{name} ({c.resource}, {money(c.cost)}{'' if c.measured else ' prior'})"
+        return f"{name} ({resource}, ${c.price:.2f}/h)"
+    return f"{name} ({resource}, {money(c.cost)}{'' if c.measured else ' prior'})"
 
 
 def placement_line(placement: Placement) -> str:

@@ -45,8 +45,11 @@ class Inventory:
     digests: dict[str, np.ndarray]
     #: Measured throughput for the cost ranking (None: rank by hourly price alone).
     throughput: Throughput | None = None
-    #: (group id, model, units per replica) -> its candidates' `Costs` (filled as they come up).
-    costs: dict[tuple[int, str, int], Costs] | None = None
+    #: (group id, model, units per replica, spot share) -> its candidates' `Costs` (filled as they come up).
+    costs: dict[tuple[int, str, int, float], Costs] | None = None
+    #: Hourly price of one unit on each pool's spot nodes, same layout; NaN where none is declared (None: no
+    #: cluster declares one, the common case, which then costs nothing more).
+    spot_price: np.ndarray | None = None
 
     @classmethod
     def of(cls, clusters: tuple[Cluster, ...], now: float, ramp_seconds: float,
@@ -57,7 +60,12 @@ class Inventory:
         column = {r: j for j, r in enumerate(resources)}
         capacity = np.zeros((len(clusters), len(resources)), dtype=np.int64)
         price = np.zeros((len(clusters), len(resources)))
+        spot = np.full((len(clusters), len(resources)), np.nan)
         for i, c in enumerate(clusters):
+            for t in {g.type for g in c.gpus if g.spot_hourly_price is not None} - {CPU}:
+                spot[i, column[t]] = c.spot_price(t)
+            if c.cpu_spot_hourly_price is not None:
+                spot[i, 0] = c.cpu_spot_hourly_price
             for g in c.gpus:
                 if g.type != CPU:
                     capacity[i, column[g.type]] += g.count
@@ -67,7 +75,8 @@ class Inventory:
             price[i, 0] = c.cpu_hourly_price
         ramp = tuple(_ramp_fraction(c, now, ramp_seconds) for c in clusters)
         return cls(clusters, {c.name: i for i, c in enumerate(clusters)}, resources, column, capacity.ravel(),
-                   price.ravel(), capacity.ravel().copy(), ramp, {}, throughput, {})
+                   price.ravel(), capacity.ravel().copy(), ramp, {}, throughput, {},
+                   spot.ravel() if not np.isnan(spot).all() else None)
 
     def cached(self, digest: str) -> np.ndarray:
         """Per cluster: does it report these weights cached?"""
@@ -77,22 +86,34 @@ class Inventory:
         return where
 
 
-    def cost_of(self, g: Group, model: str, per_replica: int) -> Costs:
+    def prices(self, g: Group, spot_share: float) -> np.ndarray:
+        """Hourly price per unit of ``g``'s candidates for a deployment that may run ``spot_share`` of its
+        replicas on spot: that mix of the spot and on-demand prices where a spot pool is priced, else the
+        on-demand price."""
+        if spot_share <= 0 or self.spot_price is None or not len(g):
+            return g.price
+        spot = self.spot_price[g.flat]
+        return np.where(np.isnan(spot), g.price, (1.0 - spot_share) * g.price + spot_share * spot)
+
+    def cost_of(self, g: Group, model: str, per_replica: int, spot_share: float = 0.0) -> Costs:
         """What ranks ``g``'s candidates for a deployment of ``model`` needing ``per_replica`` units: dollars
         per million embeddings of each candidate's pool (its hourly price without a cost ranking), once
         per (group, model, units). A candidate allowed several GPU types is costed at its cheapest price
-        and its first present type's rate (the pool it draws from is chosen per deployment)."""
-        key = (id(g), model, per_replica)
+        and its first present type's rate (the pool it draws from is chosen per deployment). With
+        ``spot_share``, at the mix `prices` gives."""
+        spot_share = spot_share if self.spot_price is not None else 0.0
+        key = (id(g), model, per_replica, spot_share)
         costs = self.costs
         assert costs is not None
         found = costs.get(key)
         if found is None:
+            price = self.prices(g, spot_share)
             if self.throughput is None or not len(g):
-                value, measured = g.price, np.zeros(len(g), dtype=bool)
+                value, measured = price, np.zeros(len(g), dtype=bool)
             else:
                 rates, known = self.throughput.unit_rates(model, per_replica, self.resources)
                 columns = g.flat % len(self.resources)
-                value, measured = cost_array(g.price, rates[columns]), known[columns]
+                value, measured = cost_array(price, rates[columns]), known[columns]
             finite = value[np.isfinite(value)]
             found = costs[key] = Costs(value, measured, float(finite.min()) if len(finite) else 0.0,
                                        float(finite.max()) if len(finite) else 0.0)

@@ -24,6 +24,8 @@ class GPUCapacity:
     type: str
     count: int
     hourly_price: float = 0.0
+    #: On the cluster's spot nodes of this type (None: it has none).
+    spot_hourly_price: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ class Cluster:
     #: The spoke's platform allow-lists as an opaque key (the hub uses their canonical JSON): spokes with the
     #: same rules share it, so a deployment is checked once per distinct policy (``Deployment.refused``).
     platform_policy: str = ""
+    cpu_spot_hourly_price: float | None = None
 
     def capacity(self, resource: str) -> int:
         if resource == CPU:
@@ -83,6 +86,13 @@ class Cluster:
             return self.cpu_hourly_price
         prices = [g.hourly_price for g in self.gpus if g.type == resource]
         return min(prices) if prices else 0.0
+
+    def spot_price(self, resource: str) -> float | None:
+        """The price of one unit on the cluster's spot nodes; None where it declares no spot pool."""
+        if resource == CPU:
+            return self.cpu_spot_hourly_price
+        prices = [g.spot_hourly_price for g in self.gpus if g.type == resource and g.spot_hourly_price is not None]
+        return min(prices) if prices else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +153,9 @@ class Deployment:
     refused: Mapping[str, str] = field(default_factory=dict)
     #: The model's identity (learn.model_identity): keys its measured throughput and sizes its prior.
     model: str = ""
+    #: The share of its replicas spec.spot lets run on spot nodes (0..1): where a cluster prices a spot pool,
+    #: its cost is that mix of the spot and on-demand prices.
+    spot_share: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,12 +187,15 @@ class ClusterPlacement:
     cost: float | None = None
     #: Whether ``cost`` rests on measured throughput (else on the size-based prior).
     measured: bool = False
+    #: The share of its replicas the spoke may run on its spot pool, priced into ``price`` and ``cost`` (0: none).
+    spot: float = 0.0
 
     @property
     def reasons(self) -> tuple[str, ...]:
         if self.role == WARM_ROLE:
             return (WARM_ROLE, "weights kept on its nodes, no replicas")
-        out = [self.role, f"score {self.score:.0f}", f"{self.resource} at ${self.price:.2f}/h"]
+        spot = f" (up to {self.spot:.0%} on spot)" if self.spot else ""
+        out = [self.role, f"score {self.score:.0f}", f"{self.resource} at ${self.price:.2f}/h{spot}"]
         if self.cost is not None:
             out.append(money(self.cost) + ("" if self.measured else " (prior)"))
         if self.weight:

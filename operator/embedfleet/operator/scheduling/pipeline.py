@@ -182,7 +182,7 @@ def decide(d: Deployment, g: Group, inventory: Inventory, ramp_seconds: float, l
     if g.no_schedule is not None:
         limit = np.where(g.no_schedule, np.minimum(limit, previous), limit)
     cached = g.nowhere if d.digest is None else inventory.cached(d.digest)[g.rows]
-    costs = inventory.cost_of(g, d.model, per_replica)
+    costs = inventory.cost_of(g, d.model, per_replica, d.spot_share)
     scores = total(Candidates(have, capacity, costs.value, np.full(len(g), costs.cheapest),
                               np.full(len(g), costs.dearest), previous, cached))
 

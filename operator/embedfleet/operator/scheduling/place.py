@@ -102,6 +102,19 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _price_spot(inventory: Inventory, spot_deployments: Iterable[Deployment], result: dict[str, Placement]) -> None:
+    """Where a placed cluster prices a spot pool for its resource, its reported price is the deployment's
+    mix (what `Inventory.cost_of` ranked it by) and ``spot`` says the share; the cost already is the mix."""
+    assert inventory.spot_price is not None
+    width = len(inventory.resources)
+    for d in spot_deployments:
+        for name, share in result[d.key].clusters.items():
+            spot = inventory.spot_price[inventory.row[name] * width + inventory.column[share.resource]]
+            if spot == spot:  # not NaN: this pool has spot nodes
+                share.price = (1.0 - d.spot_share) * share.price + d.spot_share * float(spot)
+                share.spot = d.spot_share
+
+
 def _place(
     deployments: Iterable[Deployment], clusters: Iterable[Cluster], policies: Sequence[Policy], now: float,
     ramp_seconds: float, throughput: Throughput | None,
@@ -114,7 +127,8 @@ def _place(
     known: dict[tuple[object, ...], tuple[Rules | None, str | None, list[str], Group | None]] = {}
     result: dict[str, Placement] = {}
     passive: list[tuple[Deployment, Group]] = []
-    for d in sorted(deployments, key=attrgetter("key")):
+    deployments_sorted = sorted(deployments, key=attrgetter("key"))
+    for d in deployments_sorted:
         gpu = d.gpus_per_replica > 0
         spoke = SpokePolicy.of(d.refused)
         key = (d.intent, d.namespace_labels, d.gpu_type, gpu, spoke)
@@ -140,6 +154,8 @@ def _place(
         if rules.mode == "ActivePassive":
             passive.append((d, group))
     ledger.finish()
+    if inventory.spot_price is not None:
+        _price_spot(inventory, [d for d in deployments_sorted if d.spot_share > 0], result)
     for d, group in passive:  # after every placement: the free capacity a failover would find
         placement = result[d.key]
         placement.warm = warm_standby(placement, group, inventory, d.digest)

@@ -81,7 +81,7 @@ class Ledger:
             self.previous.append((self.size, previous[placed]))
         if d.digest is not None:
             self.cached.append((self.size, self.inventory.cached(d.digest)[shares.group.rows[placed]]))
-        self.costs.append(self.inventory.cost_of(shares.group, d.model, shares.per_replica))
+        self.costs.append(self.inventory.cost_of(shares.group, d.model, shares.per_replica, d.spot_share))
         self.size += len(placed)
 
     def finish(self) -> None:
