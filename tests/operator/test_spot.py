@@ -230,3 +230,22 @@ def test_the_autoscaler_sees_the_total_not_the_stand_ins(fallback: str, on_deman
     view = autoscaler_view(deps, "emb", _spec(fallback=fallback), status)
     assert view is not None
     assert view["spec"]["replicas"] == total and view["status"]["readyReplicas"] == on_demand + 1
+
+
+def test_the_operator_sums_its_spot_deployments_without_a_deployment_label() -> None:
+    from embedfleet.operator import metrics
+    from embedfleet.operator.handlers.spot import _Figures
+
+    def gauge(state: str) -> float:
+        return metrics.SPOT_REPLICAS.labels(state=state)._value.get()
+
+    reclaimed = metrics.SPOT_RECLAIMED._value.get()
+    figures = _Figures()
+    figures.record("a/x", spot.Split(4, 2, 3, 1), serving=1, doomed=["x-spot-1"])
+    figures.record("b/y", spot.Split(6, 3, 3, 0), serving=5, doomed=[])
+    assert (gauge("asked"), gauge("serving"), gauge("stand_in")) == (5, 4, 1)  # serving counts at most asked
+    figures.record("a/x", spot.Split(4, 2, 3, 1), serving=1, doomed=["x-spot-1"])  # the same pod: counted once
+    assert metrics.SPOT_RECLAIMED._value.get() == reclaimed + 1
+    figures.forget("a/x")
+    figures.forget("b/y")
+    assert (gauge("asked"), gauge("serving"), gauge("stand_in")) == (0, 0, 0)

@@ -29,6 +29,8 @@ from typing import Any
 from tests.kube.controlplane import AuditEvent, Cluster, wait_until
 from tests.kube.operator_proc import OperatorProcess
 from tests.operator.real import operator_writes, release, small
+from tests.operator.test_operator_metrics_real import scrape, value
+from tests.procs import free_port
 
 from embedfleet.operator.spot import CAPACITY_LABEL
 
@@ -143,7 +145,9 @@ def test_spot_replicas_fall_back_on_demand_when_reclaimed_and_return(
         kube_cluster: Cluster, unique: str, tmp_path: Path) -> None:
     cluster = kube_cluster
     nodes = [f"spot-{unique}-{i}" for i in (1, 2, 3)]
-    with release(cluster, tmp_path, unique) as (_system, proc), spot_nodes(cluster, nodes[:2]) as add_spot_node:
+    port = free_port()
+    with release(cluster, tmp_path, unique, env={"EMBEDFLEET_OPERATOR_METRICS_PORT": str(port)}) as (_system, proc), \
+            spot_nodes(cluster, nodes[:2]) as add_spot_node:
         assert proc is not None
         ns = f"spot-{unique}"
         cluster.kubectl("create", "namespace", ns)
@@ -194,6 +198,13 @@ def test_spot_replicas_fall_back_on_demand_when_reclaimed_and_return(
         evictions = [e for e in proc.requests() if e.subresource == "eviction" and e.verb == "create"]
         assert [(e.name, e.code) for e in evictions] == [(doomed, 201)], [str(e) for e in evictions]
         assert _deployment(cluster, ED, ns) == (3, 3) and _deployment(cluster, f"{ED}-spot", ns)[0] == 2
+        # the operator's /metrics says the same, summed over its spot deployments (this is its only one)
+        samples = scrape(port)
+        assert value(samples, "embedfleet_operator_spot_replicas", state="asked") == 2, samples
+        assert value(samples, "embedfleet_operator_spot_replicas", state="serving") == 1
+        assert value(samples, "embedfleet_operator_spot_replicas", state="stand_in") == 1
+        assert value(samples, "embedfleet_operator_spot_evictions_total") == 1
+        assert value(samples, "embedfleet_operator_spot_reclaimed_pods_total") == 1
 
         # (c) spot capacity returns: the pending spot pod runs, and the stand-in goes after returnAfterSeconds
         returned = _events(cluster, ns, "SpotReturned")

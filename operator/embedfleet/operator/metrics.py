@@ -101,6 +101,19 @@ COLD_START_SECONDS = Histogram(
 for _phase in POD_PHASES:  # exported at 0 from the start, so a pod's first cold start is a change
     COLD_START_SECONDS.labels(phase=_phase)
 
+#: spec.spot over every deployment this operator serves (handlers/spot.py), without a deployment label like
+#: every operator metric: replicas the spot sides ask for, those serving, and the on-demand stand-ins.
+SPOT_REPLICAS = Gauge("embedfleet_operator_spot_replicas",
+                      "Spot replicas over all deployments with spec.spot: asked (the spot Deployments' replicas), "
+                      "serving (Ready on a node not being reclaimed), stand_in (on-demand replicas in their place)",
+                      ["state"])
+for _state in ("asked", "serving", "stand_in"):
+    SPOT_REPLICAS.labels(state=_state)
+SPOT_RECLAIMED = Counter("embedfleet_operator_spot_reclaimed_pods_total",
+                         "Spot pods found on a node being reclaimed (a termination taint, deleted, NotReady or gone)")
+SPOT_EVICTIONS = Counter("embedfleet_operator_spot_evictions_total",
+                         "Spot pods on a reclaimed node evicted once their on-demand stand-ins were ready")
+
 #: Set by the handler wrapper for the call it times: a list the handler's code can mark as rejected.
 _CALL: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("embedfleet_reconcile", default=None)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import kopf
 import kubernetes
 
-from embedfleet.operator import spot
+from embedfleet.operator import metrics, spot
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.handlers.embedding import POLICY
@@ -36,6 +37,37 @@ TICK_S = 1.0
 #: At most this long a tick waits for its status write to show in kopf's view before resizing.
 STATUS_VISIBLE_WAIT_S = 2.0
 IDLE_RECHECK_S = 5.0
+
+
+class _Figures:
+    """Each spot deployment's last (asked, serving, stand-ins) and the doomed pods already counted, summed
+    into the operator's gauges (no per-deployment label: see metrics.SPOT_REPLICAS)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_deployment: dict[str, tuple[int, int, int]] = {}
+        self._doomed: dict[str, set[str]] = {}
+
+    def record(self, key: str, cut: spot.Split, serving: int, doomed: Iterable[str]) -> None:
+        with self._lock:
+            self._by_deployment[key] = (cut.spot, min(serving, cut.spot), cut.fallback)
+            now = set(doomed)
+            metrics.SPOT_RECLAIMED.inc(len(now - self._doomed.get(key, set())))
+            self._doomed[key] = now
+            self._publish()
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._by_deployment.pop(key, None)
+            self._doomed.pop(key, None)
+            self._publish()
+
+    def _publish(self) -> None:
+        for i, state in enumerate(("asked", "serving", "stand_in")):
+            metrics.SPOT_REPLICAS.labels(state=state).set(sum(f[i] for f in self._by_deployment.values()))
+
+
+FIGURES = _Figures()
 
 
 @kopf.index("", "v1", "nodes")
@@ -90,14 +122,17 @@ def resize(name: str, namespace: str, body: Mapping[str, Any], spec: EmbeddingDe
     KUBE.patch_merge("Deployment", spot.spot_name(runtime_name(name)), namespace, {"spec": {"replicas": cut.spot}})
 
 
-def _evict(pod: str, namespace: str) -> None:
-    """The eviction API (PodDisruptionBudget respected; the pod drains through its preStop and grace)."""
+def _evict(pod: str, namespace: str) -> bool:
+    """The eviction API (PodDisruptionBudget respected; the pod drains through its preStop and grace);
+    False when the pod is gone already or its PDB says not now (the next tick tries again)."""
     body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": namespace}}
     try:
         KUBE.request("POST", KUBE.kinds["Pod"].path(namespace, pod, "eviction"), body=body)
     except KubeError as exc:
-        if exc.status not in (404, 429):  # gone already; a PDB says not now (next tick tries again)
+        if exc.status not in (404, 429):
             raise
+        return False
+    return True
 
 
 def _await_visible(live_spot: Callable[[], Any], wanted: Mapping[str, Any]) -> bool:
@@ -158,12 +193,14 @@ def tick(name: str, namespace: str, body: Mapping[str, Any], spec: EmbeddingDepl
         kopf.info(dict(body), reason="SpotReturned",
                   message=f"{seen.serving} of {cap} spot replicas serving: {cut.fallback} on-demand stand-ins "
                           f"remain, {cut.on_demand} on-demand replicas in all")
+    FIGURES.record(f"{namespace}/{name}", cut, seen.serving, (pod for pod, _, _ in seen.doomed))
     ready = int(((on_demand or {}).get("status") or {}).get("readyReplicas") or 0)
     # One eviction a tick: the PodDisruptionBudget allows one pod down at a time, so a second in the same
     # tick would only be refused (429); the next tick sees the first one terminating and goes on.
     for pod in spot.to_drain(seen.doomed, ready, cut.on_demand)[:1]:
         log.info("%s/%s: evicting spot pod %s before its node goes", namespace, name, pod)
-        _evict(pod, namespace)
+        if _evict(pod, namespace):
+            metrics.SPOT_EVICTIONS.inc()
     return written
 
 
@@ -178,10 +215,20 @@ async def spot_capacity(stopped: kopf.DaemonStopped, name: str, namespace: str, 
                         runtime_deployments: kopf.Index, **_: Any) -> None:
     """Runs for as long as the EmbeddingDeployment exists; idle (one in-memory check every few seconds)
     while it has no ``spec.spot``."""
+    try:
+        await _loop(stopped, name, namespace, body, logger, spot_nodes, runtime_pods, runtime_deployments)
+    finally:
+        FIGURES.forget(f"{namespace}/{name}")
+
+
+async def _loop(stopped: kopf.DaemonStopped, name: str, namespace: str, body: kopf.Body, logger: kopf.Logger,
+                spot_nodes: kopf.Index, runtime_pods: kopf.Index, runtime_deployments: kopf.Index) -> None:
     stand_ins: spot.StandIns | None = None
     while not stopped:
         parsed, _ = check(name, dict(body.get("spec") or {}))
         if parsed is None or parsed.spot is None:
+            if stand_ins is not None:
+                FIGURES.forget(f"{namespace}/{name}")
             stand_ins = None
             await asyncio.sleep(IDLE_RECHECK_S)
             continue
