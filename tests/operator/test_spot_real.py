@@ -254,11 +254,24 @@ def test_spot_replicas_fall_back_on_demand_when_reclaimed_and_return(
             wait_until(_status_is(cluster, ns, total=4, spot=2, onDemand=2, fallback=0), 30, "no stand-in")
         except TimeoutError as exc:
             raise AssertionError(f"{exc}{diagnose()}") from exc
+
         time.sleep(RETURN_AFTER_S + 1)
         assert _deployment(cluster, ED, ns)[0] == 2, diagnose()
         assert _spot_status(cluster, ns).get("fallback") == 0, diagnose()
         news = {u: m for u, m in _events(cluster, ns, "SpotFallback").items() if u not in fallbacks}
         assert news == {}, news
+
+        # (e) spec.spot removed: the spot Deployment goes, the on-demand one runs them all, status.spot is cleared
+        cluster.kubectl("patch", "embeddingdeployment", ED, "-n", ns, "--type=json",
+                        "-p", json.dumps([{"op": "remove", "path": "/spec/spot"}]))
+        try:
+            wait_until(lambda: cluster.get_json("deployment", f"{ED}-spot", "-n", ns) is None, 30,
+                       "the spot Deployment deleted")
+            wait_until(lambda: _deployment(cluster, ED, ns)[0] == 4, 30, "4 replicas on demand")
+            wait_until(lambda: "spot" not in (cluster.get_json("embeddingdeployment", ED, "-n", ns) or {})
+                       .get("status", {}), 30, "status.spot cleared")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}{diagnose()}") from exc
 
         errors = proc.unexpected_errors()
         assert errors == [], "\n".join(map(str, errors)) + "\n" + proc.log()[-3000:]

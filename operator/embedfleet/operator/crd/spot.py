@@ -57,9 +57,10 @@ class SpotSpec(CamelModel):
 
 
 class SpotStatus(CamelModel):
-    """The split the operator applies: ``onDemand`` includes the stand-ins (``fallback``)."""
+    """The split the operator applies: ``onDemand`` includes the stand-ins (``fallback``). ``total`` is
+    required so that the schema gives the block no default: absent, it says the deployment runs no spot."""
 
-    total: int = Field(default=0, ge=0)
+    total: int = Field(ge=0, description="The replicas split: the autoscaler's, else spec.replicas.")
     spot: int = Field(default=0, ge=0, description="Replicas the spot Deployment asks for.")
     on_demand: int = Field(default=0, ge=0, description="Replicas the on-demand Deployment asks for.")
     serving: int = Field(default=0, ge=0, description="Spot replicas ready on nodes not being reclaimed.")

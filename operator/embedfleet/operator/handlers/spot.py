@@ -230,6 +230,12 @@ async def _loop(stopped: kopf.DaemonStopped, name: str, namespace: str, body: ko
             if stand_ins is not None:
                 FIGURES.forget(f"{namespace}/{name}")
             stand_ins = None
+            if parsed is not None and (body.get("status") or {}).get("spot") is not None:
+                # spec.spot removed: the reconcile deleted <name>-spot; the split it recorded goes too.
+                try:
+                    await asyncio.to_thread(KUBE.patch_status, KIND, name, namespace, {"spot": None})
+                except (KubeError, kubernetes.client.ApiException, OSError) as exc:
+                    logger.warning("clearing status.spot failed, retrying: %s", exc)
             await asyncio.sleep(IDLE_RECHECK_S)
             continue
         if stand_ins is None or stand_ins.return_after != parsed.spot.return_after_seconds:
