@@ -28,3 +28,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Sync handlers do blocking API calls on kopf's executor; its default (CPUs + 4 threads: 6 on two
     # cores) queues hundreds of objects behind a few slow calls.
     settings.execution.max_workers = 20
+    # A deleted object keeps its finalizer until its daemons and timers have exited. kopf gives them ten
+    # event-loop cycles to exit at once and, for a timer still running its handler then, looks again only
+    # after 60 s: a busy loop or a resync converge in flight held a deletion for a minute (seen in CI,
+    # `kubectl delete --wait` timing out). Wait up to a second for the exit, and look again every 2 s.
+    settings.background.instant_exit_timeout = 1.0
+    settings.background.cancellation_polling = 2.0
