@@ -106,6 +106,10 @@ def test_a_real_server_reports_int8_and_its_measured_cosine(built: tuple[Path, I
         assert card["int8_min_cosine"] == pytest.approx(engine.int8_gate.min_cosine)
         assert card["int8_min_cosine"] >= 0.99
         body = c.post("/v1/embeddings", json={"input": TEXTS[:4]}).raise_for_status().json()
+        ((name, startup),) = c.get("/load").raise_for_status().json()["startup"]["models"].items()
+    # the build this module made, found in this CPU class's folder (tests/runtime/test_engine_builds.py)
+    assert startup["engine"] == {"source": "cache", "path": str(engine.build_source.path)}
+    assert srv.metric("embedfleet_engine_source_info", model=name, source="cache") == 1
     served = np.array([d["embedding"] for d in body["data"]])
     fp32 = TorchEngine(spec, dtype="float32", num_threads=THREADS)
     from tokenizers import Tokenizer

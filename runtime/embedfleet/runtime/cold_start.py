@@ -7,7 +7,10 @@ module records that part, for one process:
 * ``weights``: how long the weights took to arrive where they are loaded from, and from where
   (``WeightsSource``, read from the directory by `classify_weights`);
 * ``weights_verify``: the check of the weights against ``--model-digest`` (one read of every byte);
-* ``engine_load``: reading the model directory and building the engine;
+* ``engine_load``: reading the model directory and building the engine; for engines that build something
+  from the weights (int8, TensorRT-LLM), also where that build came from (``built`` here, ``cache``: made
+  earlier on this node, ``peer``: copied from another node by the node agent) and its folder
+  (engines/cache_dir.py `BuildSource`);
 * ``warmup``: everything after that until the model serves (warm-up batches, GPU batch sizing, the
   drain-rate seed, the start-up probe);
 * ``ready``: from process start to every model serving (interpreter start and imports included);
@@ -17,7 +20,8 @@ The first four are parts (per model where there are several); the last two are t
 start. They go out as the histogram ``embedfleet_cold_start_seconds{phase}`` (one observation per phase
 and model; a histogram rather than a gauge because the operator exports its pod-level phases under the
 same name and type, so one dashboard query aggregates both over a fleet, and a replica that is gone still
-counted in the range it was scraped in), as ``embedfleet_weights_source_info{model,source}``, and as the
+counted in the range it was scraped in), as ``embedfleet_weights_source_info{model,source}`` and
+``embedfleet_engine_source_info{model,source}``, and as the
 ``startup`` section of ``GET /load`` (`ColdStart.report`), which the operator reads when the pod turns
 Ready, the way it already reads the pods' /metrics.
 
@@ -36,9 +40,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Gauge, Histogram
+
+if TYPE_CHECKING:
+    from embedfleet.runtime.engines.cache_dir import BuildSource
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +157,7 @@ def process_age_s() -> float | None:
 @dataclass
 class ModelStart:
     weights: WeightsSource | None = None
+    engine: BuildSource | None = None  # engines that build something: where the build came from
     engine_load: float | None = None
     warmup: float | None = None
 
@@ -166,9 +174,10 @@ class ColdStart:
     first."""
 
     def __init__(self, histogram: Histogram, source_info: Gauge, clock: Callable[[], float] = time.monotonic,
-                 age: Callable[[], float | None] = process_age_s) -> None:
+                 age: Callable[[], float | None] = process_age_s, engine_info: Gauge | None = None) -> None:
         self._histogram = histogram
         self._source_info = source_info
+        self._engine_info = engine_info
         self._clock = clock
         now, known = clock(), age()
         self._origin = now - (known or 0.0)  # the process's start on `clock`
@@ -199,6 +208,13 @@ class ColdStart:
     def weights_verified(self, seconds: float) -> None:
         self.weights_verify = seconds
         self._histogram.labels("weights_verify").observe(seconds)
+
+    def engine_build(self, name: str, found: BuildSource) -> None:
+        """Where the build `name`'s engine loads came from (engines that build something only)."""
+        self._model(name).engine = found
+        if self._engine_info is not None:
+            self._engine_info.labels(name, found.source).set(1)
+        log.info("%s: engine build %s at %s", name, found.describe(), found.path)
 
     def engine_loaded(self, name: str, seconds: float) -> None:
         self._model(name).engine_load = seconds
@@ -250,8 +266,14 @@ class ColdStart:
             + f".{int(self.process_started % 1 * 1000):03d}Z",
             "phases": self.phases(),
             "weights_source": sources[0] if len(sources) == 1 else ",".join(sources) or None,
-            "models": {name: {"weights": m.weights.as_dict() if m.weights else None,
-                              "engine_load": _r(m.engine_load), "warmup": _r(m.warmup)}
-                       for name, m in self.models.items()},
+            "models": {name: _model_report(m) for name, m in self.models.items()},
         }
+
+
+def _model_report(m: ModelStart) -> dict[str, Any]:
+    out: dict[str, Any] = {"weights": m.weights.as_dict() if m.weights else None,
+                           "engine_load": _r(m.engine_load), "warmup": _r(m.warmup)}
+    if m.engine is not None:
+        out["engine"] = m.engine.as_dict()
+    return out
 

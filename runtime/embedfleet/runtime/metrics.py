@@ -127,7 +127,12 @@ class RuntimeMetrics:
         self.weights_source = Gauge(
             "embedfleet_weights_source_info", "1 per served model: where its weights came from (cache, peer, "
             "origin, downloaded, in-image)", ["model", "source"], registry=r)
-        self.cold_start = cold_start.ColdStart(self.cold_start_seconds, self.weights_source)
+        self.engine_source = Gauge(
+            "embedfleet_engine_source_info", "1 per served model whose engine builds something from the weights "
+            "(int8, trtllm): where the build it loads came from (built, cache, peer)", ["model", "source"],
+            registry=r)
+        self.cold_start = cold_start.ColdStart(self.cold_start_seconds, self.weights_source,
+                                               engine_info=self.engine_source)
 
     def for_model(self, name: str) -> ModelMetrics:
         """The per-model series (label `model`), so each model's queue is visible on its own."""

@@ -29,6 +29,7 @@ from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
 from embedfleet.runtime.drift import DriftMonitor
 from embedfleet.runtime.engines import gpu_batching as sizing
 from embedfleet.runtime.engines.base import Engine
+from embedfleet.runtime.engines.cache_dir import BuildSource
 from embedfleet.runtime.metrics import RuntimeMetrics
 from embedfleet.runtime.models.spec import ModelSpec, Task, load_spec
 from embedfleet.runtime.settings import ModelEntry, RuntimeSettings
@@ -62,6 +63,13 @@ def engine_fn(engine: Engine, task: Task) -> Callable[[list], np.ndarray | list[
     if task == "multivector":
         return engine.embed_tokens
     return engine.classify
+
+
+def engine_build_source(engine: Engine) -> BuildSource | None:
+    """Where the build an engine loads came from: set by the engines that build something from the weights
+    (int8, trtllm; engines/cache_dir.py), absent on the others."""
+    found = getattr(engine, "build_source", None)
+    return found if isinstance(found, BuildSource) else None
 
 
 def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
@@ -191,6 +199,9 @@ class ModelService:
         engine = await loop.run_in_executor(self.engine_thread, build_engine, self.settings, spec)
         built = time.perf_counter()
         cold.engine_loaded(self.name, built - started)
+        found = engine_build_source(engine)
+        if found is not None:
+            cold.engine_build(self.name, found)
         await loop.run_in_executor(self.engine_thread, engine.warmup)
         self.spec, self.engine = spec, engine
         run = engine_fn(engine, spec.task)

@@ -16,7 +16,9 @@ Start-up: the float32 model is loaded, converted, quantised on the calibration t
 engines/calibration.json plus a few degenerate repetitions (STRESS_TEXTS), and judged by the same gate as
 FP8 (every calibration embedding's cosine with its float32 twin >= --int8-min-cosine). The result (the int8
 model and the gate's verdict, pass or fail) is cached by model digest under --engine-cache-dir, so the
-second start neither quantises nor re-judges.
+second start neither quantises nor re-judges. Builds are kept per CPU class
+(``<engine cache dir>/<cpu class>/sha256-<digest>/int8-cpu-<hash>``, engines/cache_dir.py `engine_root`): a
+verdict holds on the class of processor it was measured on.
 Rerankers and sequence classifiers are built the same way and judged on scores, rankings and labels
 instead of cosines (engines/int8_scoring.py, chosen by task in service.py).
 Refused: decoders, encoder families outside INT8_FAMILIES (named in the message), sparse and multi-vector
@@ -42,8 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from embedfleet.operator.cache.engines import cpu_accelerator  # stdlib only
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
-from embedfleet.runtime.engines.cache_dir import build_lock, default_engine_cache_dir
+from embedfleet.runtime.engines.cache_dir import BuildSource, build_lock, build_source, check_part, engine_root
 from embedfleet.runtime.engines.quality_gate import (
     Calibration,
     GateResult,
@@ -166,10 +169,11 @@ def calibration_digest(calibration: Calibration) -> str:
     return hashlib.sha256(json.dumps(calibration.texts).encode()).hexdigest()[:16]
 
 
-def cache_path(cache_root: Path, key: CacheKey) -> Path:
-    """By model digest alone: the same weights served under another name reuse the build."""
+def cache_path(engines: Path, key: CacheKey) -> Path:
+    """The build's folder under `engines` (an accelerator folder, `engine_root`): by model digest alone, so
+    the same weights served under another name reuse the build."""
     digest = key.model_digest.replace("sha256:", "")[:16] or "nodigest"
-    return cache_root / f"sha256-{digest}" / key.dirname()
+    return engines / check_part(f"sha256-{digest}") / check_part(key.dirname())
 
 
 def read_cached(path: Path, key: CacheKey) -> dict[str, Any] | None:
@@ -181,26 +185,27 @@ def read_cached(path: Path, key: CacheKey) -> dict[str, Any] | None:
     return manifest if manifest.get("key") == asdict(key) and (path / "model.xml").exists() else None
 
 
-Built = tuple[dict[str, Any], Path, "TorchEngine | None"]
+Built = tuple[dict[str, Any], BuildSource, "TorchEngine | None"]
 
 
 def build_once(spec: ModelSpec, key: CacheKey, cache_root: Path | None, num_threads: int,
                build: Callable[[TorchEngine, Path], dict[str, Any]]) -> Built:
-    """The int8 build `key` names, made by `build(float32 engine, folder)` only when no complete one is cached:
-    replicas starting together on one node take the build lock, so one builds and the others wait and read
-    its result. Returns (its manifest, its folder, the float32 engine when this call built it)."""
-    path = cache_path(Path(cache_root or default_engine_cache_dir(spec.path)), key)
+    """The int8 build `key` names, made by `build(float32 engine, folder)` only when no complete one is cached
+    in this CPU class's folder: replicas starting together on one node take the build lock, so one builds and
+    the others wait and read its result. Returns (its manifest, where it came from and its folder, the
+    float32 engine when this call built it)."""
+    path = cache_path(engine_root(cache_root, spec.path, cpu_accelerator()), key)
     manifest = read_cached(path, key)
     fp32: TorchEngine | None = None
+    built = False
     if manifest is None:
         with build_lock(path):
             manifest = read_cached(path, key)
             if manifest is None:
                 fp32 = TorchEngine(spec, dtype="float32", num_threads=num_threads)
                 manifest = build(fp32, path)
-    if fp32 is None:
-        log.info("%s: int8 build reused from %s", spec.name, path)
-    return manifest, path, fp32
+                built = True
+    return manifest, build_source(path, built), fp32
 
 
 class _Pooled(torch.nn.Module):
@@ -296,6 +301,7 @@ class Int8CpuEngine:
 
     fp8_gate: GateResult | None = None
     preemptible = False  # one OpenVINO call per batch: nothing to pause between layers
+    build_source: BuildSource | None = None  # where the build came from (set by build_int8_engine)
 
     def __init__(self, spec: ModelSpec, model_xml: Path, gate: GateResult, num_threads: int) -> None:
         no_telemetry()
@@ -355,19 +361,22 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
 
     calibration = calibration or int8_calibration()
     key = CacheKey(spec.digest, RECIPE, ov.__version__, nncf.__version__, calibration_digest(calibration))
-    manifest, path, fp32 = build_once(
+    manifest, source, fp32 = build_once(
         spec, key, cache_root, num_threads, lambda fp32, path: _build(fp32, spec, key, path, calibration, num_threads))
     gate = _gate_of(manifest, min_cosine)
     summary = gate.summary().replace("fp8", "int8", 1)
     if gate.passed:
         log.info("%s: %s", spec.name, summary)
-        return Int8CpuEngine(spec, path / "model.xml", gate, num_threads)
+        served = Int8CpuEngine(spec, source.path / "model.xml", gate, num_threads)
+        served.build_source = source
+        return served
     if strict:
         raise Int8Rejected(f"{summary}; the server will not start (serve --dtype float32, lower --int8-min-cosine, "
                            "or pass --no-int8-strict to serve float32 when int8 is refused)")
     log.warning("%s: %s; serving float32 (--no-int8-strict)", spec.name, summary)
     engine = fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads)
     engine.int8_gate = gate
+    engine.build_source = source  # the int8 build was made (or found) and judged, though float32 serves
     return engine
 
 

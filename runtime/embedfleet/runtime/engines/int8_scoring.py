@@ -1,7 +1,8 @@
 """int8 on CPU for rerankers and sequence classifiers: the same OpenVINO + NNCF build as the embedders'
-(engines/int8_cpu.py: same recipe, cached by model digest under the same build lock), judged on what these
-models serve. A cosine of logit vectors says little about either: a reranker's score is one number whose
-meaning is its order within a query, and a classifier's is the label and its probability.
+(engines/int8_cpu.py: same recipe, cached by model digest in the CPU class's folder under the same build
+lock), judged on what these models serve. A cosine of logit vectors says little about either: a reranker's
+score is one number whose meaning is its order within a query, and a classifier's is the label and its
+probability.
 
 Rerankers: calibration query/passage groups (calibration.json's 8 queries x 4 documents plus groups formed
 deterministically from its texts, with long and degenerate passages and queries, see rerank_calibration) are
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
+from embedfleet.runtime.engines.cache_dir import BuildSource
 from embedfleet.runtime.engines.int8_cpu import (
     INSTALL_HINT,
     MANIFEST,
@@ -320,6 +322,7 @@ class Int8ScoringEngine:
 
     fp8_gate: GateResult | None = None
     preemptible = False
+    build_source: BuildSource | None = None  # where the build came from (set by build_int8_scoring_engine)
 
     def __init__(self, spec: ModelSpec, model_xml: Path, gate: GateResult | None, num_threads: int) -> None:
         no_telemetry()
@@ -369,18 +372,21 @@ def build_int8_scoring_engine(spec: ModelSpec, *, num_threads: int, strict: bool
     calibration = calibration or scoring_calibration(spec.task)
     key = CacheKey(spec.digest, f"{SCORING_RECIPE}-{spec.task}", ov.__version__, nncf.__version__,
                    calibration_digest(calibration))
-    manifest, path, fp32 = build_once(
+    manifest, source, fp32 = build_once(
         spec, key, cache_root, num_threads, lambda fp32, path: _build(fp32, spec, key, path, calibration, num_threads))
     gate = judge(manifest["figures"])
     if gate.passed:
         log.info("%s: %s", spec.name, gate.summary())
-        return Int8ScoringEngine(spec, path / "model.xml", gate, num_threads)
+        served = Int8ScoringEngine(spec, source.path / "model.xml", gate, num_threads)
+        served.build_source = source
+        return served
     if strict:
         raise Int8Rejected(f"{gate.summary()}; the server will not start (serve --dtype float32, or pass "
                            "--no-int8-strict to serve float32 when int8 is refused)")
     log.warning("%s: %s; serving float32 (--no-int8-strict)", spec.name, gate.summary())
     engine = fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads)
     engine.int8_gate = gate
+    engine.build_source = source  # the int8 build was made (or found) and judged, though float32 serves
     return engine
 
 

@@ -3,7 +3,8 @@
 A TensorRT engine is specific to the weights, the GPU model, the precision, the TensorRT-LLM
 version and the shape limits it was built for, and building one takes minutes. So engines are
 built once per key into the node-local cache (`--engine-cache-dir`, by default an `engines`
-folder next to the model directory the operator's pre-pull fills) and reused on every restart;
+folder next to the model directory the operator's pre-pull fills), in the folder of the GPU model
+(``cuda-<product>``, engines/cache_dir.py `engine_root`), and reused on every restart;
 a file lock keeps two pods on one node from building the same engine twice, and the build lands
 in a temporary folder renamed into place, so a crash never leaves a half-written engine behind.
 
@@ -29,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from embedfleet.operator.cache.engines import gpu_accelerator  # stdlib only
 from embedfleet.runtime.engines.base import Capabilities
-from embedfleet.runtime.engines.cache_dir import build_lock, default_engine_cache_dir
+from embedfleet.runtime.engines.cache_dir import BuildSource, build_lock, build_source, check_part, engine_root
 from embedfleet.runtime.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -97,9 +99,12 @@ class EngineKey:
         return f"{gpu}-{self.dtype}-trtllm{version}-{self.hash()}"
 
 
-def engine_path(cache_root: Path, spec: ModelSpec, key: EngineKey) -> Path:
+def engine_path(engines: Path, spec: ModelSpec, key: EngineKey) -> Path:
+    """The build's folder under `engines` (the GPU model's folder, `engine_root`): `<served name>-<digest>`,
+    the name reduced to what a build folder may hold (engines.PART: `org/model` reads `org-model`)."""
     digest = key.model_digest.replace("sha256:", "")[:16] or "nodigest"
-    return cache_root / f"{spec.name}-{digest}" / key.dirname()
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.name)[:64].lstrip("-_.") or "model"
+    return engines / check_part(f"{name}-{digest}") / check_part(key.dirname())
 
 
 def is_built(path: Path, key: EngineKey) -> bool:
@@ -174,11 +179,12 @@ class TrtLlmEngine:
         self.max_batch_size = settings.max_batch_requests
         self.key = EngineKey(spec.digest, torch.cuda.get_device_name(), self.dtype, trtllm.__version__,
                              self.max_batch_tokens, self.max_seq_len, self.max_batch_size)
-        cache_root = Path(settings.engine_cache_dir or default_engine_cache_dir(spec.path))
-        self.path = engine_path(cache_root, spec, self.key)
+        engines = engine_root(settings.engine_cache_dir, spec.path, gpu_accelerator(self.key.gpu_name))
+        self.path = engine_path(engines, spec, self.key)
         if settings.dtype == "fp8":
             log.warning("--engine trtllm builds bfloat16 engines; FP8 with its quality gate is in --engine torch")
         built = ensure_engine(self.path, self.key, self._build)
+        self.build_source: BuildSource = build_source(self.path, built)
         log.info("%s TensorRT-LLM engine %s", "built" if built else "reusing", self.path)
         self._load()
         self.capabilities = Capabilities(
