@@ -26,6 +26,16 @@ def model(directory: Path, weights_bytes: int = 256 * 1024) -> str:
     return tree_digest(directory)
 
 
+def make_build(folder: Path, rel: str, files: dict[str, bytes] | None = None) -> Path:
+    """An engine build as a runtime publishes one: ``folder/<accelerator>/<group>/<build>/`` with its files."""
+    path = folder / rel
+    path.mkdir(parents=True)
+    for name, data in (files or {"model.xml": b"<xml/>", "model.bin": os.urandom(64), "int8.json": b"{}"}).items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(data)
+    return path
+
+
 class Peer:
     """`embedfleet cache serve-peers` on a cache root, on a free loopback port."""
 

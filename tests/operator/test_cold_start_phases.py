@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from embedfleet.operator.cold_start import (
     POD_PHASES,
     PodTimes,
+    engine_source,
     event_message,
     pod_phases,
     pod_times,
@@ -118,3 +119,17 @@ def test_the_event_names_the_pod_and_every_phase() -> None:
     unread = event_message("web-1", phases, None)
     assert unread.endswith("runtime phases not read (the pod did not answer GET /load)")
     assert "weights from downloaded" in event_message("web-1", phases, {"engine_load": 1.0}, "downloaded")
+
+
+def test_the_engine_builds_source_is_read_and_said_beside_engine_load() -> None:
+    report = {"models": {"a": {"engine": {"source": "peer", "path": "/x", "from": "http://10.0.0.1:8476"}},
+                         "b": {"engine": {"source": "built", "path": "/y"}}, "c": {"weights": None}}}
+    assert engine_source(report) == "built,peer"
+    assert engine_source({"models": {"a": {"engine_load": 1.0}}}) is None
+    for junk in (None, [], {"models": []}, {"models": {"a": {"engine": {"source": "x" * 100}}}},
+                 {"models": {"a": {"engine": "peer"}}}):
+        assert engine_source(junk) is None
+    phases = {"scheduling": 1.0, "runtime_start": 5.0}
+    text = event_message("web-1", phases, {"engine_load": 2.1, "ready": 3.9}, "cache", "peer")
+    assert "engine_load 2.1s (build: peer)" in text
+    assert "(build:" not in event_message("web-1", phases, {"engine_load": 2.1}, "cache")

@@ -129,15 +129,30 @@ def weights_source(report: Any) -> str | None:
     return source if isinstance(source, str) and source and len(source) <= 64 else None
 
 
+ENGINE_SOURCES = ("built", "cache", "peer")
+
+
+def engine_source(report: Any) -> str | None:
+    """Where the runtime's engine builds came from (``built``, ``cache``: this node, ``peer``), from the
+    ``engine`` entries of the report's models; None for engines that build nothing or a report without them."""
+    models = report.get("models") if isinstance(report, Mapping) else None
+    if not isinstance(models, Mapping):
+        return None
+    found = sorted({m["engine"]["source"] for m in models.values()
+                    if isinstance(m, Mapping) and isinstance(m.get("engine"), Mapping)
+                    and m["engine"].get("source") in ENGINE_SOURCES})
+    return ",".join(found) or None
+
+
 def _seconds(value: float) -> str:
     return f"{value:.0f}s" if value >= 10 or value == int(value) else f"{value:.1f}s"
 
 
 def event_message(pod: str, phases: Mapping[str, float], runtime: Mapping[str, float] | None = None,
-                  source: str | None = None) -> str:
+                  source: str | None = None, engine: str | None = None) -> str:
     """``pod web-x Ready 14s after creation: scheduling 1s, init 6s, image_pull 2s, runtime_start 5s;
-    runtime: weights 5.8s (peer), engine_load 2.1s, warmup 0.9s, ready 3.9s`` (the runtime part only when
-    the operator read it)."""
+    runtime: weights 5.8s (peer), engine_load 2.1s (build: peer), warmup 0.9s, ready 3.9s`` (the runtime
+    part only when the operator read it; the build's source only for engines that build one)."""
     total = sum(phases.values())
     parts = ", ".join(f"{p} {_seconds(phases[p])}" for p in POD_PHASES if p in phases)
     text = f"pod {pod} Ready {_seconds(total)} after creation: {parts}"
@@ -145,6 +160,7 @@ def event_message(pod: str, phases: Mapping[str, float], runtime: Mapping[str, f
     for phase in RUNTIME_PHASES:
         if runtime and phase in runtime:
             note = f" ({source})" if phase == "weights" and source else ""
+            note = f" (build: {engine})" if phase == "engine_load" and engine else note
             inner.append(f"{phase} {_seconds(runtime[phase])}{note}")
     if source and runtime is not None and "weights" not in runtime:
         inner.insert(0, f"weights from {source}")

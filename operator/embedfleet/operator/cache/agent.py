@@ -14,8 +14,11 @@ node right and the cache root is the platform's, never a tenant's choice. Each p
 3. decides with the pure functions in `wanted` what this node should hold, pulls each missing entry
    into ``<cache-root>/<namespace>_sha256-<hex>`` (one failing pull is logged and retried next pass;
    the others go on), deletes entries nobody has wanted for ``--retention-seconds``;
-4. merge-patches the node's ``cache.embedfleet.dev/t<tenant>-sha256-<16 hex>=ready`` labels to match
-   exactly the wanted entries that are ready on disk (no write when they already do).
+4. keeps the tenants' engines folders of deployments that build an engine (`engine_sync`: created for
+   the runtimes, bounded, filled from peers of the same accelerator);
+5. merge-patches the node's ``cache.embedfleet.dev/t<tenant>-sha256-<16 hex>=ready`` labels to match
+   exactly the wanted entries that are ready on disk, and the ``cache.embedfleet.dev/e<tenant>-...``
+   labels to match the engine builds held (no write when they already do).
 
 When each entry became unwanted is kept in ``<cache-root>/.agent-state.json``, so a restarted agent (or
 ``--once`` runs) keeps the retention clock.
@@ -51,9 +54,11 @@ from embedfleet.operator.crd import naming
 from embedfleet.operator.platform import PlatformPolicy
 
 from .digest import READY_MARKER
+from .engine_sync import scan_engines, sync_engines
+from .engines import cpu_accelerator
 from .peers import AgentPod, TokenBucket, choose_peers
 from .pull import PullFailed, pull
-from .wanted import ENTRY_NAME, label_patch, plan, wanted_entries
+from .wanted import ENTRY_NAME, label_patch, plan, wanted_engines, wanted_entries
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +113,8 @@ class AgentConfig:
     #: Bytes per second this node takes from its peers, all downloads together; None: unlimited.
     peer_rate: float | None = None
     max_peers: int = 3
+    #: Bytes one tenant's engines folder may hold on this node (the oldest builds go first); None: no bound.
+    max_engine_bytes: int | None = None
 
 
 class Cluster:
@@ -296,19 +303,22 @@ def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None,
         heartbeat.ready(True)
         heartbeat.beat()
     wanted = wanted_entries(node_labels, deployments, caches, config.policy)
+    engines_wanted = wanted_engines(node_labels, deployments, config.policy)
 
     # Pulls run one at a time in this process, so a temp dir seen here is a crashed pass's leftover.
     for child in root.glob(TMP_PREFIX + "*"):
         shutil.rmtree(child, ignore_errors=True)
-    decided = plan(wanted, scan(root), _load_state(root), now, config.retention_s)
-    for name in decided.delete:
+    state = _load_state(root)
+    decided = plan(wanted, scan(root), state, now, config.retention_s)
+    engines_decided = plan(engines_wanted, scan_engines(root), state, now, config.retention_s)
+    for name in [*decided.delete, *engines_decided.delete]:
         try:
             _remove(root / name)
             (root / f".lock-{name}").unlink(missing_ok=True)
             log.info("deleted %s: unwanted for %.0fs or more", name, config.retention_s)
         except OSError as exc:
             problems.append(f"delete {name}: {exc}")
-    _save_state(root, decided.unwanted_since)
+    _save_state(root, {**decided.unwanted_since, **engines_decided.unwanted_since})
     for want in decided.pull:
         try:
             peers = find_peers(config, cluster, node_labels, want.label, want.digest)
@@ -324,8 +334,15 @@ def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None,
         if heartbeat is not None:
             heartbeat.beat()
 
+    engines = sync_engines(
+        root, engines_wanted, node_labels, cpu_accelerator(),
+        (lambda label, digest: find_peers(config, cluster, node_labels, label, digest))
+        if config.peer_port is not None else None,
+        timeout_s=config.pull_timeout_s, bucket=bucket, max_bytes=config.max_engine_bytes)
+    problems += engines.problems
+
     ready = [name for name, is_ready in scan(root).items() if is_ready]
-    patch = label_patch(wanted, ready, node_labels)
+    patch = label_patch(wanted, ready, node_labels, engines.labels)
     if patch:
         cluster.patch_labels(config.node_name, patch)
         log.info("node %s labels: %s", config.node_name,

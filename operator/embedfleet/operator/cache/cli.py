@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="keep an entry nobody wants this long before deleting it (default 3600)")
     a.add_argument("--max-pull-bytes", type=_positive_int, default=None,
                    help="refuse to download a model larger than this many bytes (default: no limit)")
+    a.add_argument("--max-engine-bytes", type=_positive_int, default=None,
+                   help="bytes one tenant's engines folder may hold on this node; the oldest builds are "
+                        "deleted past it (default: no limit)")
     a.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout per request (s)")
     a.add_argument("--once", action="store_true", help="one pass, then exit (1 if anything in it failed)")
     a.add_argument("--peer-port", type=_port, default=None,
@@ -150,7 +153,8 @@ def _agent(args: argparse.Namespace) -> int:
                          retention_s=args.retention_seconds, max_pull_bytes=args.max_pull_bytes,
                          pull_timeout_s=args.timeout, peer_port=args.peer_port, peer_host=args.peer_host,
                          peer_namespace=args.peer_namespace, peer_selector=args.peer_selector,
-                         peer_rate=args.peer_rate, max_peers=args.max_peers)
+                         peer_rate=args.peer_rate, max_peers=args.max_peers,
+                         max_engine_bytes=args.max_engine_bytes)
     try:
         return run_agent(config, args.interval, args.once, health_dir=args.health_dir)
     except RootNotWritable as exc:

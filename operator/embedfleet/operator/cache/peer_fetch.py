@@ -47,8 +47,9 @@ def _manifest(client: httpx.Client, base: str, entry: str) -> list[tuple[str, st
     return out
 
 
-def _download(client: httpx.Client, url: str, target: Path, sha: str, size: int,
-              bucket: TokenBucket | None) -> None:
+def download_verified(client: httpx.Client, url: str, target: Path, sha: str, size: int,
+                      bucket: TokenBucket | None) -> None:
+    """Stream ``url`` into ``target``: exactly ``size`` bytes with sha256 ``sha``, else PeerFailed."""
     h = hashlib.sha256()
     got = 0
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -86,5 +87,6 @@ def fetch_from_peer(base: str, entry: str, expected_hex: str, dest: Path, timeou
         if max_bytes is not None and total > max_bytes:
             raise PeerFailed(f"{base}: {entry} holds {total} bytes, more than the limit of {max_bytes}")
         for sha, rel, size in files:
-            _download(client, f"{base}/v1/entries/{entry}/files/{quote(rel)}", dest / rel, sha, size, bucket)
+            url = f"{base}/v1/entries/{entry}/files/{quote(rel)}"
+            download_verified(client, url, dest / rel, sha, size, bucket)
     return f"peer {base} ({len(files)} files)", total, [(sha, rel) for sha, rel, _ in files]

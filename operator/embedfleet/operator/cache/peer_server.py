@@ -13,6 +13,14 @@ digest in its name (a pull in progress lives in ``.tmp-*`` and is published by o
 seen half-written), a symlinked entry, a path the manifest does not list (``.ready``, ``.manifest``,
 ``.source.json`` included), a path that is a symlink or resolves outside the entry.
 
+Engine builds (operator/cache/engines.py) go out the same way, per tenant engines folder and accelerator:
+
+* ``GET /v1/engines/<namespace>_engines-sha256-<hex>/<accelerator>/manifest``: JSON ``{"entry",
+  "accelerator", "builds": [{"group", "name", "files": [{"path", "size", "sha256"}]}]}``, the complete builds
+  (`engines.list_builds`: real folders with the layout's names; a lock or a build in progress is never
+  listed), a build holding a symlink or a special file left out;
+* ``GET /v1/engines/<entry>/<accelerator>/files/<group>/<build>/<path>``: one file that listing gives.
+
 Who may call it is the chart's business (a NetworkPolicy admits only node-agent pods to the port, and the
 server binds the pod IP): tenants' pods never reach it, so serving tenant A's entry to another node's
 agent, the platform's identity, leaks nothing. Entries are asked for by tenant and digest together, and
@@ -31,6 +39,7 @@ from pathlib import Path
 from aiohttp import web
 
 from .digest import ENTRY_MANIFEST, READY_MARKER, DigestError, parse_manifest
+from .engines import ACCELERATOR, ENGINES_ENTRY, PART, BuildUnavailable, build_files, list_builds
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +88,25 @@ def _inside(folder: Path, rel: str) -> Path | None:
     return path
 
 
+def engine_listing(root: Path, entry: str, accelerator: str) -> list[dict[str, object]]:
+    """The complete, plain builds of ``entry`` for ``accelerator``; EntryUnavailable for a name outside the layout."""
+    if ENGINES_ENTRY.match(entry) is None or ACCELERATOR.match(accelerator) is None:
+        raise EntryUnavailable(f"not an engines folder and accelerator: {entry[:100]!r}/{accelerator[:70]!r}")
+    folder = root / entry
+    if folder.is_symlink() or not folder.is_dir():
+        raise EntryUnavailable(f"{entry}: not held here")
+    out: list[dict[str, object]] = []
+    for build in list_builds(folder, accelerator):
+        try:
+            files = build_files(folder / build.rel)
+        except (BuildUnavailable, OSError) as exc:
+            log.warning("not offering %s/%s: %s", entry, build.rel, exc)
+            continue
+        out.append({"group": build.group, "name": build.name,
+                    "files": [{"path": rel, "size": size, "sha256": sha} for rel, size, sha in files]})
+    return out
+
+
 def make_app(root: Path) -> web.Application:
     async def manifest(request: web.Request) -> web.Response:
         entry = request.match_info["entry"]
@@ -101,6 +129,33 @@ def make_app(root: Path) -> web.Application:
         log.info("serving %s/%s (%d bytes) to %s", entry, rel, files[rel][1], request.remote)
         return web.FileResponse(path, headers={"Cache-Control": "no-store"})
 
+    async def engines_manifest(request: web.Request) -> web.Response:
+        entry, accelerator = request.match_info["entry"], request.match_info["accelerator"]
+        try:
+            builds = await asyncio.to_thread(engine_listing, root, entry, accelerator)
+        except EntryUnavailable as exc:
+            raise web.HTTPNotFound(text=str(exc)) from exc
+        return web.json_response({"entry": entry, "accelerator": accelerator, "builds": builds})
+
+    async def engine_file(request: web.Request) -> web.StreamResponse:
+        entry, accelerator = request.match_info["entry"], request.match_info["accelerator"]
+        group, name, rel = request.match_info["group"], request.match_info["build"], request.match_info["path"]
+        if not (PART.match(group) and PART.match(name)):
+            raise web.HTTPNotFound(text="not a build name")
+        try:
+            builds = await asyncio.to_thread(engine_listing, root, entry, accelerator)
+        except EntryUnavailable as exc:
+            raise web.HTTPNotFound(text=str(exc)) from exc
+        listed = {f["path"]: f["size"] for b in builds if b["group"] == group and b["name"] == name
+                  for f in b["files"]}  # type: ignore[union-attr]
+        build_dir = root / entry / accelerator / group / name
+        path = _inside(build_dir, rel) if rel in listed else None
+        if path is None:
+            raise web.HTTPNotFound(text=f"{entry}: serves only the files of a complete build's listing")
+        log.info("serving engine %s/%s/%s/%s/%s (%d bytes) to %s", entry, accelerator, group, name, rel,
+                 listed[rel], request.remote)
+        return web.FileResponse(path, headers={"Cache-Control": "no-store"})
+
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
@@ -108,6 +163,8 @@ def make_app(root: Path) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/entries/{entry}/manifest", manifest)
     app.router.add_get("/v1/entries/{entry}/files/{path:.+}", file)
+    app.router.add_get("/v1/engines/{entry}/{accelerator}/manifest", engines_manifest)
+    app.router.add_get("/v1/engines/{entry}/{accelerator}/files/{group}/{build}/{path:.+}", engine_file)
     return app
 
 

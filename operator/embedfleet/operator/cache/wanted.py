@@ -9,6 +9,8 @@ Three decisions, each a function of what was read (so property tests can feed th
 * `plan`: which entries to pull, which to delete (an entry nobody wants is kept ``retention`` seconds
   after it became unwanted, so a deployment re-created a minute later finds its weights), and the
   new memory of when each entry became unwanted;
+* `wanted_engines`: the tenants' engines folders this node should keep (deployments with pre-pull whose
+  runtime builds an engine: `prepull.shares_engine_builds`), retired by the same `plan`;
 * `label_patch`: the merge patch that makes the node's ``cache.embedfleet.dev/*`` labels say exactly
   "this tenant's weights are ready here" for each wanted entry that is ready on disk, and nothing else.
 
@@ -24,14 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from embedfleet.operator.crd import naming
-from embedfleet.operator.crd.models import NodePool
-from embedfleet.operator.crd.prepull import node_pools, pull_source
+from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, NodePool
+from embedfleet.operator.crd.prepull import node_pools, pull_source, shares_engine_builds
 from embedfleet.operator.platform import CONTROL_PLANE_LABELS, PlatformPolicy
 from embedfleet.operator.validate import check, check_model_cache
 
 #: Directory names in the cache root that are cache entries: ``<namespace>_sha256-<64 hex>``, and the
 #: pre-tenant layout ``sha256-<64 hex>`` (left by older pullers; never wanted, so retired like any other).
 ENTRY_NAME = re.compile(r"^(?:[a-z0-9]([-a-z0-9]*[a-z0-9])?_)?sha256-[0-9a-f]{64}$")
+#: A tenant's engines folder: ``<namespace>_engines-sha256-<64 hex>`` (operator/cache/engines.py).
+ENGINES_NAME = re.compile(r"^[a-z0-9](?:[-a-z0-9]*[a-z0-9])?_engines-sha256-[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True, order=True)
@@ -49,6 +53,10 @@ class Want:
     @property
     def label(self) -> str:
         return naming.cache_label_key(self.digest, self.namespace)
+
+    @property
+    def engines(self) -> str:
+        return naming.engines_entry(self.namespace, self.digest)
 
 
 def is_control_plane(node_labels: Mapping[str, str]) -> bool:
@@ -95,17 +103,9 @@ def wanted_entries(
         if want.entry not in found or want < found[want.entry]:
             found[want.entry] = want
 
-    for obj in deployments:
-        ident = _meta(obj)
-        raw = obj.get("spec")
-        if ident is None or not isinstance(raw, Mapping) or not (raw.get("cache") or {}).get("prePull"):
-            continue
-        spec, _ = check(ident[0], raw, policy)
-        if spec is None or spec.model.digest is None:
-            continue
-        cache = spec.cache
-        if node_selected(node_labels, cache.node_selector, cache.node_pools, policy.allow_control_plane):
-            add(Want(ident[1], spec.model.digest, pull_source(spec.model)))
+    for namespace, spec in _pre_pulled(node_labels, deployments, policy):
+        assert spec.model.digest is not None
+        add(Want(namespace, spec.model.digest, pull_source(spec.model)))
     for obj in caches:
         ident = _meta(obj)
         raw = obj.get("spec")
@@ -116,6 +116,39 @@ def wanted_entries(
             continue
         if node_selected(node_labels, mc.node_selector, mc.node_pools, policy.allow_control_plane):
             add(Want(ident[1], mc.model.digest, pull_source(mc.model)))
+    return found
+
+
+def _pre_pulled(node_labels: Mapping[str, str], deployments: Iterable[Mapping[str, Any]],
+                policy: PlatformPolicy) -> Iterable[tuple[str, EmbeddingDeploymentSpec]]:
+    """(namespace, checked spec) of every deployment with pre-pull whose pools select this node."""
+    for obj in deployments:
+        ident = _meta(obj)
+        raw = obj.get("spec")
+        if ident is None or not isinstance(raw, Mapping) or not (raw.get("cache") or {}).get("prePull"):
+            continue
+        spec, _ = check(ident[0], raw, policy)
+        if spec is None or spec.model.digest is None:
+            continue
+        cache = spec.cache
+        if node_selected(node_labels, cache.node_selector, cache.node_pools, policy.allow_control_plane):
+            yield ident[1], spec
+
+
+def wanted_engines(
+    node_labels: Mapping[str, str], deployments: Iterable[Mapping[str, Any]], policy: PlatformPolicy
+) -> dict[str, Want]:
+    """Engines folder name -> the weights it belongs to, for every deployment this node pre-pulls whose
+    runtime builds an engine (the same ones the renderer mounts the folder for)."""
+    if is_control_plane(node_labels) and not policy.allow_control_plane:
+        return {}
+    found: dict[str, Want] = {}
+    for namespace, spec in _pre_pulled(node_labels, deployments, policy):
+        if shares_engine_builds(spec):
+            assert spec.model.digest is not None
+            want = Want(namespace, spec.model.digest, pull_source(spec.model))
+            if want.engines not in found or want < found[want.engines]:
+                found[want.engines] = want
     return found
 
 
@@ -152,13 +185,16 @@ def plan(
 
 
 def label_patch(
-    wanted: Mapping[str, Want], ready: Iterable[str], node_labels: Mapping[str, str]
+    wanted: Mapping[str, Want], ready: Iterable[str], node_labels: Mapping[str, str],
+    engine_labels: Iterable[str] = (),
 ) -> dict[str, str | None]:
     """Merge-patch labels (None removes one): ``<cache label>=ready`` for every wanted entry that is ready
-    on disk; every other ``cache.embedfleet.dev/`` label goes, whoever wrote it. Empty when the node is
-    already right (steady state writes nothing)."""
+    on disk and for each of ``engine_labels`` (the engine builds held: `naming.engine_label_key`); every
+    other ``cache.embedfleet.dev/`` label goes, whoever wrote it. Empty when the node is already right
+    (steady state writes nothing)."""
     ready_names = set(ready)
     desired = {w.label: naming.CACHE_LABEL_READY for name, w in wanted.items() if name in ready_names}
+    desired.update({key: naming.CACHE_LABEL_READY for key in engine_labels})
     patch: dict[str, str | None] = {
         key: value for key, value in desired.items() if node_labels.get(key) != value
     }

@@ -77,6 +77,20 @@ def cache_label_key(digest: str, namespace: str) -> str:
     return f"{CACHE_LABEL_PREFIX}t{tenant_tag(namespace)}-sha256-{digest_hex(digest)[:16]}"
 
 
+def engines_entry(namespace: str, digest: str) -> str:
+    """A tenant's engine builds for one model, beside its weights: ``<namespace>_engines-sha256-<64 hex>``
+    (flat for the same reason as `cache_entry`; operator/cache/engines.py has the layout inside)."""
+    return f"{namespace}_engines-{cache_subdir(digest)}"
+
+
+def engine_label_key(digest: str, namespace: str, accelerator: str) -> str:
+    """The node label key that says a node holds engine builds of this tenant's model for this accelerator:
+    ``cache.embedfleet.dev/e<10 hex of namespace>-<16 hex of digest>-<8 hex of accelerator>`` (37 characters
+    after the prefix); peers are found by it the way weights are found by `cache_label_key`."""
+    accel = hashlib.sha256(accelerator.encode()).hexdigest()[:8]
+    return f"{CACHE_LABEL_PREFIX}e{tenant_tag(namespace)}-{digest_hex(digest)[:16]}-{accel}"
+
+
 def cache_subdir(digest: str) -> str:
     """Directory name of one model's files: ``sha256-<64 hex>``."""
     return f"sha256-{digest_hex(digest)}"

@@ -8,7 +8,9 @@ node agent imports neither the renderer nor the rollout code behind it (tests/pa
 
 from __future__ import annotations
 
-from embedfleet.operator.crd.models import ModelSource, NodePool
+import urllib.parse
+
+from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelSource, NodePool
 
 
 def node_pools(selector: dict[str, str], pools: list[NodePool]) -> list[NodePool]:
@@ -23,3 +25,14 @@ def pull_source(model: ModelSource) -> str:
     if model.source.startswith("hf://") and model.revision:
         return f"{model.source}@{model.revision}"
     return model.source
+
+
+def shares_engine_builds(spec: EmbeddingDeploymentSpec) -> bool:
+    """Whether the runtime pods of ``spec`` build an engine from the weights at start-up (``dtype: int8``, an
+    OpenVINO build; ``engine: trtllm``, a TensorRT-LLM plan) and keep it on the node for the next pod and for
+    other nodes' agents: only with pre-pull (the node cache is on) and a downloaded model (the weights have a
+    digest to key the builds by). The renderer mounts the tenant's engines folder for these; the node agent
+    creates, publishes and fetches it for these."""
+    scheme = urllib.parse.urlsplit(spec.model.source).scheme
+    builds = spec.runtime.dtype == "int8" or spec.runtime.engine == "trtllm"
+    return bool(spec.cache.pre_pull and builds and spec.model.digest and scheme not in ("file", "pvc"))

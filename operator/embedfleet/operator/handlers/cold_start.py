@@ -113,7 +113,8 @@ def runtime_pod_changed(event: Mapping[str, Any], body: kopf.Body, namespace: st
     port = int(((owner or {}).get("spec") or {}).get("runtime", {}).get("port") or 8080)
     startup = read_startup(pod, port)
     runtime = cold_start.runtime_phases(startup) if startup is not None else None
-    message = cold_start.event_message(pod["metadata"]["name"], phases, runtime, cold_start.weights_source(startup))
+    message = cold_start.event_message(pod["metadata"]["name"], phases, runtime, cold_start.weights_source(startup),
+                                       cold_start.engine_source(startup))
     metrics.observe_cold_start(phases)
     log.info("cold start: %s", message)
     if owner is not None and not (owner.get("metadata") or {}).get("deletionTimestamp"):

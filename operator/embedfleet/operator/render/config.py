@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from embedfleet.operator.cache.engines import ENGINES_MOUNT
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
+from embedfleet.operator.crd.prepull import shares_engine_builds
 from embedfleet.operator.render.common import Manifest, _meta, config_map_name, labels, owner_reference
 from embedfleet.operator.render.model import downloaded, model_dir
 from embedfleet.operator.render.revisions import (
@@ -59,6 +61,8 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[
     env.update({key: str(value) for key, value in optional.items() if value is not None})
     if downloaded(spec.model) and spec.model.digest is not None:
         env["EMBEDFLEET_MODEL_DIGEST"] = spec.model.digest  # the runtime verifies before loading
+    if shares_engine_builds(spec):
+        env["EMBEDFLEET_ENGINE_CACHE_DIR"] = ENGINES_MOUNT  # the node's engines folder (render/model.py)
     if platform_env:
         env.update(platform_env)
         if "OTEL_SERVICE_NAME" not in platform_env:

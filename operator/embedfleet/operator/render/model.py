@@ -9,6 +9,10 @@ and the Deployment (the volumes).
   pod also mounts its tenant's node cache entry ``<platform cache root>/<namespace>_sha256-<hex>``
   read-only at ``/var/cache/embedfleet/node``: when the agent has filled it, the init container only
   links ``local/sha256-<hex>`` to it (no download);
+* with pre-pull, a deployment whose runtime builds an engine (`prepull.shares_engine_builds`: int8,
+  TensorRT-LLM) also mounts its tenant's engines folder ``<cache root>/<namespace>_engines-sha256-<hex>``
+  writable at ``ENGINES_MOUNT`` (``EMBEDFLEET_ENGINE_CACHE_DIR``): the first pod on a node builds there, the
+  next ones (and the node agent, for other nodes) reuse it (operator/cache/engines.py);
 * ``file://`` (a path inside the image) and ``pvc://claim/path`` (mounted read-only) are used in place.
 """
 
@@ -17,9 +21,10 @@ from __future__ import annotations
 import urllib.parse
 from typing import Any
 
+from embedfleet.operator.cache.engines import ENGINES_MOUNT
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelSource
-from embedfleet.operator.crd.prepull import pull_source
+from embedfleet.operator.crd.prepull import pull_source, shares_engine_builds
 from embedfleet.operator.render.common import _non_root_container_security
 
 CONTAINER_CACHE_DIR = "/var/cache/embedfleet"
@@ -87,6 +92,13 @@ def _model_volumes(
         runtime_mounts.append(node_mount)
         init_mounts.append(node_mount)
         command += ["--from-node-cache", NODE_CACHE_DIR]
+    if shares_engine_builds(spec):
+        # Writable, and only by the runtime container: the tenant's builds of this model on this node. The
+        # agent creates it owned by the runtime's uid; where the pod came first, the kubelet made it root-owned
+        # and the runtime builds in its own /tmp until the agent has replaced it (the next pod uses it).
+        engines = cache_root.rstrip("/") + "/" + naming.engines_entry(namespace, spec.model.digest)
+        volumes.append({"name": "node-engines", "hostPath": {"path": engines, "type": "DirectoryOrCreate"}})
+        runtime_mounts.append({"name": "node-engines", "mountPath": ENGINES_MOUNT})
     init = {
         "name": "fetch-model",
         "image": image,
