@@ -54,6 +54,13 @@ RECLAIM_TAINTS: tuple[str, ...] = (
 )
 
 
+def recorded(status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``status.spot`` of an EmbeddingDeployment (given its status), as a dict; {} when none is recorded. The one
+    reading of it for the autoscaler's view, the resize, the daemon's tick and the render."""
+    value = (status or {}).get("spot")
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
 def spot_name(name: str) -> str:
     return f"{name}{SPOT_SUFFIX}"
 

@@ -227,7 +227,7 @@ def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec,
                        cache_root=POLICY.cache_root, allow_control_plane=POLICY.allow_control_plane,
                        autoscaler_desired=autoscaler_desired, service_monitor_available=service_monitor,
                        platform_env=RUNTIME_TRACING, runs=runs, query_vector_space=query_space,
-                       default_image=POLICY.runtime_image, spot_status=(obj.get("status") or {}).get("spot"),
+                       default_image=POLICY.runtime_image, spot_status=spot.recorded(obj.get("status")),
                        spot_rules=POLICY.spot)
     return effective_replicas(parsed, autoscaler_desired), manifests
 

@@ -98,8 +98,7 @@ def autoscaler_view(deployments: Iterable[Mapping[str, Any]], name: str, spec: E
     if spec is None or spec.spot is None or primary is None:
         return primary
     view = dict(spot.combined(primary, _by_name(deployments, spot.spot_name(runtime_name(name)))) or {})
-    recorded = (status or {}).get("spot") or {}
-    total = recorded.get("total")
+    total = spot.recorded(status).get("total")
     if total is None:
         # Nothing recorded yet: the reconcile rendered every spot replica stood in for (on demand = total),
         # or without fallback the two sides adding up to it (render.spot_split).
@@ -117,7 +116,7 @@ def resize(name: str, namespace: str, body: Mapping[str, Any], spec: EmbeddingDe
     if spec is None or spec.spot is None:
         KUBE.patch_merge("Deployment", runtime_name(name), namespace, {"spec": {"replicas": total}})
         return
-    cut = spot_split(spec, total, (body.get("status") or {}).get("spot"))
+    cut = spot_split(spec, total, spot.recorded(body.get("status")))
     KUBE.patch_merge("Deployment", runtime_name(name), namespace, {"spec": {"replicas": cut.on_demand}})
     KUBE.patch_merge("Deployment", spot.spot_name(runtime_name(name)), namespace, {"spec": {"replicas": cut.spot}})
 
@@ -168,7 +167,7 @@ def tick(name: str, namespace: str, body: Mapping[str, Any], spec: EmbeddingDepl
     reclaimed = sorted({f"{node}: {why}" for _, node, why in seen.doomed})
     wanted = {"total": cut.total, "spot": cut.spot, "onDemand": cut.on_demand, "serving": seen.serving,
               "fallback": cut.fallback, "reclaimed": reclaimed}
-    recorded = status.get("spot") or {}
+    recorded = spot.recorded(status)
     written = None
     if any(recorded.get(k) != v for k, v in wanted.items()):
         KUBE.patch_status(KIND, name, namespace, {"spot": wanted})
@@ -230,7 +229,7 @@ async def _loop(stopped: kopf.DaemonStopped, name: str, namespace: str, body: ko
             if stand_ins is not None:
                 FIGURES.forget(f"{namespace}/{name}")
             stand_ins = None
-            if parsed is not None and (body.get("status") or {}).get("spot") is not None:
+            if parsed is not None and spot.recorded(body.get("status")):
                 # spec.spot removed: the reconcile deleted <name>-spot; the split it recorded goes too.
                 try:
                     await asyncio.to_thread(KUBE.patch_status, KIND, name, namespace, {"spot": None})
