@@ -193,7 +193,8 @@ service_nat() {  # service_nat PORT: the `kubernetes` ClusterIP to this run's AP
   iptables -t nat -C PREROUTING -d "$SVC_KUBE/32" -j "$NAT_CHAIN" 2>/dev/null \
     || iptables -t nat -I PREROUTING -d "$SVC_KUBE/32" -j "$NAT_CHAIN"
   local rule  # rules written straight into PREROUTING by older versions of this script
-  iptables -t nat -S PREROUTING | grep -- "-d $SVC_KUBE/32 .*-j DNAT" | sed 's/^-A //' | while read -r rule; do
+  # (`|| true`: under pipefail, finding none must not end `up`)
+  { iptables -t nat -S PREROUTING | grep -- "-d $SVC_KUBE/32 .*-j DNAT" || true; } | sed 's/^-A //' | while read -r rule; do
     # shellcheck disable=SC2086
     iptables -t nat -D $rule; done
   iptables -t nat -A "$NAT_CHAIN" -p tcp --dport 443 -j DNAT --to-destination "$GW:$1"

@@ -18,10 +18,13 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import yaml
 
+from embedfleet.operator.cache.engines import ENGINES_MOUNT, cpu_accelerator, list_builds
+from embedfleet.operator.crd import naming
 from tests.kube.controlplane import wait_until
 from tests.realnode.node import (
     BRIDGE_IP,
@@ -264,6 +267,40 @@ def test_node_cache_serves_the_second_cold_start_and_the_gateway_wakes_from_zero
     release.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p",
                     '{"spec":{"autoscaling":{"minReplicas":1,"scaleToZero":false}}}')
     wait_until(lambda: ready_runtimes(release, name), 300, f"{name} back at one replica")
+
+
+def test_an_int8_build_is_made_once_on_the_node_and_loaded_by_the_next_pod(release: RealNode, tmp_path: Path) -> None:
+    """`dtype: int8` with pre-pull on the real kubelet: the agent makes the tenant's engines folder (hostPath)
+    before the node is labelled, the first pod builds into it as the runtime's uid, and a replacement pod
+    loads that build instead of quantising again."""
+    served = ModelServer(tmp_path)
+    name = "minilm-int8"
+    try:
+        doc = http_deployment(name, served.url, served.digest)
+        doc["spec"]["runtime"] = {**doc["spec"].get("runtime", {}), "dtype": "int8"}
+        doc["spec"]["cache"]["requireCachedNode"] = True  # the pod waits for the agent's pass: folder, then label
+        release.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+
+        def engine_of(pod: dict[str, Any]) -> dict[str, Any] | None:
+            report = httpx.get(f"http://{pod['status']['podIP']}:{RUNTIME_PORT}/load", timeout=10).json()
+            models = (report.get("startup") or {}).get("models") or {}
+            return next((m["engine"] for m in models.values() if m.get("engine")), None)
+
+        first = wait_until(lambda: ready_runtimes(release, name), 900, f"{name} Ready (int8 built)")[0]
+        assert (engine_of(first) or {}).get("source") == "built", engine_of(first)
+        folder = release.home / "nodecache" / naming.engines_entry("default", served.digest)
+        builds = list_builds(folder)
+        assert len(builds) == 1 and builds[0].accelerator == cpu_accelerator(), (builds, sorted(folder.rglob("*")))
+        assert (folder / builds[0].rel).stat().st_uid == 10001  # written by the runtime container, not root
+
+        release.kubectl("delete", "pod", first["metadata"]["name"], "--wait=false")
+        second = wait_until(lambda: [p for p in ready_runtimes(release, name)
+                                     if p["metadata"]["name"] != first["metadata"]["name"]], 600,
+                            f"{name}'s replacement pod Ready")[0]
+        assert engine_of(second) == {"source": "cache", "path": f"{ENGINES_MOUNT}/{builds[0].rel}"}, engine_of(second)
+        release.kubectl("delete", "embeddingdeployment", name, "--wait=true", timeout=300)
+    finally:
+        served.close()
 
 
 def test_helm_upgrade_to_a_new_runtime_tag_rolls_the_runtime_with_no_failed_request(release: RealNode) -> None:
