@@ -27,7 +27,7 @@ import httpx
 
 from .digest import DigestError, safe_relpath
 from .engines import ACCELERATOR, PART, SOURCE_RECORD, Build
-from .peer_fetch import PeerFailed, download_verified
+from .peer_fetch import PeerFailed, download_verified, get_json
 from .peers import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -46,15 +46,10 @@ class Listed:
 def listing(client: httpx.Client, base: str, entry: str, accelerator: str) -> list[Listed]:
     """The peer's complete builds of ``entry`` for ``accelerator``; PeerFailed for anything malformed."""
     url = f"{base}/v1/engines/{entry}/{accelerator}/manifest"
-    try:
-        response = client.get(url)
-    except httpx.HTTPError as exc:
-        raise PeerFailed(f"GET {url}: {type(exc).__name__}: {exc}") from exc
-    if response.status_code != 200:
-        raise PeerFailed(f"GET {url}: HTTP {response.status_code}")
+    body = get_json(client, url)
     try:
         out = []
-        for item in response.json()["builds"]:
+        for item in body["builds"]:
             group, name = str(item["group"]), str(item["name"])
             if not (PART.match(group) and PART.match(name)):
                 raise ValueError(f"not a build name: {group!r}/{name!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -27,8 +28,9 @@ class PeerFailed(FetchError):
     """This peer cannot give this entry (missing there, unreachable, or bytes that do not verify)."""
 
 
-def _manifest(client: httpx.Client, base: str, entry: str) -> list[tuple[str, str, int]]:
-    url = f"{base}/v1/entries/{entry}/manifest"
+def get_json(client: httpx.Client, url: str) -> Any:
+    """The JSON body of a 200 answer to ``GET url``; PeerFailed for a transport error, another status or a body
+    that is not JSON (the peer routes' listings)."""
     try:
         response = client.get(url)
     except httpx.HTTPError as exc:
@@ -36,7 +38,16 @@ def _manifest(client: httpx.Client, base: str, entry: str) -> list[tuple[str, st
     if response.status_code != 200:
         raise PeerFailed(f"GET {url}: HTTP {response.status_code}")
     try:
-        files = response.json()["files"]
+        return response.json()
+    except ValueError as exc:
+        raise PeerFailed(f"GET {url}: not JSON ({exc})") from exc
+
+
+def _manifest(client: httpx.Client, base: str, entry: str) -> list[tuple[str, str, int]]:
+    url = f"{base}/v1/entries/{entry}/manifest"
+    body = get_json(client, url)
+    try:
+        files = body["files"]
         out = [(str(f["sha256"]), safe_relpath(str(f["path"])), int(f["size"])) for f in files]
     except (ValueError, KeyError, TypeError, DigestError) as exc:
         raise PeerFailed(f"GET {url}: not a manifest ({type(exc).__name__}: {exc})") from exc
