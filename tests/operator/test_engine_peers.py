@@ -135,6 +135,8 @@ def test_a_pass_asks_peers_for_what_its_node_lacks_and_labels_it(holder, tmp_pat
     assert sorted(out.fetched) == sorted([f"{ENTRY}/{INT8}", f"{ENTRY}/{PLAN}"])
     assert asked == [naming.engine_label_key(DIGEST, "team-a", CPU), naming.engine_label_key(DIGEST, "team-a", GPU)]
     assert out.labels == asked and out.problems == []
+    asked.clear()  # a node that holds builds of each of its accelerators asks nobody
+    assert sync_engines(root, {want.engines: want}, labels, CPU, find, timeout_s=5).fetched == [] and asked == []
     # a CPU-only node asks for its CPU class alone
     other = tmp_path / "root-c"
     other.mkdir()

@@ -8,10 +8,10 @@ runtime builds an engine), each pass:
    both run as uid 10001). Where a runtime pod landed first, the kubelet made it, empty and root-owned:
    it is replaced by one rename, as a weight entry is;
 2. with peers on, for each of this node's accelerators (`engines.node_accelerators`: its CPU class, its
-   GPU model from the node label) asks the agents of nodes labelled as holding builds of that folder for
-   that accelerator, best first, for the builds it lacks (`engine_fetch.fetch_builds`; the first peer that
-   answers is enough). A runtime starting on this node then finds its build ready and skips minutes of
-   quantising or compiling;
+   GPU model from the node label) of which it holds no build yet, asks the agents of nodes labelled as
+   holding builds of that folder for that accelerator, best first, for their builds
+   (`engine_fetch.fetch_builds`; the first peer that answers is enough). A runtime starting on this node
+   then finds its build ready and skips minutes of quantising or compiling;
 3. keeps the folder under ``max_bytes`` (its runtimes can write into it: the oldest builds go first, with a
    warning), since a hostPath has no size limit of its own;
 4. returns the node labels that say which (tenant, model, accelerator) builds are held here
@@ -114,6 +114,8 @@ def sync_engines(root: Path, wanted: Mapping[str, Want], node_labels: Mapping[st
             continue
         for accelerator in accelerators if find_peers is not None else ():
             have = set(list_builds(folder, accelerator))
+            if have:
+                continue  # asked only while none is held: a steady node makes no API call for its builds
             label = naming.engine_label_key(want.digest, want.namespace, accelerator)
             for base in find_peers(label, want.digest):
                 try:
