@@ -196,17 +196,3 @@ def build_files(build_dir: Path) -> list[tuple[str, int, str]]:
 
 def _is_regular(mode: int) -> bool:
     return stat.S_ISREG(mode)
-
-
-def entry_bytes(entry_dir: Path) -> int:
-    """Bytes of regular files under an engines entry (symlinks not followed): what the agent bounds."""
-    total = 0
-    for folder, _, files in os.walk(entry_dir, followlinks=False):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(folder, name))
-            except OSError:
-                continue
-            if _is_regular(st.st_mode):
-                total += st.st_size
-    return total

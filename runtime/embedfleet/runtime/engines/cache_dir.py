@@ -57,7 +57,6 @@ def check_part(name: str) -> str:
 #: Where a loaded build came from: ``built`` (this process built it), ``cache`` (a complete build was already
 #: in the folder, made on this node), ``peer`` (the node agent copied it from another node of the same class).
 BuildSourceName = Literal["built", "cache", "peer"]
-BUILD_SOURCES: tuple[BuildSourceName, ...] = ("built", "cache", "peer")
 
 
 @dataclass(frozen=True)
