@@ -26,9 +26,28 @@ def test_a_query_behind_work_that_the_measured_rate_cannot_finish_by_its_promise
     assert late[0][1] == 100  # the tokens ahead of it
 
 
-def test_nothing_ahead_runs_next_even_past_its_promise():
-    alone = job(50, True, promised=0.0)
+def test_nothing_ahead_runs_next_while_its_promise_holds():
+    alone = job(50, True, promised=10.0)
     assert late_jobs(items(alone), now=10.0, urgent_ahead=0, bulk_ahead=0, urgent_queued=50, last_batch_s=0.1,
+                     rates=lambda: (1.0, 1.0)) == []
+
+
+def test_nothing_ahead_past_its_promise_is_late_unless_admitted_alone():
+    """The batches ahead of it overran: run now, it would end a whole batch past its promise. A request
+    admitted on an empty queue was promised nothing it could keep, and runs."""
+    overrun, alone = job(50, True, promised=9.0), job(50, False, promised=0.0)
+    alone.alone = True
+    late = late_jobs(items(overrun), now=10.0, urgent_ahead=0, bulk_ahead=0, urgent_queued=50, last_batch_s=0.1,
+                     rates=lambda: (1.0, 1.0))
+    assert [(j, ahead) for j, ahead, _ in late] == [(overrun, 0)]
+    assert late_jobs(items(alone), now=10.0, urgent_ahead=0, bulk_ahead=0, urgent_queued=0, last_batch_s=0.1,
+                     rates=lambda: (1.0, 1.0)) == []
+
+
+def test_a_job_already_started_is_finished_not_refused():
+    started = Job(inputs=[[0] * 10, [0] * 10], urgent=True, future=None, remaining=1,  # type: ignore[arg-type]
+                  promised=1.0, queued_tokens=10, queued_items=1)
+    assert late_jobs(items(started), now=10.0, urgent_ahead=0, bulk_ahead=0, urgent_queued=10, last_batch_s=0.1,
                      rates=lambda: (1.0, 1.0)) == []
 
 
@@ -40,11 +59,12 @@ def test_a_deadline_before_the_promise_is_left_to_expire():
 
 @given(st.lists(st.tuples(st.integers(1, 500), st.booleans(), st.floats(0, 20)), min_size=1, max_size=12),
        st.floats(0, 20), st.floats(0.01, 1000))
-def test_the_first_job_with_nothing_ahead_is_never_late(specs, now, rate):
+def test_the_first_job_with_nothing_ahead_is_late_only_past_its_promise(specs, now, rate):
     jobs = [job(t, u, p) for t, u, p in specs]
     queued_urgent = sum(j.queued_tokens for j in jobs if j.urgent)
     late = late_jobs(items(*jobs), now=now, urgent_ahead=0, bulk_ahead=0, urgent_queued=queued_urgent,
                      last_batch_s=0.1, rates=lambda: (rate, rate))
     first_urgent = next((j for j in jobs if j.urgent), None)
-    assert first_urgent is None or all(j is not first_urgent for j, _, _ in late)
-    assert all(ahead > 0 for _, ahead, _ in late)
+    if first_urgent is not None:
+        assert any(j is first_urgent for j, _, _ in late) == (now > first_urgent.promised)
+    assert all(ahead > 0 or now > j.promised for j, ahead, _ in late), "nothing ahead: late only past its promise"

@@ -106,11 +106,15 @@ def test_accepted_work_keeps_its_bound_with_a_core_taken(runtime_factory):
     refused = sum(status == 429 for _, status, _, _ in results)
     assert refused >= 1, "a core taken away under a storm must overload the engine"
     accepted = [(kind, client_s, timing) for kind, status, client_s, timing in results if status == 200]
-    batch_s = max(timing["inference"] for _, _, timing in accepted)  # the longest batch, as the server timed it
+    # The longest batch, as the server timed it: a lone query runs in one batch, so its engine time is that
+    # batch's; a bulk request's is the sum of its batches, which bounds any one of them from above.
+    longest = {"single": max((t["inference"] for k, _, t in accepted if k == "single"), default=0.0),
+               "bulk": max(t["inference"] for _, _, t in accepted)}
     report = {kind: sorted(round(timing["total"], 2) for k, _, timing in accepted if k == kind)[-5:]
               for kind in ("single", "bulk")}
     for kind, bound in (("single", QUERY_BOUND_S), ("bulk", BULK_BOUND_S)):
         mine = [(client_s, timing) for k, client_s, timing in accepted if k == kind]
+        batch_s = longest[kind]
         if kind == "bulk" and not mine:
             # With the machine loaded from outside as well (other jobs on the same two cores), the engine can
             # be too slow for any bulk request to fit its bound: refusing them all is the promise kept.
@@ -118,7 +122,8 @@ def test_accepted_work_keeps_its_bound_with_a_core_taken(runtime_factory):
             continue
         assert mine, f"some {kind} requests are accepted"
         waited = [t["tokenize"] + t["queue"] + t["inference"] for _, t in mine]
-        late = [round(w, 2) for w in waited if w > bound + batch_s]
+        late = [(round(w, 2), {k: round(v, 2) for k, v in t.items() if k != "total"})
+                for w, (_, t) in zip(waited, mine, strict=True) if w > bound + batch_s]
         assert not late, f"{kind}: {len(late)} of {len(mine)} ran past {bound} s + one batch ({batch_s:.2f} s): " \
                          f"{late}; slowest totals: {report}"
         over = [round(t["total"], 2) for _, t in mine if t["total"] > bound + 2 * batch_s]

@@ -210,7 +210,8 @@ class BatchManager:
                 f"of {self.max_queue_tokens}", retry_after=max(1.0, self.expected_wait()))
         remaining = None if deadline is None else deadline - now
         rate = self.drain_rate(urgent)
-        decision = decide(self.ahead_of(urgent), tokens, rate, max_wait, remaining)
+        ahead = self.ahead_of(urgent)
+        decision = decide(ahead, tokens, rate, max_wait, remaining)
         if decision.reason == "deadline":
             self.metrics.shed_deadline.inc()
             raise DeadlineUnmet(
@@ -230,7 +231,7 @@ class BatchManager:
                   deadline=deadline, queued_tokens=tokens,
                   queued_items=len(inputs), promote_at=None if urgent or max_wait is None else
                   now + self._promote_after(max_wait, tokens, self.drain_rate()), tenant=tenant, admitted_at=now,
-                  trace=trace, bound=bound, promised=None if max_wait is None else now + max_wait)
+                  trace=trace, bound=bound, promised=None if max_wait is None else now + max_wait, alone=not ahead)
         items = [Item(job, i, self._seq + i) for i in range(len(inputs))]
         self._seq += len(items)
         self._queue += items

@@ -17,14 +17,16 @@ def late_jobs(live: list[Item], now: float, urgent_ahead: int, bulk_ahead: int, 
     """The bounded jobs of `live` (queue order) that would be answered later than their bound plus one
     batch, each with the tokens ahead of it and the rate it was judged by.
 
-    Two rules: a job with work still ahead of it whose promise passed more than one batch (`last_batch_s`)
+    Three rules: a job with work still ahead of it whose promise passed more than one batch (`last_batch_s`)
     ago; an urgent job not started that, at the rate measured now (`rates()`: urgent, bulk), would finish
-    past its promise. A job with nothing ahead runs in the next batch and is never refused here, nor is
-    bulk work by the second rule (promotion keeps its bound), nor a job whose deadline comes before its
-    bound (it expires instead). Work ahead is counted as the planner serves it: `urgent_ahead` and
-    `bulk_ahead` are what each class waits for of the batches in the engine, and queued urgent work
-    (`urgent_queued` tokens) goes before any bulk job. `rates` is called only when some job is judged.
-    Cost: O(len(live)).
+    past its promise; a job not started with nothing ahead whose promise has already passed (the batches
+    ahead of it overran the rate it was judged by: run now, it would end a whole batch past its promise).
+    Bulk work is never refused by the second rule (promotion keeps its bound), nor a job whose deadline
+    comes before its bound (it expires instead), nor one admitted with nothing ahead (an empty queue admits
+    a request whatever its bound, so its promise may have passed before any batch ran). Work ahead is
+    counted as the planner serves it: `urgent_ahead` and `bulk_ahead` are what each class waits for of the
+    batches in the engine, and queued urgent work (`urgent_queued` tokens) goes before any bulk job.
+    `rates` is called only when some job is judged. Cost: O(len(live)).
     """
     judged_rates: tuple[float, float] | None = None
     late: list[tuple[Job, int, float]] = []
@@ -36,9 +38,10 @@ def late_jobs(live: list[Item], now: float, urgent_ahead: int, bulk_ahead: int, 
         seen.add(id(job))
         ahead = urgent_ahead if job.urgent else bulk_ahead + urgent_queued
         promised = job.promised
-        if promised is not None and ahead and (job.deadline is None or job.deadline > promised):
-            passed = now > promised + last_batch_s
-            judged = job.urgent and job.queued_items == len(job.inputs)
+        if promised is not None and (job.deadline is None or job.deadline > promised):
+            unstarted = job.queued_items == len(job.inputs)
+            passed = now > promised + last_batch_s if ahead else unstarted and not job.alone and now > promised
+            judged = bool(ahead) and job.urgent and unstarted
             if passed or judged:
                 if judged_rates is None:
                     judged_rates = rates()
