@@ -22,8 +22,8 @@ daemon keeps between ticks. Only when no pod answered is the total unknown (keep
 ``SignalUnavailable`` Warning); a partly answering fleet gets one ``PodMetricsUnavailable`` Warning per
 pod per `UNREACHABLE_WARN_EVERY_S`, not one per tick.
 
-Probe drift rides on the same scrape (rollout/drift.py): each pod's ``embedfleet_probe_cosine`` and
-``embedfleet_probe_order_kept`` become ``status.probeDrift`` when the verdict changes, and the conditions
+Probe drift rides on the same scrape (handlers/probe_drift.py, judged by rollout/drift.py): each pod's
+``embedfleet_probe_cosine`` and ``embedfleet_probe_order_kept`` become ``status.probeDrift`` when the verdict changes, and the conditions
 are then re-derived by the reconcile's own code (handlers/embedding.py `refresh_status`), which folds it
 into ``Degraded``. With autoscaling off the daemon still scrapes, for the probe only, every
 `drift_every_s`; with a Prometheus source it asks Prometheus (signals.query_probe) at that pace.
@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -74,10 +73,10 @@ from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.gateway_signal import POD_LABELS as GATEWAY_POD_LABELS
 from embedfleet.operator.gateway_signal import GatewayReading, gateway_port, gateway_targets, read_gateways
 from embedfleet.operator.handlers import spot as spot_handlers
-from embedfleet.operator.handlers.embedding import refresh_status
-from embedfleet.operator.kube import Kube, KubeError
+from embedfleet.operator.handlers.events import KIND, KUBE, now_iso, record_event
+from embedfleet.operator.handlers.probe_drift import drift_every_s, probe_readings, prometheus_url, watch_drift
+from embedfleet.operator.kube import KubeError
 from embedfleet.operator.render import runtime_name
-from embedfleet.operator.rollout import drift
 from embedfleet.operator.scheduling.learn import model_identity
 from embedfleet.operator.signals import (
     ASYNC_DEPTH_QUERY,
@@ -85,7 +84,6 @@ from embedfleet.operator.signals import (
     Reading,
     pod_targets,
     query_async_depth,
-    query_probe,
     query_prometheus,
     render_query,
     scrape,
@@ -95,11 +93,7 @@ from embedfleet.operator.stale import FleetLoad, LastSeen, count_pods, due_warni
 from embedfleet.operator.validate import check
 
 log = logging.getLogger(__name__)
-KUBE = Kube()
 RESOURCE = (naming.GROUP, naming.VERSION, naming.EMBEDDING_DEPLOYMENT_PLURAL)
-KIND = naming.EMBEDDING_DEPLOYMENT_KIND
-#: Operator-wide default (``embedfleet operator run --prometheus-url``); spec.autoscaling.prometheusUrl wins.
-ENV_PROMETHEUS_URL = "EMBEDFLEET_PROMETHEUS_URL"
 IDLE_RECHECK_S = 5.0
 #: A pod whose /metrics keeps failing is named in a Warning Event (and the log) at most this often.
 UNREACHABLE_WARN_EVERY_S = 300.0
@@ -154,46 +148,9 @@ def with_schedule(config: AutoscalerConfig, body: Mapping[str, Any], parsed: Emb
     return dataclasses.replace(config, scheduled_floor=floor.floor, scheduled_by=by), floor
 
 
-def _now_iso() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _iso_in(seconds: float) -> str:
     """The wall-clock time ``seconds`` from now (decisions run on the monotonic clock)."""
     return (datetime.now(UTC) + timedelta(seconds=max(seconds, 0.0))).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def record_event(body: dict[str, Any], reason: str, message: str, type_: str = "Normal") -> None:
-    """A core/v1 Event about the EmbeddingDeployment, named ``<object>.<nanoseconds hex>`` like kubectl's.
-
-    The name is explicit (unique per decision) rather than ``generateName``: one request, no retry on
-    a generated-name collision.
-    """
-    meta = body["metadata"]
-    now = datetime.now(UTC)
-    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-    event = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"name": f"{meta['name']}.{time.time_ns():x}", "namespace": meta["namespace"]},
-        "involvedObject": {
-            "apiVersion": naming.API_VERSION,
-            "kind": KIND,
-            "name": meta["name"],
-            "namespace": meta["namespace"],
-            "uid": meta.get("uid"),
-        },
-        "reason": reason,
-        "message": message[:1024],
-        "type": type_,
-        "source": {"component": "embedfleet-autoscaler"},
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-    }
-    kubernetes.client.CoreV1Api(KUBE.client).create_namespaced_event(
-        meta["namespace"], event, _request_timeout=(5, 30)
-    )
 
 
 @kopf.index("", "v1", "pods", labels={naming.COMPONENT_LABEL: "runtime", naming.MANAGED_BY_LABEL: naming.MANAGED_BY})
@@ -223,7 +180,7 @@ def read_gateway_activity(name: str, namespace: str, gateways: Sequence[Mapping[
 def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: int,
                 pods: list[dict[str, Any]]) -> Reading:
     """In-flight total from Prometheus when a URL is configured, else from every Ready pod's /metrics."""
-    url = autoscaling.get("prometheusUrl") or os.environ.get(ENV_PROMETHEUS_URL)
+    url = prometheus_url(autoscaling)
     if url:
         query = render_query(autoscaling.get("query"), namespace, name, runtime_name(name))
         reading = query_prometheus(url, query)
@@ -271,7 +228,7 @@ def _status_update(decision: Decision, status: dict[str, Any], record: bool, ref
         update["inFlight"] = decision.in_flight
     if record:
         update["lastScaleDecision"] = {
-            "time": _now_iso(),
+            "time": now_iso(),
             "fromReplicas": decision.current,
             "toReplicas": decision.replicas,
             "inFlight": decision.in_flight,
@@ -391,52 +348,6 @@ def record_throughput(name: str, namespace: str, spec: EmbeddingDeploymentSpec, 
     if window is not None and resource is not None:
         measured.record(f"{namespace}/{name}", model_identity(spec.model.source, spec.model.revision), resource,
                         window)
-
-
-def drift_every_s(spec: EmbeddingDeploymentSpec) -> float:
-    """How often drift is read when it costs a request of its own: no more often than the runtimes
-    re-check (spec.rollout.probeIntervalSeconds), and at least once a minute."""
-    return max(IDLE_RECHECK_S, min(60.0, spec.rollout.probe_interval_seconds))
-
-
-def probe_readings(name: str, namespace: str, autoscaling: Mapping[str, Any], port: int,
-                   pods: list[dict[str, Any]]) -> tuple[PodReading, ...] | None:
-    """Per-pod probe figures when the autoscaler made no scrape this tick: Prometheus when configured,
-    else the Ready pods' /metrics."""
-    url = autoscaling.get("prometheusUrl") or os.environ.get(ENV_PROMETHEUS_URL)
-    if url:
-        return query_probe(url, namespace, name, runtime_name(name))
-    return asyncio.run(scrape(pod_targets(pods, port))).pods
-
-
-def watch_drift(name: str, namespace: str, body: dict[str, Any], spec: EmbeddingDeploymentSpec, state: LoopState,
-                readings: Sequence[PodReading] | None) -> drift.DriftVerdict | None:
-    """Judge the pods' probe figures against spec.rollout.minCosine; write ``status.probeDrift`` only when
-    the verdict changed, then let the reconcile's code re-derive Degraded from it (kopf runs no update
-    handler for a status change). Pods that did not answer give no evidence either way; when none
-    answered, the last verdict stands."""
-    answered = [r for r in readings or () if r.error is None]
-    if spec.rollout.probe_interval_seconds <= 0 or not answered:
-        return None
-    verdict = drift.assess({r.pod: drift.ProbeSample(r.probe_cosine, r.probe_order_kept) for r in answered},
-                           spec.rollout.min_cosine)
-    current = state.probe_drift if state.probe_drift is not None else (body.get("status") or {}).get("probeDrift")
-    if not drift.changed(current, verdict):
-        return None
-    written = verdict.status(_now_iso())
-    KUBE.patch_status(KIND, name, namespace, {"probeDrift": written})
-    state.probe_drift = written
-    flipped = bool((current or {}).get("drifted")) != verdict.drifted
-    if flipped:
-        log.warning("%s/%s: %s", namespace, name, verdict.message)
-        try:
-            record_event(body, "ProbeDrift" if verdict.drifted else "ProbeInTolerance", verdict.message,
-                         type_="Warning" if verdict.drifted else "Normal")
-        except (kubernetes.client.ApiException, OSError) as exc:
-            log.warning("could not record the probe drift event: %s", exc)
-    if flipped or verdict.drifted:  # Degraded's status or its message follows the new verdict
-        refresh_status(name, namespace)
-    return verdict
 
 
 def warn_unreachable(body: dict[str, Any], fleet: FleetLoad, state: LoopState, now: float) -> None:
