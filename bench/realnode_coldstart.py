@@ -18,11 +18,13 @@ measured in the same run: cached / download, present / imported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,26 @@ from tests.realnode.test_user_path import (  # noqa: E402
     gateway_ip,
     http_deployment,
 )
+
+
+@contextlib.contextmanager
+def installed_node(prefix: str, cache: Path, *sets: str) -> Iterator[tuple[RealNode, Path]]:
+    """A real node up (scripts/realnode.sh) in a temporary folder, with the chart installed as the real-node
+    tests install it, the node cache at `cache` and `sets` (`--set` pairs); the node and the folder go
+    afterwards. Yields the node and the folder."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        work = Path(tmp)
+        up = subprocess.run(["bash", str(SCRIPT), "up", str(work / "node")], capture_output=True, text=True)
+        if up.returncode != 0:
+            raise RuntimeError(f"scripts/realnode.sh up failed: {up.stderr[-2000:]}")
+        node = RealNode(workdir=work / "node", home=realnode_home())
+        try:
+            node.helm("upgrade", "--install", "embedfleet", str(CHART), "-n", NAMESPACE, "--create-namespace",
+                      *CHART_VALUES, "--set", f"platform.cacheRoot={cache}", *sets, "--wait", "--timeout", "10m",
+                      timeout=700)
+            yield node, work
+        finally:
+            subprocess.run(["bash", str(SCRIPT), "down", str(work / "node")], capture_output=True, text=True)
 
 
 def stamp(text: str | None) -> float | None:
@@ -131,68 +153,56 @@ def image_sizes() -> dict[str, int]:
 
 def main() -> int:
     home = realnode_home()
-    with tempfile.TemporaryDirectory(prefix="realnode-bench-") as tmp:
-        work = Path(tmp)
-        up = subprocess.run(["bash", str(SCRIPT), "up", str(work / "node")], capture_output=True, text=True)
-        if up.returncode != 0:
-            print(up.stderr[-2000:], file=sys.stderr)
-            return 1
-        node = RealNode(workdir=work / "node", home=home)
+    with installed_node("realnode-bench-", home / "nodecache") as (node, work):
+        doc = example()
+        doc["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1,
+                                      "scaleDown": {"stabilizationWindowSeconds": 5}}
+        rows: dict[str, Any] = {"present": cold_start(node, doc)}
+        # the runtime image out of containerd, then back in: what a pull would cost, without a registry
+        image = next(c["image"] for p in all_runtimes(node, doc["metadata"]["name"])
+                     for c in p["spec"]["containers"] if c["name"] == "runtime")
+        node.kubectl("delete", "embeddingdeployment", doc["metadata"]["name"], "--wait=true", timeout=300)
+        wait_until(lambda: not all_runtimes(node, doc["metadata"]["name"]), 300, "pods gone")
+        sock = home / "containerd" / "containerd.sock"
+        subprocess.run(["ctr", "--address", str(sock), "-n", "k8s.io", "images", "rm", image], check=True,
+                       capture_output=True)
+        (home / "images").mkdir(exist_ok=True)
+        for f in (home / "images").glob("*runtime*.id"):
+            f.unlink()  # realnode.sh's record of what containerd holds
+        t0 = time.time()
+        subprocess.run(["bash", str(SCRIPT), "load"], check=True, capture_output=True)
+        imported_s = time.time() - t0
+        rows["imported"] = cold_start(node, doc)
+        rows["imported"]["image_import_s"] = round(imported_s, 1)
+        served = ModelServer(work)
         try:
-            node.helm("upgrade", "--install", "embedfleet", str(CHART), "-n", NAMESPACE, "--create-namespace",
-                      *CHART_VALUES, "--set", f"platform.cacheRoot={home / 'nodecache'}", "--wait", "--timeout",
-                      "10m", timeout=700)
-            doc = example()
-            doc["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1,
-                                          "scaleDown": {"stabilizationWindowSeconds": 5}}
-            rows: dict[str, Any] = {"present": cold_start(node, doc)}
-            # the runtime image out of containerd, then back in: what a pull would cost, without a registry
-            image = next(c["image"] for p in all_runtimes(node, doc["metadata"]["name"])
-                         for c in p["spec"]["containers"] if c["name"] == "runtime")
-            node.kubectl("delete", "embeddingdeployment", doc["metadata"]["name"], "--wait=true", timeout=300)
-            wait_until(lambda: not all_runtimes(node, doc["metadata"]["name"]), 300, "pods gone")
-            sock = home / "containerd" / "containerd.sock"
-            subprocess.run(["ctr", "--address", str(sock), "-n", "k8s.io", "images", "rm", image], check=True,
-                           capture_output=True)
-            (home / "images").mkdir(exist_ok=True)
-            for f in (home / "images").glob("*runtime*.id"):
-                f.unlink()  # realnode.sh's record of what containerd holds
-            t0 = time.time()
-            subprocess.run(["bash", str(SCRIPT), "load"], check=True, capture_output=True)
-            imported_s = time.time() - t0
-            rows["imported"] = cold_start(node, doc)
-            rows["imported"]["image_import_s"] = round(imported_s, 1)
-            served = ModelServer(work)
-            try:
-                http = http_deployment("minilm-http", served.url, served.digest)
-                rows["download"] = cold_start(node, http)
-                wait_until(lambda: any(k.startswith("cache.embedfleet.dev/") for k in
-                                     node.get("node", "realnode-1")["metadata"]["labels"]), 300, "cache label")
-                rows["cached"] = cold_start(node, http)
-                node.kubectl("delete", "embeddingdeployment", "minilm-http", "--wait=true", timeout=300)
-            finally:
-                served.close()
-            name = doc["metadata"]["name"]
-            node.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p",
-                         '{"spec":{"autoscaling":{"minReplicas":0,"scaleToZero":true,"scaleToZeroGraceSeconds":5}}}')
-            mem = memory(node)
-            wait_until(lambda: not all_runtimes(node, name), 600, "scaled to zero")
-            t0 = time.time()
-            reply = embed(gateway_ip(node), GATEWAY_PORT, ["wake up"], timeout=600)
-            rows["wake"] = {"total_s": round(time.time() - t0, 2), "status": reply.status_code}
-            result = {
-                "bench": "realnode_coldstart",
-                "rows": rows,
-                "cached_over_download": round(rows["cached"]["total_s"] / rows["download"]["total_s"], 3),
-                "present_over_imported": round(rows["present"]["total_s"] /
-                                               (rows["imported"]["total_s"] + rows["imported"]["image_import_s"]), 3),
-                "memory_mib": mem,
-                "image_sizes": image_sizes(),
-                "selector": runtime_selector(name),
-            }
-            print(json.dumps(result))
+            http = http_deployment("minilm-http", served.url, served.digest)
+            rows["download"] = cold_start(node, http)
+            wait_until(lambda: any(k.startswith("cache.embedfleet.dev/") for k in
+                                 node.get("node", "realnode-1")["metadata"]["labels"]), 300, "cache label")
+            rows["cached"] = cold_start(node, http)
+            node.kubectl("delete", "embeddingdeployment", "minilm-http", "--wait=true", timeout=300)
         finally:
-            subprocess.run(["bash", str(SCRIPT), "down", str(work / "node")], capture_output=True, text=True)
+            served.close()
+        name = doc["metadata"]["name"]
+        node.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p",
+                     '{"spec":{"autoscaling":{"minReplicas":0,"scaleToZero":true,"scaleToZeroGraceSeconds":5}}}')
+        mem = memory(node)
+        wait_until(lambda: not all_runtimes(node, name), 600, "scaled to zero")
+        t0 = time.time()
+        reply = embed(gateway_ip(node), GATEWAY_PORT, ["wake up"], timeout=600)
+        rows["wake"] = {"total_s": round(time.time() - t0, 2), "status": reply.status_code}
+        result = {
+            "bench": "realnode_coldstart",
+            "rows": rows,
+            "cached_over_download": round(rows["cached"]["total_s"] / rows["download"]["total_s"], 3),
+            "present_over_imported": round(rows["present"]["total_s"] /
+                                           (rows["imported"]["total_s"] + rows["imported"]["image_import_s"]), 3),
+            "memory_mib": mem,
+            "image_sizes": image_sizes(),
+            "selector": runtime_selector(name),
+        }
+        print(json.dumps(result))
     return 0
 
 

@@ -30,7 +30,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -46,15 +45,14 @@ from tests.realnode.node import (  # noqa: E402
     BRIDGE_IP,
     NAMESPACE,
     RUNTIME_PORT,
-    SCRIPT,
     RealNode,
     realnode_home,
 )
-from tests.realnode.test_user_path import CHART, CHART_VALUES, ModelServer, all_runtimes, http_deployment  # noqa: E402
+from tests.realnode.test_user_path import ModelServer, all_runtimes, http_deployment  # noqa: E402
 
 from embedfleet.operator.cache.engines import list_builds  # noqa: E402
 from embedfleet.operator.crd import naming  # noqa: E402
-from realnode_coldstart import cold_start  # noqa: E402
+from realnode_coldstart import cold_start, installed_node  # noqa: E402
 
 PEER_NODE = "realnode-peer"
 PEER_PORT = 8476
@@ -137,19 +135,10 @@ def engine_source(node: RealNode, name: str) -> dict[str, Any] | None:
 def main() -> int:
     home = realnode_home()
     cache = home / "nodecache"
-    with tempfile.TemporaryDirectory(prefix="realnode-peer-") as tmp:
-        work = Path(tmp)
-        up = subprocess.run(["bash", str(SCRIPT), "up", str(work / "node")], capture_output=True, text=True)
-        if up.returncode != 0:
-            print(up.stderr[-2000:], file=sys.stderr)
-            return 1
-        node = RealNode(workdir=work / "node", home=home)
+    with installed_node("realnode-peer-", cache, "--set", "nodeAgent.peers.enabled=true", "--set",
+                        f"nodeAgent.peers.port={PEER_PORT}", "--set", "nodeAgent.intervalSeconds=5") as (node, work):
         served = None
         try:
-            node.helm("upgrade", "--install", "embedfleet", str(CHART), "-n", NAMESPACE, "--create-namespace",
-                      *CHART_VALUES, "--set", f"platform.cacheRoot={cache}", "--set", "nodeAgent.peers.enabled=true",
-                      "--set", f"nodeAgent.peers.port={PEER_PORT}", "--set", "nodeAgent.intervalSeconds=5",
-                      "--wait", "--timeout", "10m", timeout=700)
             served = ModelServer(work)
             http = http_deployment("minilm-http", served.url, served.digest)
             entry = naming.cache_entry("default", served.digest)
@@ -199,7 +188,6 @@ def main() -> int:
         finally:
             if served is not None:
                 served.close()
-            subprocess.run(["bash", str(SCRIPT), "down", str(work / "node")], capture_output=True, text=True)
     return 0
 
 

@@ -23,10 +23,11 @@ daemon keeps between ticks. Only when no pod answered is the total unknown (keep
 pod per `UNREACHABLE_WARN_EVERY_S`, not one per tick.
 
 Probe drift rides on the same scrape (handlers/probe_drift.py, judged by rollout/drift.py): each pod's
-``embedfleet_probe_cosine`` and ``embedfleet_probe_order_kept`` become ``status.probeDrift`` when the verdict changes, and the conditions
-are then re-derived by the reconcile's own code (handlers/embedding.py `refresh_status`), which folds it
-into ``Degraded``. With autoscaling off the daemon still scrapes, for the probe only, every
-`drift_every_s`; with a Prometheus source it asks Prometheus (signals.query_probe) at that pace.
+``embedfleet_probe_cosine`` and ``embedfleet_probe_order_kept`` become ``status.probeDrift`` when the verdict
+changes, and the conditions are then re-derived by the reconcile's own code (handlers/embedding.py
+`refresh_status`), which folds it into ``Degraded``. With autoscaling off the daemon still scrapes, for the
+probe only, every `drift_every_s`; with a Prometheus source it asks Prometheus (signals.query_probe) at that
+pace.
 
 An open ``spec.autoscaling.schedule`` window (autoscale_schedule.py) raises the floor each tick; the
 decision's reason (status and Event) names the entry. A spoke's copy of a hub EmbeddingDeployment leaves
