@@ -33,7 +33,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -42,6 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "operator"), str(ROOT / "runtime"), str(RO
 
 import httpx  # noqa: E402
 import kubernetes  # noqa: E402
+from tests.kube.background import Background, Poller  # noqa: E402
 from tests.kube.controlplane import ControlPlane, kwok_stages, missing_reason, wait_until  # noqa: E402
 from tests.kube.kubelet import RUNTIME_PORT, FakeKubelet  # noqa: E402
 from tests.kube.netns import PodNetwork, unavailable_reason  # noqa: E402
@@ -72,40 +72,34 @@ def kwok_config(tools: Path) -> str:
     return text
 
 
-class ReadinessRelay:
+class ReadinessRelay(Poller):
     """A runtime pod turns Ready once its runtime answers /ready on the pod's IP (the stand-in kubelet's
     probe), never before."""
+
+    every_s, wait_first = 0.2, True
 
     def __init__(self, cluster, kubelet: FakeKubelet) -> None:
         self.cluster, self.kubelet = cluster, kubelet
         #: pod name -> when it was marked Ready (wall clock, as the audit log's timestamps)
         self.marked: dict[str, float] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.core = kubernetes.client.CoreV1Api(cluster.api_client())
+        super().__init__()
 
-    def _run(self) -> None:
-        core = kubernetes.client.CoreV1Api(self.cluster.api_client())
+    def poll(self) -> None:
         ready = {"status": {"conditions": [{"type": t, "status": "True"} for t in ("Ready", "ContainersReady")]}}
-        while not self.stop.wait(0.2):
-            serving = set(self.kubelet.ready_ips())
-            for pod in core.list_namespaced_pod(NS, label_selector=SELECTOR).items:
-                if pod.metadata.deletion_timestamp or pod.status.pod_ip not in serving:
-                    continue
-                if not any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
-                    core.patch_namespaced_pod_status(pod.metadata.name, NS, ready)
-                    self.marked.setdefault(pod.metadata.name, time.time())
-
-    def __enter__(self) -> ReadinessRelay:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(10)
+        serving = set(self.kubelet.ready_ips())
+        for pod in self.core.list_namespaced_pod(NS, label_selector=SELECTOR).items:
+            if pod.metadata.deletion_timestamp or pod.status.pod_ip not in serving:
+                continue
+            if not any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
+                self.core.patch_namespaced_pod_status(pod.metadata.name, NS, ready)
+                self.marked.setdefault(pod.metadata.name, time.time())
 
 
-class Client:
+class Client(Background):
     """Embeddings requests, one at a time, round robin over the Service's ready endpoints."""
+
+    threads, join_s = ("_refresh", "_send"), 40.0
 
     def __init__(self, api_client) -> None:
         self.discovery = kubernetes.client.DiscoveryV1Api(api_client)
@@ -113,22 +107,20 @@ class Client:
         self.sent = self.failed = self.connect_retries = 0
         self.failures: list[str] = []
         self.counting = False
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._refresh, daemon=True),
-                        threading.Thread(target=self._send, daemon=True)]
+        super().__init__()
 
     def _refresh(self) -> None:
-        while not self.stop.is_set():
+        while not self.stopping.is_set():
             slices = self.discovery.list_namespaced_endpoint_slice(
                 NS, label_selector=f"kubernetes.io/service-name={ED}").items
             self.endpoints = sorted(a for s in slices for e in s.endpoints or []
                                     if e.conditions and e.conditions.ready for a in e.addresses)
-            self.stop.wait(0.25)
+            self.stopping.wait(0.25)
 
     def _send(self) -> None:
         turn = itertools.count()
         with httpx.Client(timeout=30) as http:
-            while not self.stop.is_set():
+            while not self.stopping.is_set():
                 ips = list(self.endpoints)
                 if not ips:
                     time.sleep(0.05)
@@ -153,16 +145,6 @@ class Client:
                     if not ok:
                         self.failed += 1
                         self.failures.append(why)
-
-    def __enter__(self) -> Client:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(40)
 
 
 def measure(cluster, net: PodNetwork, workdir: Path) -> dict:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import pytest
 
 from embedfleet.operator.crd import naming
 from tests.hub.fleet import Fleet, embedding, errors, hub_user, running_fleet, writes
+from tests.kube.background import Background
 from tests.kube.controlplane import Cluster, wait_until
 from tests.kube.kubelet import RUNTIME_PORT, FakeKubelet
 from tests.kube.netns import POD_CIDR, PodNetwork
@@ -53,31 +53,24 @@ EU_PODS = list(ipaddress.ip_network(POD_CIDR).subnets(new_prefix=25))[1]
 US_PODS = ipaddress.ip_network(POD_CIDR.replace("198.18.", "198.19.", 1))
 
 
-class History:
+class History(Background):
     """Every version of one spoke's copy, as a watch delivers them: the spoke's RolloutBlocked lives only
     until the hub's rollback reaches it (a round or two), which a poll could miss."""
+
+    join_s = 30.0
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.versions: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
 
-    def __enter__(self) -> History:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
+    def run(self) -> None:
         from kubernetes import client, watch
         from kubernetes.client.exceptions import ApiException
 
         api = client.CustomObjectsApi(self.cluster.api_client())
         version: str | None = None
-        while not self._stop.is_set():
+        while not self.stopping.is_set():
             try:
                 for event in watch.Watch().stream(
                         api.list_namespaced_custom_object, "embedfleet.dev", "v1alpha1", NS, "embeddingdeployments",
@@ -87,7 +80,7 @@ class History:
                         continue
                     version = obj["metadata"]["resourceVersion"]
                     self.versions.append(obj)
-                    if self._stop.is_set():
+                    if self.stopping.is_set():
                         return
             except ApiException as exc:
                 if exc.status == 410:  # too old: list again (an intermediate version may be lost; rare)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.kube.background import Poller
 from tests.kube.controlplane import Cluster
 from tests.kube.netns import PodNetwork
 from tests.procs import ROOT, child_env, spawn, stop_process
@@ -23,8 +24,10 @@ RUNTIME_PORT = 8080
 IDENTITY_ENV = ("EMBEDFLEET_REVISION", "EMBEDFLEET_VECTOR_SPACE")
 
 
-class FakeKubelet:
+class FakeKubelet(Poller):
     """Starts one real runtime per Running pod IP (and stops it when the pod goes)."""
+
+    every_s, wait_first, join_s = 0.5, True, 30.0
 
     def __init__(self, cluster: Cluster, net: PodNetwork, namespace: str, selector: str, logs: Path,
                  config_env: bool = False, keep_env: tuple[str, ...] = IDENTITY_ENV) -> None:
@@ -42,52 +45,45 @@ class FakeKubelet:
         #: IPs whose runtime outlives its pod until the test stops it with `stop` (a slow shutdown).
         self.lingering: set[str] = set()
         self._lock = threading.Lock()
-        self.stop_flag = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> FakeKubelet:
-        self.thread.start()
-        return self
+        super().__init__()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop_flag.set()
-        self.thread.join(30)
+        super().__exit__(*exc)
         with self._lock:
             for proc in self.runtimes.values():
                 stop_process(proc)
             self.runtimes.clear()
 
-    def _loop(self) -> None:
-        while not self.stop_flag.wait(0.5):
-            pods = self.cluster.get_json("pods", "-n", self.namespace, "-l", self.selector) or {"items": []}
-            running = {p["status"].get("podIP"): p for p in pods["items"]
-                       if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
-            running.pop(None, None)
-            live = set(running)
-            with self._lock:
-                reused = {ip for ip in live & set(self.runtimes) - self.lingering
-                          if self.owners.get(ip) != running[ip]["metadata"].get("uid")}
-                for ip in reused:
-                    stop_process(self.runtimes.pop(ip))
-            envs = {ip: self.pod_env(pod) for ip, pod in running.items() if ip not in self.runtimes}
-            with self._lock:
-                if self.stop_flag.is_set():
-                    return
-                for ip in live - set(self.runtimes):
-                    env = envs.get(ip)
-                    if env is None:
-                        continue  # its ConfigMap could not be read yet: try again next round
-                    if not self.config_env:  # the embedded model, but the pod's revision identity (pinning)
-                        env = {k: v for k, v in env.items() if k in self.keep_env}
-                    with open(self.logs / f"runtime-{ip}.log", "ab") as log:
-                        self.runtimes[ip] = spawn(
-                            [*self.net.prefix(), sys.executable, "-m", "embedfleet.runtime.cli", "serve",
-                             "--host", ip, "--port", str(RUNTIME_PORT), "--max-concurrent-requests", "256"],
-                            stdout=log, stderr=log, env=child_env(env), cwd=ROOT,
-                        )
-                    self.owners[ip] = running[ip]["metadata"].get("uid", "")
-                for ip in set(self.runtimes) - live - self.lingering:
-                    stop_process(self.runtimes.pop(ip))
+    def poll(self) -> None:
+        pods = self.cluster.get_json("pods", "-n", self.namespace, "-l", self.selector) or {"items": []}
+        running = {p["status"].get("podIP"): p for p in pods["items"]
+                   if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")}
+        running.pop(None, None)
+        live = set(running)
+        with self._lock:
+            reused = {ip for ip in live & set(self.runtimes) - self.lingering
+                      if self.owners.get(ip) != running[ip]["metadata"].get("uid")}
+            for ip in reused:
+                stop_process(self.runtimes.pop(ip))
+        envs = {ip: self.pod_env(pod) for ip, pod in running.items() if ip not in self.runtimes}
+        with self._lock:
+            if self.stopping.is_set():
+                return
+            for ip in live - set(self.runtimes):
+                env = envs.get(ip)
+                if env is None:
+                    continue  # its ConfigMap could not be read yet: try again next round
+                if not self.config_env:  # the embedded model, but the pod's revision identity (pinning)
+                    env = {k: v for k, v in env.items() if k in self.keep_env}
+                with open(self.logs / f"runtime-{ip}.log", "ab") as log:
+                    self.runtimes[ip] = spawn(
+                        [*self.net.prefix(), sys.executable, "-m", "embedfleet.runtime.cli", "serve",
+                         "--host", ip, "--port", str(RUNTIME_PORT), "--max-concurrent-requests", "256"],
+                        stdout=log, stderr=log, env=child_env(env), cwd=ROOT,
+                    )
+                self.owners[ip] = running[ip]["metadata"].get("uid", "")
+            for ip in set(self.runtimes) - live - self.lingering:
+                stop_process(self.runtimes.pop(ip))
 
     def pod_env(self, pod: dict) -> dict[str, str | None] | None:
         """The EMBEDFLEET_* / OTEL_* environment the pod's first container would get (envFrom ConfigMaps,

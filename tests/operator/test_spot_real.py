@@ -19,13 +19,13 @@ An EmbeddingDeployment of 4 replicas (autoscaling off) with ``spot: {max: "50%",
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tests.kube.background import Poller
 from tests.kube.controlplane import AuditEvent, Cluster, wait_until
 from tests.kube.operator_proc import OperatorProcess
 from tests.operator.real import operator_writes, release, small
@@ -108,8 +108,10 @@ def operator_writes_of(proc: OperatorProcess, resource: str, name: str) -> list[
     return [e for e in proc.writes() if e.resource == resource and e.name == name and e.code < 300]
 
 
-class ReadyFloor:
+class ReadyFloor(Poller):
     """Samples the deployment's Ready pods (not terminating) in a thread: the fewest seen, and when."""
+
+    every_s = 0.1
 
     def __init__(self, cluster: Cluster, ns: str) -> None:
         from kubernetes import client
@@ -118,27 +120,15 @@ class ReadyFloor:
         self.ns = ns
         self.low: tuple[int, list[str]] | None = None
         self.samples = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
 
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            pods = self.api.list_namespaced_pod(self.ns, label_selector=SELECTOR).to_dict()["items"]
-            ready = [p["metadata"]["name"] for p in pods if not p["metadata"].get("deletion_timestamp")
-                     and any(c["type"] == "Ready" and c["status"] == "True"
-                             for c in p["status"].get("conditions") or [])]
-            if self.low is None or len(ready) < self.low[0]:
-                self.low = (len(ready), ready)
-            self.samples += 1
-            self.stop.wait(0.1)
-
-    def __enter__(self) -> ReadyFloor:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(10)
+    def poll(self) -> None:
+        pods = self.api.list_namespaced_pod(self.ns, label_selector=SELECTOR).to_dict()["items"]
+        ready = [p["metadata"]["name"] for p in pods if not p["metadata"].get("deletion_timestamp")
+                 and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])]
+        if self.low is None or len(ready) < self.low[0]:
+            self.low = (len(ready), ready)
+        self.samples += 1
 
 
 def test_spot_replicas_fall_back_on_demand_when_reclaimed_and_return(
