@@ -310,7 +310,7 @@ def test_prometheus_gives_each_pods_worst_figures(fakes: Callable[[], FakeRuntim
 
 
 def test_a_verdict_is_a_status_object_the_crd_accepts() -> None:
-    from embedfleet.operator.crd.models import ProbeDriftStatus
+    from embedfleet.operator.crd.statuses import ProbeDriftStatus
 
     verdict: DriftVerdict = assess({"a": ProbeSample(0.5, False)}, BAR)
     parsed = ProbeDriftStatus.model_validate(verdict.status("2026-01-01T00:00:00Z"))

@@ -3,19 +3,16 @@
 from embedfleet.operator.crd.models import (
     AutoscalingSpec,
     CacheSpec,
-    Condition,
     EmbeddingDeploymentSpec,
-    EmbeddingDeploymentStatus,
     ModelCacheSpec,
-    ModelCacheStatus,
     ModelSource,
     PlacementSpec,
     RuntimeSpec,
-    ScaleDecision,
     ScaleDownRules,
     ScaleUpRules,
 )
 from embedfleet.operator.crd.naming import API_VERSION, GROUP, VERSION
+from embedfleet.operator.crd.statuses import Condition, EmbeddingDeploymentStatus, ModelCacheStatus, ScaleDecision
 
 __all__ = [
     "API_VERSION",

@@ -19,9 +19,9 @@ from embedfleet.operator.crd.models import (
     ClusterLimit,
     ClusterToleration,
     ClusterWeight,
-    Condition,
     PlacementMode,
 )
+from embedfleet.operator.crd.statuses import Condition
 from embedfleet.operator.crd.structural import condition_column, crd_document, root_schema
 
 FLEET_CLUSTER_KIND = "FleetCluster"

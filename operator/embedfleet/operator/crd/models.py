@@ -1,10 +1,10 @@
-"""EmbeddingDeployment and ModelCache, defined once as pydantic models.
+"""EmbeddingDeployment and ModelCache specs, defined once as pydantic models (their status: statuses.py).
 
 These models are the single source of truth for three things: the CRD's openAPIV3Schema (rendered by
 `schema.py` into ``crds/*.yaml``), the operator's parsing of ``spec`` (a spec that reaches a handler is
-parsed here, so an emulator or an old API server without the schema still gets the same checks), and the
-shape of ``status``. Python attributes are snake_case; the wire format is camelCase, like every
-Kubernetes API.
+parsed here, so an emulator or an old API server without the schema still gets the same checks), and,
+with statuses.py, the shape of ``status``. Python attributes are snake_case; the wire format is
+camelCase, like every Kubernetes API.
 
 Defaults here become schema defaults, so the API server fills them in and ``kubectl get -o yaml`` shows
 what the operator will use. Rate-limit fields deliberately have no schema default: naming either one
@@ -22,7 +22,7 @@ from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema
 
 from embedfleet.operator.crd.base import CamelModel
 from embedfleet.operator.crd.schedule import Schedule
-from embedfleet.operator.crd.spot import SpotSpec, SpotStatus
+from embedfleet.operator.crd.spot import SpotSpec
 
 #: The schema checks the scheme only; embedfleet.operator.validate checks each scheme's shape with a message.
 MODEL_SOURCE_PATTERN = r"^(hf|s3|gs|https?|file|pvc)://\S+$"
@@ -453,133 +453,6 @@ class EmbeddingDeploymentSpec(CamelModel):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
 
 
-# ---------------------------------------------------------------- status
-
-
-ConditionType = Literal["Accepted", "CacheReady", "Available", "Scaling", "Degraded", "RolloutBlocked"]
-
-
-class Condition(CamelModel):
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str = Field(default="", max_length=1024)
-    message: str = Field(default="", max_length=32768)
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
-
-
-class ReplicaStatus(CamelModel):
-    desired: int = 0
-    current: int = 0
-    ready: int = 0
-
-
-class ScaleDecision(CamelModel):
-    time: str
-    from_replicas: int = Field(ge=0)
-    to_replicas: int = Field(ge=0)
-    in_flight: float = 0
-    mode: str = "stable"
-    reason: str = ""
-
-
-class ClusterRow(CamelModel):
-    """One spoke's share of a hub EmbeddingDeployment, as the hub last decided and observed it."""
-
-    name: str
-    region: str = ""
-    min: int = 0
-    desired: int = 0
-    max: int = 0
-    ready: int | None = None
-    inflight: float | None = None
-    cache: str | None = Field(default=None, description="The spoke's CacheReady reason, or cached/total nodes.")
-    last_seen: str | None = None
-    reasons: list[str] = Field(default_factory=list)
-    revision: str | None = Field(default=None, description="The revision the spoke reports current.")
-
-
-RevisionState = Literal["Serving", "Candidate", "SideBySide", "Draining", "Blocked", "Retired"]
-RolloutPhase = Literal["Idle", "Gating", "Blocked", "SideBySide", "Promoting", "Waves", "RolledBack", "Done"]
-
-
-class GateStatus(CamelModel):
-    """The drift gate's measurement of a revision against the one it would replace."""
-
-    passed: bool
-    min_cosine: float | None = None
-    mean_cosine: float | None = None
-    order_kept: bool | None = None
-    message: str = Field(default="", max_length=4096)
-
-
-class RevisionStatus(CamelModel):
-    """One revision: its identity, fingerprint, vector space and where it stands."""
-
-    name: str = Field(pattern=REVISION_NAME_PATTERN)
-    hash: str = Field(max_length=64, description="Hash of the identity fields (embedfleet.compat.identity).")
-    source: str = Field(max_length=1024)
-    model_revision: str | None = Field(default=None, max_length=255)
-    digest: str | None = None
-    dtype: str = "float32"
-    quantization: str = "none"
-    engine: str = "torch"
-    fingerprint: str | None = Field(default=None, max_length=80, description="sha256 of its probe outputs.")
-    vector_space: str = Field(max_length=63, description="Revisions in one vector space are interchangeable.")
-    state: RevisionState
-    served_names: list[str] = Field(default_factory=list)
-    created_at: str | None = None
-    gate: GateStatus | None = None
-
-
-class RolloutStatus(CamelModel):
-    phase: RolloutPhase = "Idle"
-    revision: str | None = Field(default=None, description="The revision being rolled out.")
-    wave: int | None = Field(default=None, description="Hub: index of the wave in progress (0-based).")
-    waves_total: int | None = None
-    wave_started_at: str | None = None
-    started_at: str | None = None
-    message: str = Field(default="", max_length=4096)
-
-
-class ProbeDriftStatus(CamelModel):
-    """What the runtimes' periodic probe checks show (embedfleet_probe_cosine), as the operator last scraped."""
-
-    drifted: bool
-    min_cosine: float | None = None
-    pods: list[str] = Field(default_factory=list, description="Pods whose probe is out of tolerance.")
-    message: str = Field(default="", max_length=4096)
-    checked_at: str | None = None
-
-
-class EmbeddingDeploymentStatus(CamelModel):
-    observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    replicas: ReplicaStatus = Field(default_factory=ReplicaStatus)
-    in_flight: float | None = None
-    cached_nodes: int | None = None
-    total_nodes: int | None = None
-    selector: str | None = Field(default=None, description="Pod label selector (scale subresource).")
-    last_scale_decision: ScaleDecision | None = None
-    clusters: list[ClusterRow] | None = Field(
-        default=None, description="Hub only: per-spoke shares and what each spoke reports."
-    )
-    target_replicas: int | None = Field(default=None, description="Hub only: the fleet-wide replica target.")
-    revisions: list[RevisionStatus] | None = Field(
-        default=None, description="Every revision still live or last seen, oldest first (docs/rollouts.md)."
-    )
-    current_revision: str | None = Field(default=None, description="The revision answering the bare model name.")
-    query_vector_space: str | None = Field(
-        default=None, description="The vector space the bare model name resolves to (gateways pin to it)."
-    )
-    rollout: RolloutStatus | None = None
-    probe_drift: ProbeDriftStatus | None = None
-    image: str | None = Field(
-        default=None, description="The image the runtime Deployment runs (spec.runtime.image or the platform's)."
-    )
-    spot: SpotStatus | None = None
-
-
 class ModelCacheSpec(CamelModel):
     """Weights to keep on the nodes of some pools, independent of any deployment."""
 
@@ -587,16 +460,3 @@ class ModelCacheSpec(CamelModel):
     node_pools: list[NodePool] = Field(default_factory=list)
     node_selector: dict[str, str] = Field(default_factory=dict)
     storage: CacheStorage = Field(default_factory=CacheStorage)
-
-
-class NodeCacheState(CamelModel):
-    name: str
-    ready: bool
-
-
-class ModelCacheStatus(CamelModel):
-    observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    cached_nodes: int | None = None
-    total_nodes: int | None = None
-    nodes: list[NodeCacheState] = Field(default_factory=list)

@@ -9,12 +9,8 @@ from typing import Any
 
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import fleet_crds
-from embedfleet.operator.crd.models import (
-    EmbeddingDeploymentSpec,
-    EmbeddingDeploymentStatus,
-    ModelCacheSpec,
-    ModelCacheStatus,
-)
+from embedfleet.operator.crd.models import EmbeddingDeploymentSpec, ModelCacheSpec
+from embedfleet.operator.crd.statuses import EmbeddingDeploymentStatus, ModelCacheStatus
 from embedfleet.operator.crd.structural import condition_column, crd_document, root_schema
 
 

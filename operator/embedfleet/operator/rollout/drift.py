@@ -64,7 +64,7 @@ class DriftVerdict:
     message: str = ""
 
     def status(self, checked_at: str) -> dict[str, Any]:
-        """The ``status.probeDrift`` object (camelCase, as models.ProbeDriftStatus serialises it)."""
+        """The ``status.probeDrift`` object (camelCase, as crd.statuses.ProbeDriftStatus serialises it)."""
         return {"drifted": self.drifted, "minCosine": self.min_cosine, "pods": list(self.pods),
                 "message": self.message, "checkedAt": checked_at}
 

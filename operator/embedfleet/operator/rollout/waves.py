@@ -43,7 +43,7 @@ REPORT_GRACE_S = 120.0
 #: Most revisions kept in the hub's status (the oldest retired ones go first).
 MAX_REVISIONS = 10
 
-# Phases the hub writes (a subset of crd.models.RolloutPhase).
+# Phases the hub writes (a subset of crd.statuses.RolloutPhase).
 IDLE, WAVES, SIDE_BY_SIDE, DONE, ROLLED_BACK = "Idle", "Waves", "SideBySide", "Done", "RolledBack"
 
 
