@@ -9,7 +9,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import kubernetes
 
@@ -20,15 +20,19 @@ from embedfleet.operator.render import runtime_name
 from embedfleet.operator.rollout import drift
 from embedfleet.operator.signals import PodReading, pod_targets, query_probe, scrape
 
-if TYPE_CHECKING:
-    from embedfleet.operator.handlers.autoscale_daemon import LoopState
-
 log = logging.getLogger(__name__)
 
 #: Operator-wide default (``embedfleet operator run --prometheus-url``); spec.autoscaling.prometheusUrl wins.
 ENV_PROMETHEUS_URL = "EMBEDFLEET_PROMETHEUS_URL"
 #: Drift read on its own is read no more often than this (seconds).
 MIN_EVERY_S = 5.0
+
+
+class DriftMemory(Protocol):
+    """What `watch_drift` keeps between calls (the daemon's LoopState): status.probeDrift as last written,
+    since kopf's view of the object may lag the daemon's own write."""
+
+    probe_drift: Mapping[str, Any] | None
 
 
 def prometheus_url(autoscaling: Mapping[str, Any]) -> str | None:
@@ -52,7 +56,7 @@ def probe_readings(name: str, namespace: str, autoscaling: Mapping[str, Any], po
     return asyncio.run(scrape(pod_targets(pods, port))).pods
 
 
-def watch_drift(name: str, namespace: str, body: dict[str, Any], spec: EmbeddingDeploymentSpec, state: LoopState,
+def watch_drift(name: str, namespace: str, body: dict[str, Any], spec: EmbeddingDeploymentSpec, state: DriftMemory,
                 readings: Sequence[PodReading] | None) -> drift.DriftVerdict | None:
     """Judge the pods' probe figures against spec.rollout.minCosine; write ``status.probeDrift`` only when
     the verdict changed, then let the reconcile's code re-derive Degraded from it (kopf runs no update
