@@ -33,6 +33,29 @@ def corpus(n: int = 10_000, seed: int = 0) -> list[str]:
     return texts
 
 
+def run_meta() -> dict:
+    """What a results row says of where it came from: the commit (git, or EMBEDFLEET_COMMIT where the tree
+    travelled without its .git, as to a GPU machine), the machine (CPU model, cores), the date, the command."""
+    import platform
+    import subprocess
+
+    commit = os.environ.get("EMBEDFLEET_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                    text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        cpu = platform.processor() or "unknown"
+    return {"commit": commit or "unknown", "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

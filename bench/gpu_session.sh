@@ -1,32 +1,57 @@
 #!/usr/bin/env bash
-# One call on a GPU machine gets every GPU figure and the GPU tests (its missing wheels and the model
-# carried and installed first; see docs/gpu.md "Measuring on a GPU"):
-#   source .gpu/on_device.sh; bash bench/gpu_session.sh [BENCH_BUDGET_S] [TESTS_TIMEOUT_S]
-# Writes bench.log, tests.log, the figures (<gpu>.jsonl), server logs and a profile table under $OUT.
-# The bench runs first: its figures matter most, and tests can be rerun on their own.
+# One call on a GPU machine gets the GPU figures and the GPU tests in a fixed priority, within one deadline
+# (its missing wheels and the model carried and installed first; see docs/gpu.md "Measuring on a GPU"):
+#   source .gpu/on_device.sh; EMBEDFLEET_COMMIT=<sha> bash bench/gpu_session.sh [TOTAL_S]
+# Phases, most wanted first; each starts only while the deadline leaves it room and gets what is left:
+#   1. the decoder's forward rows (bf16, torchao float8 row- and tensor-wise, ours)   bench.decoder.log
+#   2. pytest -m gpu tests/gpu                                                       tests.log
+#   3. the encoder's forward rows (the bge-large shape, packed, compiled, FP8 kinds)  bench.encoder.log
+#   4. the server against sentence-transformers, MiniLM bf16 and FP8 (the gate)      bench.server.log
+#   5. the single-query latency and the profile of one server batch                 bench.latency.log
+# Writes the logs, the figures (<gpu>.jsonl, every row with the commit, the machine and the command), server
+# logs and a profile table under $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu-session}
 mkdir -p "$OUT"
-budget=${1:-270}
-tests_timeout=${2:-150}
+total=${1:-480}
+began=$(date +%s)
 export EMBEDFLEET_BENCH_LOG_DIR=$OUT PYTHONPATH=runtime:operator:client:gateway
 export ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
-# the image lacks the CPU-only extras (openvino, nncf): the check names them; serving on CUDA needs neither
-python3 -m embedfleet.runtime.cli serve --check > "$OUT/check.log" 2>&1 || tail -3 "$OUT/check.log"
 python3 -c 'import torchao, torch; print("torchao", torchao.__version__, "torch", torch.__version__)' 2>&1 | tail -1
-started=$(date +%s)
-timeout $((budget + 150)) python3 bench/gpu.py --budget-s "$budget" > "$OUT/bench.log" 2>&1
-echo "bench exit $? after $(( $(date +%s) - started )) s"
+
+left() { echo $(( total - ($(date +%s) - began) )); }
+
+# phase NAME MIN_S BUDGET_S ARGS...: the bench with BUDGET_S (capped by what is left), if MIN_S is left
+phase() {
+  local name=$1 min=$2 budget=$3; shift 3
+  local rest; rest=$(left)
+  if [ "$rest" -lt "$min" ]; then echo "phase $name skipped: ${rest}s left"; return; fi
+  [ "$budget" -gt $((rest - 20)) ] && budget=$((rest - 20))
+  local t0; t0=$(date +%s)
+  timeout $((budget + 60)) python3 bench/gpu.py --budget-s "$budget" "$@" > "$OUT/bench.$name.log" 2>&1
+  echo "phase $name exit $? after $(( $(date +%s) - t0 )) s"
+}
+
+phase decoder 120 170 --only forward --filter '^decoder'
+rest=$(left)
+if [ "$rest" -gt 90 ]; then
+  t0=$(date +%s)
+  timeout $(( rest < 200 ? rest - 30 : 170 )) python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+    --timeout 100 > "$OUT/tests.log" 2>&1
+  echo "tests exit $? after $(( $(date +%s) - t0 )) s"
+  tail -25 "$OUT/tests.log"
+else
+  echo "tests skipped: ${rest}s left"
+fi
+phase encoder 90 110 --only forward --filter '^encoder-bge-large/packed'
+phase server 80 90 --only server --filter '^minilm-(bfloat16|fp8)$'
+phase latency 60 60 --only latency,profile
 cp bench/results/*.jsonl "$OUT/" 2>/dev/null
-started=$(date +%s)
-timeout "$tests_timeout" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -x --timeout 120 \
-  > "$OUT/tests.log" 2>&1
-echo "tests exit $? after $(( $(date +%s) - started )) s"
-tail -15 "$OUT/tests.log"
-grep '^{' "$OUT/bench.log" | python3 -c '
+grep -h '^{' "$OUT"/bench.*.log | python3 -c '
 import json, sys
 for line in sys.stdin:
     d = json.loads(line)
-    keep = {k: v for k, v in d.items() if k not in ("gpu", "torch", "cuda", "date", "top_kernels", "batching")}
-    print(json.dumps(keep)[:400])
+    drop = ("gpu", "torch", "cuda", "date", "top_kernels", "batching", "commit", "cpu", "cores", "command")
+    print(json.dumps({k: v for k, v in d.items() if k not in drop})[:300])
 '
+echo "session total $(( $(date +%s) - began )) s"
