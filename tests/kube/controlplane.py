@@ -41,6 +41,10 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBE_VERSION = "v1.37.2"
 TOOLS_DIRNAME = "kube-v1.37.2-helm-v4.3.1-kwok-v0.8.0"
 ADMIN_TOKEN = "embedfleet-test-admin-token"
+# The controller-manager's own identity, as in a real cluster (where admission rules may name it: the chart's
+# node-cache policy admits the ReplicaSets and Pods it makes); in system:masters here because it runs with
+# --use-service-account-credentials=false, so one identity does every controller's work.
+CONTROLLERS_TOKEN = "embedfleet-test-controller-manager-token"
 SERVICE_CIDR = "10.96.0.0/16"  # cluster IPs are only allocated, never sent traffic
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 #: Pods carrying this annotation keep the status a test writes (kwok leaves them alone).
@@ -457,7 +461,8 @@ class ControlPlane:
         port = free_port()
         cluster = Cluster(name=name, workdir=workdir, port=port, bin=self.bin)
         self.clusters[name] = cluster
-        (workdir / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin,"system:masters"\n')
+        (workdir / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin,"system:masters"\n'
+                                            f'{CONTROLLERS_TOKEN},system:kube-controller-manager,kcm,"system:masters"\n')
         (workdir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
         cluster.apiserver_argv = [
             str(self.bin / "kube-apiserver"),
@@ -495,8 +500,10 @@ class ControlPlane:
 
     def _start_controllers(self, cluster: Cluster, kwok_config: str | None) -> None:
         kc = str(cluster.kubeconfig)
+        kcm = str(cluster.kubeconfig_for(CONTROLLERS_TOKEN, cluster.workdir / "controller-manager.kubeconfig",
+                                         user="system:kube-controller-manager"))
         cluster.procs.append(spawn(f"{cluster.name}-controller-manager", [
-            str(self.bin / "kube-controller-manager"), f"--kubeconfig={kc}",
+            str(self.bin / "kube-controller-manager"), f"--kubeconfig={kcm}",
             "--controllers=*", "--leader-elect=false",
             f"--service-account-private-key-file={self.sa_key}",
             f"--root-ca-file={cluster.ca_path}",
