@@ -8,6 +8,16 @@ On a clean shutdown the leader releases the Lease, so a standby takes over in on
 of one lease duration. Writes go through optimistic concurrency (``resourceVersion``): two candidates
 racing for a free Lease cannot both win.
 
+Time, as client-go judges it. A candidate never compares another machine's clock with its own: it
+remembers when, on its own monotonic clock, it last saw the Lease record change (holder, ``renewTime`` or
+``resourceVersion``), and takes a held Lease only once ``leaseDurationSeconds`` passed since then with no
+change (`observe`, `decide`). ``renewTime`` is written for people and other tools, never read to decide.
+The leader counts its renew deadline from the start of its last successful renewal; every call it makes
+(read and write) is bounded by the time left before that deadline and is never retried behind its back
+(`without_retries`), and a watchdog ends its acting at the deadline even if a call overran. Since the
+deadline is shorter than the lease duration, and a standby's count starts no earlier than the renewal it
+saw, the leader has stopped before any standby can take the Lease.
+
 Why not the ``kubernetes`` package's ``leaderelection`` (read at version 37.0): it never releases the Lease
 on shutdown, so every rollout of the operator would leave the cluster without an acting leader for a whole
 lease duration (tests/hub/test_hub_election_real.py asserts the hand-over at once); and a candidate cannot
@@ -30,21 +40,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from embedfleet.kit.client import without_retries
 from embedfleet.operator.kube import Kube, KubeError, identity
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_NAME = "embedfleet-operator"
-
-
-def _parse_time(text: str | None) -> float | None:
-    if not text:
-        return None
-    text = text.replace("Z", "+00:00")
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return None
+#: The shortest time-out given to one call: a call with less time left is not started (the deadline passed).
+MIN_CALL_S = 0.05
 
 
 def format_time(ts: float) -> str:
@@ -53,43 +56,81 @@ def format_time(ts: float) -> str:
 
 
 @dataclass(frozen=True)
-class LeaseView:
-    """What a Lease says about leadership (its ``spec``)."""
+class LeaseRecord:
+    """What a Lease says about leadership (its ``spec``, and its ``resourceVersion``)."""
 
     holder: str
-    renew_time: float | None
+    renew_time: str  # as written; compared for change only, never read as a time
     duration: int
     transitions: int = 0
+    resource_version: str = ""
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any] | None) -> LeaseView:
-        spec = spec or {}
+    def from_lease(cls, lease: Mapping[str, Any]) -> LeaseRecord:
+        spec = lease.get("spec") or {}
         return cls(
             holder=spec.get("holderIdentity") or "",
-            renew_time=_parse_time(spec.get("renewTime")),
+            renew_time=str(spec.get("renewTime") or ""),
             duration=int(spec.get("leaseDurationSeconds") or 0),
             transitions=int(spec.get("leaseTransitions") or 0),
+            resource_version=str((lease.get("metadata") or {}).get("resourceVersion") or ""),
         )
 
+    def same(self, other: LeaseRecord) -> bool:
+        """Whether nothing that marks a renewal changed between the two reads."""
+        return (self.holder, self.renew_time, self.resource_version) == (
+            other.holder, other.renew_time, other.resource_version)
 
-def decide(lease: LeaseView | None, identity: str, now: float, duration: int) -> tuple[str, dict[str, Any] | None]:
+
+@dataclass(frozen=True)
+class Observed:
+    """A Lease record and when (this process's monotonic clock) it was first seen as it is."""
+
+    record: LeaseRecord
+    at: float
+
+
+def observe(previous: Observed | None, record: LeaseRecord | None, now: float) -> Observed | None:
+    """The observation after reading ``record`` at ``now``: the previous one while the record is unchanged
+    (its time keeps counting), else a new one starting now. None when there is no Lease."""
+    if record is None:
+        return None
+    if previous is not None and previous.record.same(record):
+        return previous
+    return Observed(record, now)
+
+
+def expired(observed: Observed, now: float) -> bool:
+    """Whether the holder has not renewed for the Lease's duration, judged on this process's clock alone."""
+    return now >= observed.at + max(observed.record.duration, 1)
+
+
+def decide(observed: Observed | None, identity: str, now: float, stamp: str, duration: int
+           ) -> tuple[str, dict[str, Any] | None]:
     """One election round. Returns (outcome, Lease spec to write or None).
 
-    outcome: ``create`` (no Lease yet), ``acquire`` (free or expired: take it), ``renew`` (ours), or
-    ``follow`` (someone else holds a live Lease: write nothing). Pure, so the rules are tested alone.
+    ``now`` is this process's monotonic time (the only clock that decides); ``stamp`` the wall-clock
+    ``renewTime``/``acquireTime`` to write. outcome: ``create`` (no Lease yet), ``acquire`` (free, or
+    unchanged for its duration: take it), ``renew`` (ours), or ``follow`` (someone else holds a live Lease:
+    write nothing). Pure, so the rules are tested alone.
     """
-    stamp = format_time(now)
-    if lease is None:
+    if observed is None:
         return "create", {"holderIdentity": identity, "leaseDurationSeconds": duration,
                           "acquireTime": stamp, "renewTime": stamp, "leaseTransitions": 0}
+    lease = observed.record
     if lease.holder == identity:
         return "renew", {"holderIdentity": identity, "leaseDurationSeconds": duration, "renewTime": stamp}
-    expired = lease.renew_time is None or now >= lease.renew_time + max(lease.duration, 1)
-    if not lease.holder or expired:
+    if not lease.holder or expired(observed, now):
         return "acquire", {"holderIdentity": identity, "leaseDurationSeconds": duration,
                            "acquireTime": stamp, "renewTime": stamp,
                            "leaseTransitions": lease.transitions + 1}
     return "follow", None
+
+
+def call_timeout(deadline: float, now: float) -> float | None:
+    """The time-out of a call started at ``now`` that must end by ``deadline``; None when too little is left."""
+    left = deadline - now
+    return left if left >= MIN_CALL_S else None
 
 
 def default_identity() -> str:
@@ -98,7 +139,12 @@ def default_identity() -> str:
 
 
 class LeaderElector:
-    """Blocks in `acquire()` until leader, then renews on a daemon thread until `release()`."""
+    """Blocks in `acquire()` until leader, then renews on a daemon thread until `release()`.
+
+    ``clock`` (monotonic seconds) decides every expiry and deadline; ``wall`` (epoch seconds) only stamps
+    the times written into the Lease. Both are parameters so that tests can run a candidate whose clock is
+    off.
+    """
 
     def __init__(
         self,
@@ -110,10 +156,14 @@ class LeaderElector:
         renew_deadline: float = 10.0,
         retry_period: float = 2.0,
         on_lost: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
-        if not retry_period < renew_deadline < lease_duration:
-            raise ValueError("need retry_period < renew_deadline < lease_duration")
-        self.kube = kube
+        # The Lease holds whole seconds: the deadline must fall before the duration that is written.
+        if not retry_period < renew_deadline < int(lease_duration):
+            raise ValueError("need retry_period < renew_deadline < lease_duration (whole seconds)")
+        # Calls of our own, never retried by urllib3: a bound on a call must bound the whole call.
+        self.kube = Kube(without_retries(kube.client), kinds=kube.kinds)
         self.namespace = namespace
         self.name = name
         self.identity = identity or default_identity()
@@ -121,8 +171,16 @@ class LeaderElector:
         self.renew_deadline = renew_deadline
         self.retry_period = retry_period
         self.on_lost = on_lost or self._exit
+        self.clock = clock
+        self.wall = wall
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+        self._lost_lock = threading.Lock()
+        self._lost = False
+        self._observed: Observed | None = None
+        #: Monotonic start of the last successful acquisition or renewal: the renew deadline counts from it.
+        self.renewed_at = 0.0
         self.is_leader = False
 
     @staticmethod
@@ -132,22 +190,43 @@ class LeaderElector:
         logging.shutdown()
         os._exit(1)
 
-    def try_once(self) -> bool:
-        """One round; True when this process holds the Lease afterwards."""
-        live = self.kube.get("Lease", self.name, self.namespace)
-        view = LeaseView.from_spec((live or {}).get("spec")) if live is not None else None
-        outcome, spec = decide(view, self.identity, time.time(), int(self.lease_duration))
+    @property
+    def deadline(self) -> float:
+        return self.renewed_at + self.renew_deadline
+
+    def _path(self) -> str:
+        return self.kube.kinds["Lease"].path(self.namespace, self.name)
+
+    def try_once(self, deadline: float | None = None) -> bool:
+        """One round; True when this process holds the Lease afterwards. Every call ends by ``deadline``
+        (this clock; default: one renew deadline from now); TimeoutError when too little time is left."""
+        started = self.clock()
+        deadline = started + self.renew_deadline if deadline is None else deadline
+
+        def bound() -> float:
+            left = call_timeout(deadline, self.clock())
+            if left is None:
+                raise TimeoutError("leader election: the renew deadline passed")
+            return left
+
+        live = self.kube.request("GET", self._path(), allow_404=True, timeout=bound())
+        record = LeaseRecord.from_lease(live) if live is not None else None
+        self._observed = observe(self._observed, record, self.clock())
+        outcome, spec = decide(self._observed, self.identity, self.clock(), format_time(self.wall()),
+                               int(self.lease_duration))
         if outcome == "follow":
             return False
         if outcome == "create":
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
-            self.kube.create(body)
+            self.kube.request("POST", self.kube.kinds["Lease"].path(self.namespace), body=body, timeout=bound())
         else:
             assert live is not None
             # resourceVersion makes this a compare-and-swap: a racing candidate gets 409 and follows.
             patch = {"metadata": {"resourceVersion": live["metadata"]["resourceVersion"]}, "spec": spec}
-            self.kube.patch_merge("Lease", self.name, self.namespace, patch)
+            self.kube.request("PATCH", self._path(), body=patch, content_type="application/merge-patch+json",
+                              timeout=bound())
+        self.renewed_at = started
         if outcome != "renew":
             log.info("leader election: acquired lease %s/%s as %s", self.namespace, self.name, self.identity)
         return True
@@ -160,12 +239,15 @@ class LeaderElector:
                 if self.try_once():
                     self.is_leader = True
                     self._thread = threading.Thread(target=self._renew_loop, name="leader-renew", daemon=True)
+                    self._watchdog = threading.Thread(target=self._watch_deadline, name="leader-deadline",
+                                                      daemon=True)
                     self._thread.start()
+                    self._watchdog.start()
                     return True
             except KubeError as exc:
                 if exc.status not in (409,):
                     log.warning("leader election: %s", exc)
-            except Exception as exc:  # unreachable, TLS, urllib3 retries exhausted: try again later
+            except Exception as exc:  # unreachable, TLS, timed out: try again later
                 log.warning("leader election: API server unreachable: %s", exc)
             if not waiting_logged:
                 log.info("leader election: waiting for lease %s/%s (another operator is active)",
@@ -175,37 +257,55 @@ class LeaderElector:
         return False
 
     def _renew_loop(self) -> None:
-        last_ok = time.monotonic()
         while not self._stop.wait(self.retry_period):
+            if self._lost:
+                return
             try:
-                if self.try_once():
-                    last_ok = time.monotonic()
+                if self.try_once(self.deadline):
                     continue
                 log.error("leader election: another process holds lease %s/%s", self.namespace, self.name)
-            except Exception as exc:  # any failure (HTTP, TLS, urllib3 retries) is a missed renewal
+            except Exception as exc:  # any failure (HTTP, TLS, a call out of time) is a missed renewal
                 log.warning("leader election: renewal failed: %s", exc)
-                if time.monotonic() - last_ok < self.renew_deadline:
+                if self.clock() < self.deadline:
                     continue
-            if self._stop.is_set():
-                return
-            self.is_leader = False
-            self.on_lost()
+            self._lose()
             return
+
+    def _watch_deadline(self) -> None:
+        """Ends the acting at the renew deadline even while a renewal call is still under way."""
+        while not self._lost:
+            left = self.deadline - self.clock()
+            if left <= 0:
+                self._lose()
+                return
+            if self._stop.wait(left):
+                return
+
+    def _lose(self) -> None:
+        with self._lost_lock:
+            if self._lost or self._stop.is_set():
+                return
+            self._lost = True
+            self.is_leader = False
+        self.on_lost()
 
     def release(self) -> None:
         """Stop renewing and hand the Lease back (a standby takes over at its next round)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.retry_period + 5)
-        if not self.is_leader:
-            return
-        self.is_leader = False
+            self._thread.join(timeout=self.renew_deadline + 1)
+        with self._lost_lock:
+            if not self.is_leader:
+                return
+            self.is_leader = False
         try:
-            live = self.kube.get("Lease", self.name, self.namespace)
+            timeout = self.renew_deadline
+            live = self.kube.request("GET", self._path(), allow_404=True, timeout=timeout)
             if live and (live.get("spec") or {}).get("holderIdentity") == self.identity:
                 patch = {"metadata": {"resourceVersion": live["metadata"]["resourceVersion"]},
                          "spec": {"holderIdentity": None, "renewTime": None, "acquireTime": None}}
-                self.kube.patch_merge("Lease", self.name, self.namespace, patch)
+                self.kube.request("PATCH", self._path(), body=patch, timeout=timeout,
+                                  content_type="application/merge-patch+json")
                 log.info("leader election: released lease %s/%s", self.namespace, self.name)
-        except (KubeError, OSError) as exc:
+        except Exception as exc:  # HTTP, unreachable, out of time: the Lease then expires by itself
             log.warning("leader election: could not release the lease (it expires by itself): %s", exc)

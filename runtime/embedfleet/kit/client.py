@@ -9,6 +9,7 @@ one short stable sentence (the same failure reads the same every time: no object
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -79,14 +80,17 @@ class KubeClient:
         content_type: str = "application/json",
         allow_404: bool = False,
         accept: str = "application/json",
+        timeout: float | tuple[float, float] | None = None,
     ) -> Any:
-        """The decoded JSON answer (``{}`` when empty; None for a 404 when ``allow_404``)."""
+        """The decoded JSON answer (``{}`` when empty; None for a 404 when ``allow_404``). ``timeout``
+        replaces the client's (connect, read) pair for this call; one number bounds the whole call."""
         headers = {"Accept": accept, "Content-Type": content_type}
         method_, url, headers, body_, post = self.client.param_serialize(
             method, path, query_params=query or [], header_params=headers, body=body,
             auth_settings=["BearerToken"])
         response = self.client.call_api(
-            method_, url, header_params=headers, body=body_, post_params=post, _request_timeout=self.timeout
+            method_, url, header_params=headers, body=body_, post_params=post,
+            _request_timeout=self.timeout if timeout is None else timeout,
         )
         data = response.read()
         if response.status == 404 and allow_404:
@@ -139,6 +143,18 @@ class KubeClient:
                         yield json.loads(line)
         finally:
             raw.release_conn()
+
+
+def without_retries(api_client: kubernetes.client.ApiClient) -> kubernetes.client.ApiClient:
+    """A client on the same server and credentials whose calls are never retried by urllib3 (by default
+    it retries a failed connection or read up to three times, each with a fresh time-out): for calls
+    whose time bound is a promise, such as a leader's renewal."""
+    config = copy.deepcopy(api_client.configuration)
+    config.retries = False
+    config.client_go_retries = False
+    client = kubernetes.client.ApiClient(configuration=config)
+    client.user_agent = api_client.user_agent
+    return client
 
 
 def collection_path(api_version: str, plural: str, namespace: str | None = None) -> str:

@@ -1,0 +1,111 @@
+"""Leader election's decisions, alone (operator/embedfleet/operator/leader.py): a held Lease is judged on
+the candidate's own monotonic clock from the last change it saw, never from the holder's ``renewTime``;
+a renewal's calls are bounded by the time left before the renew deadline; and the leader's deadline
+always falls before the earliest moment a standby may take the Lease.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embedfleet.operator.leader import (
+    MIN_CALL_S,
+    LeaseRecord,
+    Observed,
+    call_timeout,
+    decide,
+    expired,
+    format_time,
+    observe,
+)
+
+ME, HOLDER = "standby", "leader"
+
+
+def record(holder: str = HOLDER, renew: str = "2026-01-01T00:00:00.000000Z", rv: str = "1",
+           duration: int = 15) -> LeaseRecord:
+    return LeaseRecord(holder=holder, renew_time=renew, duration=duration, transitions=2, resource_version=rv)
+
+
+def test_a_lease_renewed_a_moment_ago_is_not_taken_whatever_its_renew_time_says() -> None:
+    # The holder's clock runs 16 s behind this candidate's (or this one's 16 s ahead): its renewTime reads
+    # as 16 s old, past a 15 s lease. Only the candidate's own observation counts: seen just now, live.
+    stale_looking = record(renew=format_time(1_000_000.0 - 16))
+    seen = observe(None, stale_looking, now=50.0)
+    outcome, spec = decide(seen, ME, now=50.1, stamp=format_time(1_000_000.0), duration=15)
+    assert (outcome, spec) == ("follow", None)
+
+
+def test_a_record_unchanged_for_its_duration_is_taken() -> None:
+    seen = observe(None, record(), now=10.0)
+    assert decide(observe(seen, record(), 24.9), ME, 24.9, "t", 15)[0] == "follow"
+    outcome, spec = decide(observe(seen, record(), 25.0), ME, 25.0, "t", 15)
+    assert outcome == "acquire"
+    assert spec == {"holderIdentity": ME, "leaseDurationSeconds": 15, "acquireTime": "t", "renewTime": "t",
+                    "leaseTransitions": 3}
+
+
+def test_each_renewal_restarts_the_count() -> None:
+    seen = observe(None, record(rv="1"), now=0.0)
+    seen = observe(seen, record(rv="2", renew="later"), now=14.0)  # renewed: counted from 14 s
+    assert seen is not None and seen.at == 14.0
+    assert decide(seen, ME, 28.9, "t", 15)[0] == "follow"
+    assert decide(seen, ME, 29.0, "t", 15)[0] == "acquire"
+
+
+def test_a_free_lease_is_taken_at_once_and_a_missing_one_created() -> None:
+    free = observe(None, record(holder="", renew=""), now=0.0)
+    assert decide(free, ME, 0.0, "t", 15)[0] == "acquire"
+    assert observe(None, None, 0.0) is None
+    assert decide(None, ME, 0.0, "t", 15) == ("create", {
+        "holderIdentity": ME, "leaseDurationSeconds": 15, "acquireTime": "t", "renewTime": "t",
+        "leaseTransitions": 0})
+
+
+def test_our_own_lease_is_renewed() -> None:
+    mine = observe(None, record(holder=ME), now=0.0)
+    assert decide(mine, ME, 100.0, "t", 15) == ("renew", {"holderIdentity": ME, "leaseDurationSeconds": 15,
+                                                          "renewTime": "t"})
+
+
+@given(renew=st.text(max_size=40), rv=st.text(max_size=8), duration=st.integers(1, 3600),
+       first=st.floats(-1e6, 1e6), later=st.floats(0, 1e4))
+def test_only_the_candidates_own_clock_decides(renew: str, rv: str, duration: int, first: float,
+                                               later: float) -> None:
+    """Whatever the record's renewTime says, a record seen first at ``first`` is taken exactly when
+    ``duration`` seconds of the candidate's clock passed without a change."""
+    lease = record(renew=renew, rv=rv, duration=duration)
+    seen = observe(None, lease, first)
+    again = observe(seen, lease, first + later)
+    assert again == seen
+    assert (decide(again, ME, first + later, "t", 15)[0] == "acquire") == (first + later >= first + duration)
+    assert expired(Observed(lease, first), first + later) == (first + later >= first + duration)
+
+
+@given(duration=st.integers(1, 120), share=st.floats(0.01, 0.99), commit_delay=st.floats(0, 30),
+       poll_lag=st.floats(0, 30), start=st.floats(0, 1e5))
+def test_the_leader_stops_before_any_standby_can_take_the_lease(duration: int, share: float,
+                                                                commit_delay: float, poll_lag: float,
+                                                                start: float) -> None:
+    """A renewal whose call starts at ``start`` is committed later and seen by a standby later still. The
+    leader counts its deadline from the call's start; the standby counts the duration from when it saw
+    the record. With renew deadline < lease duration, the leader's last acting moment comes first."""
+    renew_deadline = duration * share  # LeaderElector refuses a deadline that is not below the duration
+    leader_stops = start + renew_deadline
+    seen_at = start + commit_delay + poll_lag
+    seen = observe(None, record(duration=duration), seen_at)
+    assert seen is not None
+    # The earliest moment the standby's decision says "acquire":
+    earliest = seen.at + max(seen.record.duration, 1)
+    assert not expired(seen, earliest - 1e-6)
+    assert leader_stops < earliest
+
+
+@given(deadline=st.floats(-100, 100), now=st.floats(-100, 100))
+def test_a_call_never_outlives_the_deadline(deadline: float, now: float) -> None:
+    left = call_timeout(deadline, now)
+    if deadline - now < MIN_CALL_S:
+        assert left is None
+    else:
+        assert left is not None and now + left <= deadline + 1e-9

@@ -1,0 +1,151 @@
+"""Leader election against a real kube-apiserver (the test control plane, API server only), with the faults
+that once gave two writers: an API server that stops answering right after a renewal (SIGSTOP: its socket
+accepts, nothing answers), and clocks that disagree between machines.
+
+The promise: the leader stops acting before a standby can take the Lease, that is before the Lease's
+duration has passed since the leader's last renewal, whatever the API server does; and a candidate never
+takes a Lease that was renewed a moment ago, whatever its clock or the holder's says.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.kube.controlplane import Cluster, ControlPlane, wait_until
+from tests.kube.fixtures import require_control_plane
+
+from embedfleet.operator.kube import Kube
+from embedfleet.operator.leader import LeaderElector, format_time
+
+NS = "election"
+#: Short timings (whole seconds, as a Lease holds): a 6 s lease, a 4 s renew deadline, renewals every 1 s.
+TIMING = {"lease_duration": 6.0, "renew_deadline": 4.0, "retry_period": 1.0}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    require_control_plane()
+    plane = ControlPlane.start(Path(tmp_path_factory.mktemp("leader")) / "plane")
+    try:
+        cluster = plane.add_cluster("lease", nodes=[], controllers=False)
+        cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
+        yield cluster
+    finally:
+        plane.stop()
+
+
+class Lost:
+    """An ``on_lost`` that records when (monotonic) the elector stopped acting, instead of exiting."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self.event = threading.Event()
+
+    def __call__(self) -> None:
+        self.at = time.monotonic()
+        self.event.set()
+
+
+def elector(cluster: Cluster, lease: str, who: str, on_lost: Lost, **kwargs) -> LeaderElector:
+    return LeaderElector(Kube(cluster.api_client()), NS, lease, identity=who, on_lost=on_lost,
+                         **{**TIMING, **kwargs})
+
+
+def holder(cluster: Cluster, lease: str) -> str:
+    return ((cluster.get_json("lease", lease, "-n", NS) or {}).get("spec") or {}).get("holderIdentity") or ""
+
+
+def test_a_candidate_whose_clock_runs_ahead_does_not_take_a_fresh_lease(cluster: Cluster) -> None:
+    lost = Lost()
+    leader = elector(cluster, "ahead", "leader", lost)
+    assert leader.acquire()
+    ahead = elector(cluster, "ahead", "ahead", Lost(), wall=lambda: time.time() + 16)
+    try:
+        for _ in range(4):  # several rounds while the leader renews every second
+            assert not ahead.try_once(), "took a Lease renewed a moment ago"
+            time.sleep(TIMING["retry_period"])
+        assert holder(cluster, "ahead") == "leader"
+        assert leader.is_leader and lost.at is None
+    finally:
+        leader.release()
+
+
+def test_a_holder_whose_clock_runs_behind_keeps_its_lease(cluster: Cluster) -> None:
+    """The holder (on another machine, here written by hand) renews every second, stamping renewTime from
+    a clock 16 s behind; a candidate on a correct clock reads each renewTime as 16 s old, past the 6 s
+    lease. It must follow while the record keeps changing."""
+    kube = Kube(cluster.api_client())
+    path = kube.kinds["Lease"].path(NS, "behind")
+    kube.create({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                 "metadata": {"name": "behind", "namespace": NS},
+                 "spec": {"holderIdentity": "slow-clock", "leaseDurationSeconds": 6,
+                          "renewTime": format_time(time.time() - 16)}})
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(1.0):
+            kube.request("PATCH", path, body={"spec": {"renewTime": format_time(time.time() - 16)}},
+                         content_type="application/merge-patch+json")
+
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
+    candidate = elector(cluster, "behind", "candidate", Lost())
+    try:
+        for _ in range(4):
+            assert not candidate.try_once(), "took a Lease that its holder renews every second"
+            time.sleep(TIMING["retry_period"])
+        assert holder(cluster, "behind") == "slow-clock"
+    finally:
+        stop.set()
+        renewer.join(5)
+    # Once the holder stops renewing, the candidate takes it after one lease duration of its own clock.
+    started = time.monotonic()
+    wait_until(candidate.try_once, TIMING["lease_duration"] + 5, "the candidate taking the abandoned Lease",
+               interval=TIMING["retry_period"])
+    assert time.monotonic() - started >= TIMING["lease_duration"] - TIMING["retry_period"] - 1.5
+    assert holder(cluster, "behind") == "candidate"
+
+
+def test_a_hung_api_server_ends_the_leaders_acting_before_the_lease_can_be_taken(cluster: Cluster) -> None:
+    lost = Lost()
+    leader = elector(cluster, "hang", "leader", lost)
+    assert leader.acquire()
+    standby = elector(cluster, "hang", "standby", Lost())
+    standby_stop = threading.Event()
+    taken: list[float] = []
+    waiter = threading.Thread(target=lambda: standby.acquire(standby_stop) and taken.append(time.monotonic()),
+                              daemon=True)
+    waiter.start()
+    apiserver = next(p for p in cluster.procs if p.name.endswith("apiserver"))
+    try:
+        first = leader.renewed_at
+        wait_until(lambda: leader.renewed_at > first, 10, "a renewal")
+        os.kill(apiserver.popen.pid, signal.SIGSTOP)
+        renewed = leader.renewed_at
+        stopped = time.monotonic()
+        try:
+            # The API server hangs: no renewal can succeed. The leader must stop acting by its renew
+            # deadline, and in any case before the lease duration since its last renewal.
+            lost.event.wait(TIMING["lease_duration"] + 2)
+            assert lost.at is not None, (
+                f"still acting {time.monotonic() - renewed:.1f} s after its last renewal "
+                f"(lease duration {TIMING['lease_duration']} s)")
+            assert lost.at - renewed < TIMING["lease_duration"], (lost.at - renewed)
+            assert not leader.is_leader
+        finally:
+            os.kill(apiserver.popen.pid, signal.SIGCONT)
+        assert stopped - renewed < TIMING["retry_period"] + 0.5
+        wait_until(lambda: bool(taken), 30, "the standby taking over once the server answers")
+        assert taken[0] > lost.at, "the standby acted while the old leader still did"
+        assert holder(cluster, "hang") == "standby"
+    finally:
+        standby_stop.set()
+        waiter.join(10)
+        standby.release()
+        leader.release()
