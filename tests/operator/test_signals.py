@@ -441,3 +441,40 @@ def test_prometheus_errors_are_reported_not_raised(prometheus: tuple[str, Metric
     assert bad.in_flight is None and bad.errors
     down = query_prometheus(f"http://127.0.0.1:{free_port()}", DEFAULT_QUERY)
     assert down.in_flight is None and down.errors
+
+
+@pytest.fixture
+def hanging_prometheus() -> Iterator[str]:
+    """A "Prometheus" whose socket accepts every connection (the kernel completes the handshake) and
+    never answers a byte."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def test_a_prometheus_that_accepts_and_hangs_is_a_failure_within_the_bound(hanging_prometheus: str) -> None:
+    """Each query returns, as an unknown reading (which the autoscaler answers by keeping the size), within
+    the documented bound: Prometheus' query time-out plus the client's grace, with no retry."""
+    from embedfleet.operator.signals import PROMETHEUS_GRACE_S, query_async_depth, query_probe
+
+    timeout_s = 0.5
+    bound = timeout_s + PROMETHEUS_GRACE_S
+    calls = {
+        "in flight": lambda: query_prometheus(hanging_prometheus, DEFAULT_QUERY, timeout_s=timeout_s).in_flight,
+        "async depth": lambda: query_async_depth(hanging_prometheus, DEFAULT_QUERY, timeout_s=timeout_s),
+        "probe": lambda: query_probe(hanging_prometheus, "ml", "minilm", "minilm", timeout_s=timeout_s),
+    }
+    for what, call in calls.items():
+        answer: list[object] = []
+        started = time.monotonic()
+        worker = threading.Thread(target=lambda call=call, answer=answer: answer.append(call()), daemon=True)
+        worker.start()
+        worker.join(bound + 5)  # a hung query must not hang the test suite
+        assert answer, f"{what}: still waiting on a Prometheus that never answers after {bound + 5:g} s"
+        elapsed = time.monotonic() - started
+        assert answer == [None], (what, answer)
+        assert elapsed < bound + 0.5, f"{what}: {elapsed:.2f} s, bound {bound:g} s"

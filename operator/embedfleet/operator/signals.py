@@ -250,12 +250,30 @@ def render_query(query: str | None, namespace: str, name: str, service: str | No
     )
 
 
-def query_prometheus(url: str, query: str, timeout_s: float = 5.0) -> Reading:
+#: Seconds Prometheus may spend evaluating one query (sent as its ``timeout`` parameter).
+PROMETHEUS_QUERY_TIMEOUT_S = 5.0
+#: What the client waits beyond that, for the answer to arrive: connecting, and each read of the answer,
+#: is bounded by ``timeout_s + PROMETHEUS_GRACE_S``, and nothing is retried (the next tick asks again).
+#: A Prometheus that accepts and never answers therefore costs one query at most that long.
+PROMETHEUS_GRACE_S = 1.0
+
+
+def _prometheus(url: str, timeout_s: float, **kwargs: Any) -> Any:
+    """A ``PrometheusConnect`` whose every request is bounded and never retried. (By default it has no
+    time-out at all, and retries each request three times with back-off.)"""
+    from prometheus_api_client import PrometheusConnect
+    from urllib3.util.retry import Retry
+
+    bound = timeout_s + PROMETHEUS_GRACE_S
+    return PrometheusConnect(url=url, timeout=(bound, bound), retry=Retry(total=0, redirect=False), **kwargs)
+
+
+def query_prometheus(url: str, query: str, timeout_s: float = PROMETHEUS_QUERY_TIMEOUT_S) -> Reading:
     """Run one instant query; the answer is the sum of the returned vector (an empty vector is 0)."""
-    from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+    from prometheus_api_client import PrometheusApiClientException
 
     try:
-        prom = PrometheusConnect(url=url, disable_ssl=False)
+        prom = _prometheus(url, timeout_s, disable_ssl=False)
         result = prom.custom_query(query, params={"timeout": f"{timeout_s:g}s"})
     except (PrometheusApiClientException, OSError, ValueError) as exc:  # requests' errors are OSErrors
         return Reading(in_flight=None, source="prometheus", errors=(f"{type(exc).__name__}: {exc}",))
@@ -271,15 +289,15 @@ def _vector_sum(result: list[dict[str, Any]] | None) -> float:
     return total
 
 
-def query_probe(url: str, namespace: str, name: str, service: str, timeout_s: float = 5.0
+def query_probe(url: str, namespace: str, name: str, service: str, timeout_s: float = PROMETHEUS_QUERY_TIMEOUT_S
                 ) -> tuple[PodReading, ...] | None:
     """Each pod's probe figures from Prometheus (`PROBE_COSINE_QUERY`, `PROBE_ORDER_QUERY`, substituted as
     the in-flight query is); None when Prometheus cannot answer (the verdict then stays as it was)."""
-    from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+    from prometheus_api_client import PrometheusApiClientException
 
     by_pod: dict[str, dict[str, float]] = {}
     try:
-        prom = PrometheusConnect(url=url)
+        prom = _prometheus(url, timeout_s)
         for key, query in (("cosine", PROBE_COSINE_QUERY), ("order", PROBE_ORDER_QUERY)):
             result = prom.custom_query(render_query(query, namespace, name, service),
                                        params={"timeout": f"{timeout_s:g}s"})
@@ -296,12 +314,12 @@ def query_probe(url: str, namespace: str, name: str, service: str, timeout_s: fl
                  for pod, v in sorted(by_pod.items()))
 
 
-def query_async_depth(url: str, query: str, timeout_s: float = 5.0) -> float | None:
+def query_async_depth(url: str, query: str, timeout_s: float = PROMETHEUS_QUERY_TIMEOUT_S) -> float | None:
     """The async backlog from Prometheus; None when unknown or when no replica exports it."""
-    from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+    from prometheus_api_client import PrometheusApiClientException
 
     try:
-        result = PrometheusConnect(url=url).custom_query(query, params={"timeout": f"{timeout_s:g}s"})
+        result = _prometheus(url, timeout_s).custom_query(query, params={"timeout": f"{timeout_s:g}s"})
     except (PrometheusApiClientException, OSError, ValueError) as exc:
         log.warning("async queue depth unknown: %s", exc)
         return None

@@ -124,9 +124,12 @@ class Cluster:
     def __init__(self, api_client: Any = None) -> None:
         import kubernetes  # here: the client is slow to import and `cache pull` never needs it
 
+        from embedfleet.kit.client import TIMEOUT
         from embedfleet.operator.kube import load_client
 
         self._client = api_client or load_client()
+        #: (connect, read) seconds of every call: an API server that accepts and hangs fails the pass.
+        self.timeout = TIMEOUT
         self.core = kubernetes.client.CoreV1Api(self._client)
         self.custom = kubernetes.client.CustomObjectsApi(self._client)
         #: Set by the informers on any change of what they watch: the loop's cue for a pass.
@@ -149,7 +152,7 @@ class Cluster:
             informer.stop(timeout=0.5)
 
     def node_labels(self, name: str) -> dict[str, str]:
-        node = self.core.read_node(name)
+        node = self.core.read_node(name, _request_timeout=self.timeout)
         return dict(node.metadata.labels or {})
 
     def list_all(self, plural: str) -> list[dict[str, Any]]:
@@ -157,18 +160,20 @@ class Cluster:
         if informer is not None and informer.synced:
             return list(informer.items().values())
         data = self.custom.list_cluster_custom_object(
-            naming.GROUP, naming.VERSION, plural, resource_version="0"
+            naming.GROUP, naming.VERSION, plural, resource_version="0", _request_timeout=self.timeout
         )
         return list(data.get("items") or [])
 
     def holders(self, label_key: str) -> dict[str, dict[str, str]]:
         """Nodes labelled ready for this entry: name -> labels (``nodes list`` with a label selector)."""
-        nodes = self.core.list_node(label_selector=f"{label_key}=ready", resource_version="0")
+        nodes = self.core.list_node(label_selector=f"{label_key}=ready", resource_version="0",
+                                    _request_timeout=self.timeout)
         return {n.metadata.name: dict(n.metadata.labels or {}) for n in nodes.items}
 
     def agent_pods(self, namespace: str, selector: str) -> list[AgentPod]:
         """The node agents' pods (``pods list`` in the agents' own namespace, nothing more)."""
-        pods = self.core.list_namespaced_pod(namespace, label_selector=selector, resource_version="0")
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector, resource_version="0",
+                                             _request_timeout=self.timeout)
         out: list[AgentPod] = []
         for pod in pods.items:
             conditions = (pod.status.conditions or []) if pod.status else []
@@ -179,7 +184,8 @@ class Cluster:
 
     def patch_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
         self.core.patch_node(
-            name, {"metadata": {"labels": dict(labels)}}, _content_type="application/merge-patch+json"
+            name, {"metadata": {"labels": dict(labels)}}, _content_type="application/merge-patch+json",
+            _request_timeout=self.timeout,
         )
 
 

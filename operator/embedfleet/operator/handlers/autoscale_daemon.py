@@ -185,6 +185,8 @@ def read_signal(name: str, namespace: str, autoscaling: dict[str, Any], port: in
     if url:
         query = render_query(autoscaling.get("query"), namespace, name, runtime_name(name))
         reading = query_prometheus(url, query)
+        if reading.in_flight is None:  # Prometheus did not answer: do not wait on it twice in one tick
+            return reading
         depth = query_async_depth(url, render_query(ASYNC_DEPTH_QUERY, namespace, name, runtime_name(name)))
         return dataclasses.replace(reading, async_depth=depth)
     return asyncio.run(scrape(pod_targets(pods, port)))
