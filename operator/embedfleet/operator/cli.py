@@ -196,8 +196,9 @@ def run(args: argparse.Namespace) -> int:
             lease_duration=args.lease_duration, renew_deadline=args.renew_deadline,
             retry_period=args.retry_period,
         )
-        if not election.retry_period < election.renew_deadline < election.lease_duration:
-            raise ValueError("need --retry-period < --renew-deadline < --lease-duration")
+        # A Lease holds whole seconds: the deadline must fall before the duration that is written.
+        if not election.retry_period < election.renew_deadline < int(election.lease_duration):
+            raise ValueError("need --retry-period < --renew-deadline < --lease-duration (whole seconds)")
         return run_operator(
             role=args.role,
             namespaces=None if args.all_namespaces else args.namespaces,
