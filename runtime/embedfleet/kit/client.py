@@ -105,9 +105,24 @@ class KubeClient:
         self, path: str, *, label_selector: str | None = None, field_selector: str | None = None,
     ) -> tuple[list[dict[str, Any]], str]:
         """(items, the list's resourceVersion) of a collection URL: what an informer starts a watch from."""
+        items, version, _ = self.list_page(path, label_selector=label_selector, field_selector=field_selector)
+        return items, version
+
+    def list_page(
+        self, path: str, *, label_selector: str | None = None, field_selector: str | None = None,
+        limit: int | None = None, continue_token: str | None = None,
+    ) -> tuple[list[dict[str, Any]], str, str]:
+        """One page of a collection: (items, the list's resourceVersion, the token of the next page or "").
+        Without ``limit`` the whole collection comes in one page. An expired token is a 410 `KubeError`."""
         query = [(k, v) for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v]
+        if limit:
+            query.append(("limit", str(limit)))
+        if continue_token:
+            query.append(("continue", continue_token))
         data = self.request("GET", path, query=query) or {}
-        return list(data.get("items") or []), str((data.get("metadata") or {}).get("resourceVersion") or "")
+        meta = data.get("metadata") or {}
+        return (list(data.get("items") or []), str(meta.get("resourceVersion") or ""),
+                str(meta.get("continue") or ""))
 
     def watch(
         self, path: str, resource_version: str, *, timeout_seconds: int = 300, label_selector: str | None = None,

@@ -2,10 +2,16 @@
 
 Readers (the hub's rounds, the gateway's routes) read these views, never the API servers: the calls are one
 list per collection when it starts (or when a watch's version has expired) and one long watch each, whatever
-the number of objects; each change costs one event, and ``on_change`` hears its key (a relist reports every
-key that changed, deletions included). The watch resumes from the newest version it saw
-(events and bookmarks), so a watch the server ends after ``timeout_seconds`` costs no list; a ``410 Gone``
+the number of objects; each change costs one event, and ``on_change`` hears its key (a relist reports only
+the keys whose ``resourceVersion`` changed, deletions included). The watch resumes from the newest version it
+saw (events and bookmarks), so a watch the server ends after ``timeout_seconds`` costs no list; a ``410 Gone``
 (the version was compacted away, or the server restarted) re-lists, as client-go's reflector does.
+
+A list comes in pages of ``page_size`` objects (``limit``/``continue``), so a large collection never
+arrives as one answer; a continue token that expired meanwhile (410) falls back to one full list, as
+client-go's pager does. Relists forced one after another (a 410 again before the new watch delivered
+anything) wait `relist_delay`: growing from ``relist_backoff[0]`` to at most ``relist_backoff[1]``, with
+jitter, so a server that keeps answering 410 is not listed in a tight loop by every informer at once.
 
 ``error`` is set while the API server cannot be reached (and cleared when it can): a round treats such a
 view as unknown, not as empty. ``resource_version`` lets the hub wait until its own writes are visible in
@@ -15,6 +21,7 @@ the view before it judges that spoke again (no second write of what it just wrot
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,6 +35,33 @@ log = logging.getLogger(__name__)
 #: picks 5-10 minutes). Shorter than that: the read time-out, which detects a silently dropped connection,
 #: is this plus a little.
 WATCH_SECONDS = 60
+#: Objects per LIST page (client-go's pager asks for 500).
+PAGE_SIZE = 500
+#: Seconds between relists forced one after another: client-go's reflector backs off from 800 ms to 30 s.
+RELIST_BACKOFF = (0.8, 30.0)
+
+
+def relist_delay(consecutive: int, backoff: tuple[float, float], rand: float) -> float:
+    """Seconds to wait before the ``consecutive``-th relist in a row. The first (after a watch that worked)
+    goes at once; then ``backoff[0]`` doubling up to ``backoff[1]``, of which a random share (``rand`` in
+    [0, 1)) of the upper half is taken off, so informers hit by the same 410 spread out. Never more than
+    ``backoff[1]``."""
+    if consecutive <= 1:
+        return 0.0
+    step = min(backoff[1], backoff[0] * 2.0 ** min(consecutive - 2, 64))
+    return step * (1.0 - 0.5 * min(max(rand, 0.0), 1.0))
+
+
+def _version_of(obj: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    if obj is None:
+        return None
+    meta = obj.get("metadata") or {}
+    return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
+
+
+def changed_keys(old: Mapping[str, Mapping[str, Any]], fresh: Mapping[str, Mapping[str, Any]]) -> set[str]:
+    """Keys added, deleted, or whose object changed (another uid or resourceVersion) between two views."""
+    return {k for k in set(old) | set(fresh) if _version_of(old.get(k)) != _version_of(fresh.get(k))}
 
 
 def object_key(obj: Mapping[str, Any]) -> str:
@@ -52,6 +86,8 @@ class InformerStats:
     watches: int = 0
     events: int = 0
     relists: int = 0  # lists forced by an expired version (410)
+    pages: int = 0  # LIST answers, pages of a paginated list included
+    expired_continues: int = 0  # paginated lists whose continue token expired (then listed in full)
 
 
 class Informer:
@@ -70,6 +106,9 @@ class Informer:
         timeout_seconds: int = WATCH_SECONDS,
         backoff: tuple[float, float] = (0.5, 10.0),
         on_restart: Callable[[str], None] | None = None,
+        page_size: int = PAGE_SIZE,
+        relist_backoff: tuple[float, float] = RELIST_BACKOFF,
+        rng: random.Random | None = None,
     ) -> None:
         self.kube = kube
         self.path = path
@@ -81,6 +120,11 @@ class Informer:
         self.on_change = on_change
         self.timeout_seconds = timeout_seconds
         self.backoff = backoff
+        self.page_size = page_size
+        self.relist_backoff = relist_backoff
+        self._rng = rng or random.Random()
+        #: Whether the current watch delivered anything (an event or a bookmark) since the last list.
+        self._progress = False
         #: Told the informer's ``kind`` each time a watch is opened again after a failure or an expired
         #: version (a component's watch-restart counter).
         self.on_restart = on_restart
@@ -161,17 +205,22 @@ class Informer:
     def _run(self) -> None:
         delay = self.backoff[0]
         version = ""
+        relists = 0  # relists in a row with nothing delivered between them
         while not self._stop.is_set():
             try:
                 if not version:
                     version = self._list()
                 version = self._watch(version)
                 delay = self.backoff[0]
+                relists = 0
             except KubeError as exc:
                 if exc.status == 410:
                     version = ""
+                    relists = 1 if self._progress else relists + 1
                     self.stats.relists += 1
                     self._restarted()
+                    if self._stop.wait(relist_delay(relists, self.relist_backoff, self._rng.random())):
+                        return
                     continue
                 if self._stop.is_set():
                     return
@@ -205,14 +254,37 @@ class Informer:
             log.info("informer %s: connected again", self.name)
         self._error = self._exception = None
 
+    def _list_pages(self) -> tuple[list[dict[str, Any]], str]:
+        """The whole collection, page by page; a full list in one answer when a continue token expired."""
+        selectors = {"label_selector": self.label_selector, "field_selector": self.field_selector}
+        items: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            try:
+                page, version, token = self.kube.list_page(self.path, limit=self.page_size,
+                                                           continue_token=token or None, **selectors)
+            except KubeError as exc:
+                if exc.status != 410 or not token:
+                    raise
+                # The snapshot the pages came from was compacted away: list it whole, from now.
+                self.stats.expired_continues += 1
+                log.info("informer %s: the list's continue token expired; listing in full", self.name)
+                page, version, _ = self.kube.list_page(self.path, **selectors)
+                self.stats.pages += 1
+                return page, version
+            self.stats.pages += 1
+            items += page
+            if not token:
+                return items, version
+
     def _list(self) -> str:
-        items, version = self.kube.list_raw(self.path, label_selector=self.label_selector,
-                                            field_selector=self.field_selector)
+        items, version = self._list_pages()
         fresh = {object_key(item): item for item in items}
         with self._lock:
-            changed = {k for k in set(fresh) | set(self._items) if fresh.get(k) is not self._items.get(k)}
+            changed = changed_keys(self._items, fresh)
             self._items = fresh
             self._rv = version
+        self._progress = False
         self.stats.lists += 1
         self._listed.set()
         self._ok()
@@ -234,6 +306,7 @@ class Informer:
             if kind == "ERROR":
                 raise KubeError(int(obj.get("code") or 500), str(obj.get("reason") or "Error"),
                                 str(obj.get("message") or ""), f"WATCH {self.path}")
+            self._progress = True
             version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
             if kind == "BOOKMARK":
                 self._rv = version
