@@ -152,8 +152,10 @@ def test_spot_renders_two_deployments_that_never_share_a_node_pool() -> None:
         "matchLabels"] == on_demand["spec"]["selector"]["matchLabels"]
 
 
-def test_without_a_record_every_spot_replica_has_a_stand_in_until_spot_serves() -> None:
-    assert spot_split(_spec(), 4, None) == spot.Split(4, 2, 4, 2)
+def test_without_a_record_a_new_deployment_starts_without_stand_ins() -> None:
+    """Its spot replicas are starting, not failing: the spot daemon raises stand-ins for those that cannot
+    run at its first tick."""
+    assert spot_split(_spec(), 4, None) == spot.Split(4, 2, 2, 0)
     assert spot_split(_spec(fallback="none"), 4, None) == spot.Split(4, 2, 2, 0)
     # The daemon's record is used while it was made for this total; a new total keeps its stand-ins.
     assert spot_split(_spec(), 4, {"total": 4, "spot": 2, "onDemand": 3, "fallback": 1}) == spot.Split(4, 2, 3, 1)
@@ -249,3 +251,85 @@ def test_the_operator_sums_its_spot_deployments_without_a_deployment_label() -> 
     figures.forget("a/x")
     figures.forget("b/y")
     assert (gauge("asked"), gauge("serving"), gauge("stand_in")) == (0, 0, 0)
+
+
+def _spot_pod(node: str | None, *, ready: bool = False, phase: str = "Pending", reason: str | None = None,
+              scheduled: tuple[str, str] | None = None, deleting: bool = False,
+              disruption: str | None = None) -> dict[str, object]:
+    """A spot pod as the API shows it: its phase, and the conditions a scheduler and kubelet set."""
+    meta: dict[str, object] = {"name": "p", "labels": {spot.CAPACITY_LABEL: spot.SPOT}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-27T10:00:00Z"
+    conditions: list[dict[str, str]] = [{"type": "Ready", "status": "True" if ready else "False"}]
+    if scheduled is not None:
+        conditions.append({"type": "PodScheduled", "status": scheduled[0], "reason": scheduled[1]})
+    if disruption is not None:
+        conditions.append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
+    status: dict[str, object] = {"phase": phase, "conditions": conditions}
+    if reason:
+        status["reason"] = reason
+    return {"metadata": meta, "spec": {"nodeName": node} if node else {}, "status": status}
+
+
+NODES = {n.name: n for n in (
+    spot.node_view(_node("healthy")),
+    spot.node_view(_node("reclaimed", taints=["karpenter.sh/disrupted"])),
+    spot.node_view(_node("removing", taints=["ToBeDeletedByClusterAutoscaler"])),
+    spot.node_view(_node("notready", ready="False")),
+    spot.node_view(_node("deleted-node", deleting=True)),
+)}
+
+
+@pytest.mark.parametrize(("what", "pod", "why"), [
+    # merely starting: no stand-in
+    ("created, not yet looked at by the scheduler", _spot_pod(None), None),
+    ("waiting for the scheduler", _spot_pod(None, scheduled=("False", "SchedulerError")), None),
+    ("scheduled, pulling its image", _spot_pod("healthy", scheduled=("True", ""), phase="Pending"), None),
+    ("running, not Ready yet (loading the model)", _spot_pod("healthy", phase="Running"), None),
+    ("serving", _spot_pod("healthy", phase="Running", ready=True), None),
+    ("deleted by its Deployment's roll or scale-down", _spot_pod("healthy", phase="Running", deleting=True), None),
+    # cannot run: a stand-in
+    ("unschedulable: no spot capacity", _spot_pod(None, scheduled=("False", "Unschedulable")), "unschedulable"),
+    ("on a node being reclaimed", _spot_pod("reclaimed", phase="Running", ready=True), "taint karpenter.sh/disrupted"),
+    ("on a node being removed", _spot_pod("removing", phase="Running"), "taint ToBeDeletedByClusterAutoscaler"),
+    ("on a NotReady node", _spot_pod("notready", phase="Running"), "node not ready"),
+    ("on a node being deleted", _spot_pod("deleted-node", phase="Running"), "node is being deleted"),
+    ("on a node that is gone", _spot_pod("vanished", phase="Running"), "node is gone"),
+    ("evicted for node pressure", _spot_pod("healthy", phase="Failed", reason="Evicted"), "failed: Evicted"),
+    ("failed", _spot_pod("healthy", phase="Failed"), "failed: Failed"),
+    ("preempted", _spot_pod("healthy", phase="Running", deleting=True, disruption="PreemptionByScheduler"),
+     "deleted: PreemptionByScheduler"),
+    ("evicted through the API", _spot_pod("healthy", phase="Running", deleting=True,
+                                          disruption="EvictionByEvictionAPI"), "deleted: EvictionByEvictionAPI"),
+])
+def test_a_stand_in_only_for_a_spot_pod_that_cannot_run(what: str, pod: dict[str, object], why: str | None) -> None:
+    assert spot.cannot_run(pod, NODES) == why, what
+
+
+def _seen(*pods: dict[str, object]) -> spot.SpotPods:
+    return spot.spot_pods(pods, NODES)
+
+
+@pytest.mark.parametrize(("what", "pods", "cap", "missing"), [
+    ("a scale-up from 2 to 4: two new pods starting", [
+        _spot_pod("healthy", phase="Running", ready=True), _spot_pod("healthy", phase="Running", ready=True),
+        _spot_pod(None), _spot_pod("healthy", phase="Pending")], 4, 0),
+    ("a roll with maxUnavailable 1: one old pod going, its successor starting", [
+        _spot_pod("healthy", phase="Running", ready=True), _spot_pod("healthy", phase="Running", deleting=True),
+        _spot_pod("healthy", phase="Pending")], 2, 0),
+    ("a new deployment: nothing created yet", [], 3, 0),
+    ("no spot capacity: two unschedulable", [
+        _spot_pod("healthy", phase="Running", ready=True), _spot_pod(None, scheduled=("False", "Unschedulable")),
+        _spot_pod(None, scheduled=("False", "Unschedulable"))], 3, 2),
+    ("a reclaim: one pod on a reclaimed node", [
+        _spot_pod("healthy", phase="Running", ready=True), _spot_pod("reclaimed", phase="Running", ready=True)],
+     2, 1),
+    ("an evicted pod whose replacement serves stands for nothing", [
+        _spot_pod("healthy", phase="Failed", reason="Evicted"), _spot_pod("healthy", phase="Running", ready=True),
+        _spot_pod("healthy", phase="Running", ready=True)], 2, 0),
+    ("an evicted pod whose replacement is starting", [
+        _spot_pod("healthy", phase="Failed", reason="Evicted"), _spot_pod("healthy", phase="Running", ready=True),
+        _spot_pod(None)], 2, 1),
+])
+def test_missing_spot_replicas(what: str, pods: list[dict[str, object]], cap: int, missing: int) -> None:
+    assert _seen(*pods).missing(cap) == missing, what

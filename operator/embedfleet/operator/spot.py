@@ -3,10 +3,13 @@
 A deployment with ``spec.spot`` runs as two Deployments of the same revision: ``<name>`` on on-demand
 nodes and ``<name>-spot`` on spot nodes, both behind the one Service and counted by the one autoscaler.
 The autoscaler decides the total; `split` divides it: at most ``max`` on spot, the rest on demand, and —
-with ``fallback: onDemand`` — one on-demand stand-in for every spot replica that is not serving (pending
-for lack of spot capacity, or on a node being reclaimed). A reclaim therefore raises the on-demand side at
-once, before the spot capacity returns; the spot side keeps asking, and once spot replicas have served
-again for ``returnAfterSeconds`` the stand-ins go (`StandIns`).
+with ``fallback: onDemand`` — one on-demand stand-in for every spot replica that cannot run
+(`cannot_run`: unschedulable, on a node being reclaimed, tainted for removal, NotReady or gone, failed or
+evicted, or deleted by a disruption), never for one that is merely starting (pending a scheduling decision,
+or scheduled on a healthy node and not Ready yet), so scaling up or rolling the spot side raises no
+stand-ins. A reclaim therefore raises the on-demand side at once, before the spot capacity returns; the
+spot side keeps asking, and once spot replicas have served again for ``returnAfterSeconds`` the stand-ins
+go (`StandIns`).
 
 Which nodes are spot, and which node signals mean "being reclaimed", are the platform's (chart values
 ``platform.spot``); the defaults below know the labels and taints of Karpenter, GKE, EKS, AKS, the
@@ -138,20 +141,60 @@ def _ready(pod: Mapping[str, Any]) -> bool:
                for c in (pod.get("status") or {}).get("conditions") or [] if isinstance(c, Mapping))
 
 
+def _condition(pod: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
+    return next((c for c in (pod.get("status") or {}).get("conditions") or []
+                 if isinstance(c, Mapping) and c.get("type") == kind), None)
+
+
+def cannot_run(pod: Mapping[str, Any], nodes: Mapping[str, NodeView]) -> str | None:
+    """Why a spot pod cannot run, or None while it serves or is merely starting (waiting for the
+    scheduler's decision, or scheduled on a healthy node and not Ready yet).
+
+    It cannot run when the scheduler found no node for it (``PodScheduled`` False, ``Unschedulable``),
+    when it failed (an eviction for node pressure included), when it is being deleted by a disruption (the
+    ``DisruptionTarget`` condition: preemption, eviction, the taint manager; a Deployment's own roll or
+    scale-down sets none), or when its node is gone, being reclaimed or removed, or not Ready."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return f"failed: {status.get('reason') or 'Failed'}"
+    disrupted = _condition(pod, "DisruptionTarget")
+    if meta.get("deletionTimestamp") and disrupted is not None and disrupted.get("status") == "True":
+        return f"deleted: {disrupted.get('reason') or 'disruption'}"
+    node_name = (pod.get("spec") or {}).get("nodeName")
+    if not node_name:
+        scheduled = _condition(pod, "PodScheduled")
+        if scheduled is not None and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+            return "unschedulable"
+        return None
+    node = nodes.get(node_name)
+    return "node is gone" if node is None else node.reclaim
+
+
 @dataclass(frozen=True)
 class SpotPods:
     serving: int
     #: (pod name, node name, why) of spot pods still running on a node that is going away.
     doomed: tuple[tuple[str, str, str], ...]
+    #: Spot pods that cannot run (`cannot_run`); the ones merely starting are not among them.
+    cannot_run: int = 0
+
+    def missing(self, cap: int) -> int:
+        """Spot replicas to stand in for: those that cannot run, and never more than the cap's replicas that
+        do not serve (a failed pod whose replacement serves stands for nothing)."""
+        return min(self.cannot_run, max(0, cap - self.serving))
 
 
 def spot_pods(pods: Iterable[Mapping[str, Any]], nodes: Mapping[str, NodeView]) -> SpotPods:
-    """Spot pods serving (Ready, not terminating, on a node that exists and is not being reclaimed), and
-    those on a node that is gone or going."""
-    serving, doomed = 0, []
+    """Spot pods serving (Ready, not terminating, on a node that exists and is not being reclaimed), those on
+    a node that is gone or going, and how many cannot run."""
+    serving, doomed, stuck = 0, [], 0
     for pod in pods:
         meta = pod.get("metadata") or {}
-        if (meta.get("labels") or {}).get(CAPACITY_LABEL) != SPOT or meta.get("deletionTimestamp"):
+        if (meta.get("labels") or {}).get(CAPACITY_LABEL) != SPOT:
+            continue
+        if cannot_run(pod, nodes) is not None:
+            stuck += 1
+        if meta.get("deletionTimestamp"):
             continue
         node_name = (pod.get("spec") or {}).get("nodeName")
         if not node_name:
@@ -162,7 +205,7 @@ def spot_pods(pods: Iterable[Mapping[str, Any]], nodes: Mapping[str, NodeView]) 
             doomed.append((str(meta.get("name") or ""), node_name, why))
         elif _ready(pod):
             serving += 1
-    return SpotPods(serving, tuple(sorted(doomed)))
+    return SpotPods(serving, tuple(sorted(doomed)), stuck)
 
 
 def to_drain(doomed: Sequence[tuple[str, str, str]], on_demand_ready: int, on_demand_wanted: int) -> list[str]:

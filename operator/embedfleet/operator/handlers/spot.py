@@ -162,7 +162,7 @@ def tick(name: str, namespace: str, body: Mapping[str, Any], spec: EmbeddingDepl
     total = _autoscaler_total(spec, status)
     cap = spot.spot_cap(total, spec.spot.max)
     seen = spot.spot_pods(pods, nodes)
-    missing = cap - min(seen.serving, cap)
+    missing = seen.missing(cap)  # spot replicas that cannot run; starting ones get no stand-in
     cut = spot.split(total, cap, stand_ins.observe(now, missing), spec.spot.fallback == "onDemand")
     reclaimed = sorted({f"{node}: {why}" for _, node, why in seen.doomed})
     wanted = {"total": cut.total, "spot": cut.spot, "onDemand": cut.on_demand, "serving": seen.serving,
@@ -184,9 +184,9 @@ def tick(name: str, namespace: str, body: Mapping[str, Any], spec: EmbeddingDepl
                          {"spec": {"replicas": cut.spot}})
     before = int(recorded.get("fallback") or 0)
     if cut.fallback > before:
-        why = "; ".join(reclaimed) or "spot replicas not serving (no spot capacity yet)"
+        why = "; ".join(reclaimed) or "unschedulable, failed or disrupted"
         kopf.info(dict(body), reason="SpotFallback",
-                  message=f"{missing} of {cap} spot replicas not serving ({why}): {cut.fallback} on-demand "
+                  message=f"{missing} of {cap} spot replicas cannot run ({why}): {cut.fallback} on-demand "
                           f"stand-ins, {cut.on_demand} on-demand replicas in all"[:1000])
     elif cut.fallback < before and recorded:
         kopf.info(dict(body), reason="SpotReturned",

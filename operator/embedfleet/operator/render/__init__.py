@@ -176,12 +176,13 @@ def render(
 
 def spot_split(spec: EmbeddingDeploymentSpec, total: int, spot_status: Mapping[str, Any] | None) -> spot.Split:
     """The split to render: the spot daemon's, while it was made for this total; otherwise with as many
-    stand-ins as it last kept (none recorded: every spot replica, since none has served yet)."""
+    stand-ins as it last kept (none recorded: none, since a new spot replica is starting, not failing; the
+    spot daemon's first tick raises stand-ins for those that cannot run)."""
     assert spec.spot is not None
     cap = spot.spot_cap(total, spec.spot.max)
     fallback = spec.spot.fallback == "onDemand"
     recorded = spot_status or {}
     if recorded.get("total") == total and recorded.get("spot") == cap:
         return spot.Split(total, cap, int(recorded.get("onDemand") or 0), int(recorded.get("fallback") or 0))
-    stand_ins = int(recorded["fallback"]) if "fallback" in recorded else cap
+    stand_ins = int(recorded.get("fallback") or 0)
     return spot.split(total, cap, stand_ins, fallback)
