@@ -5,9 +5,12 @@ is trusted as far as the agent itself: it is the platform's identity, and it nam
 folder for the same weights. What is checked is transit and shape: each file arrives with exactly the
 size and sha256 the listing gives, paths stay inside the build (`digest.safe_relpath`), the builds'
 names are the layout's (`engines.ACCELERATOR`, `engines.PART`), and the whole copy stays under
-``max_bytes``. Each build lands as the runtime's own do: into a dot-named folder beside its place, then
-one rename, under the engine's build lock (taken without waiting: a runtime building that key on this
-node right now wins, and the copy is skipped). `.source.json` inside says where it came from.
+``max_bytes``. Each build is fetched into a staging folder in the agent's own root (no tenant pod mounts
+it), then published by one rename into the tenant's folder, under the engine's build lock (taken without
+waiting: a runtime building that key on this node right now wins, and the copy is skipped). The tenant's
+folder is written by the tenant's pods, so it is walked by directory descriptors without following a link
+(`safefs`): a link or a special file on the way means no copy, never a write elsewhere. `.source.json`
+inside says where it came from.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -25,12 +29,16 @@ from urllib.parse import quote
 
 import httpx
 
+from . import safefs
 from .digest import DigestError, safe_relpath
 from .engines import ACCELERATOR, PART, SOURCE_RECORD, Build
 from .peer_fetch import PeerFailed, download_verified, get_json
 from .peers import TokenBucket
 
 log = logging.getLogger(__name__)
+
+#: Staging folders in the agent's root (removed at the next pass when a crash leaves one; see agent.py).
+TMP_PREFIX = ".tmp-"
 
 
 @dataclass(frozen=True)
@@ -64,34 +72,68 @@ def listing(client: httpx.Client, base: str, entry: str, accelerator: str) -> li
     return out
 
 
-def _lock_free(group_dir: Path, name: str) -> object | None:
-    """The build lock of ``group_dir/name`` when nobody holds it (an open file: closing it releases), else
-    None. Same file as the runtime's `build_lock`: ``.<name>.lock`` beside the build."""
-    fh = open(group_dir / f".{name}.lock", "w")
+def _lock_free(group_fd: int, name: str) -> int | None:
+    """The build lock of ``name`` in the group folder ``group_fd`` when nobody holds it (a descriptor: closing
+    it releases), else None. Same file as the runtime's `build_lock`: ``.<name>.lock`` beside the build,
+    opened without following a link and never truncated (the folder is the tenant's: the name may be a link
+    to another tenant's weights, or a FIFO); UnsafePath when it is not a regular file."""
+    fd = safefs.open_lock(f".{name}.lock", group_fd)
     try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        fh.close()
+        os.close(fd)
         return None
-    return fh
+    return fd
 
 
 def copy_build(client: httpx.Client, base: str, entry: str, listed: Listed, entry_dir: Path,
                bucket: TokenBucket | None) -> bool:
     """Publish one listed build into ``entry_dir`` (see the module docstring); False when it was there
-    already or a runtime is building it; PeerFailed when the peer's bytes do not match."""
+    already, a runtime is building it, or the tenant's folder holds a link or a special file on the way;
+    PeerFailed when the peer's bytes do not match.
+
+    The tenant's folder is hostile input: its components are opened by descriptor without following links,
+    and nothing is written in it but one rename. The files are fetched into a staging folder in the agent's
+    own root (``entry_dir``'s parent, which no tenant pod mounts), then renamed into the group folder."""
     build = listed.build
-    group_dir = entry_dir / build.accelerator / build.group
-    group_dir.mkdir(parents=True, exist_ok=True)
-    lock = _lock_free(group_dir, build.name)
+    root = entry_dir.parent
+    root_fd = safefs.open_dir(root)
+    try:
+        try:
+            entry_fd = safefs.open_dir(entry_dir.name, root_fd)
+            try:
+                group_fd = safefs.make_dirs(entry_fd, [build.accelerator, build.group])
+            finally:
+                os.close(entry_fd)
+        except safefs.UnsafePath as exc:
+            log.warning("not copying %s/%s: the folder holds a link or a special file (%s)", entry, build.rel, exc)
+            return False
+        try:
+            return _copy_into(client, base, entry, listed, root, root_fd, group_fd, bucket)
+        finally:
+            os.close(group_fd)
+    finally:
+        os.close(root_fd)
+
+
+def _copy_into(client: httpx.Client, base: str, entry: str, listed: Listed, root: Path, root_fd: int,
+               group_fd: int, bucket: TokenBucket | None) -> bool:
+    build = listed.build
+    try:
+        lock = _lock_free(group_fd, build.name)
+    except safefs.UnsafePath as exc:
+        log.warning("not copying %s/%s: its build lock is not a plain file (%s)", entry, build.rel, exc)
+        return False
     if lock is None:
         return False
     try:
-        final = group_dir / build.name
-        if final.exists() or final.is_symlink():
+        try:
+            os.stat(build.name, dir_fd=group_fd, follow_symlinks=False)
             return False
+        except FileNotFoundError:
+            pass
         started = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{build.name}.peer-", dir=group_dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}engine-", dir=root))
         try:
             for rel, size, sha in listed.files:
                 url = f"{base}/v1/engines/{entry}/{build.accelerator}/files/{build.group}/{build.name}/{quote(rel)}"
@@ -99,13 +141,14 @@ def copy_build(client: httpx.Client, base: str, entry: str, listed: Listed, entr
             record = {"source": "peer", "from": base, "seconds": round(time.monotonic() - started, 3),
                       "bytes": listed.size, "at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
             (tmp / SOURCE_RECORD).write_text(json.dumps(record))
-            tmp.rename(final)
+            tmp.chmod(0o755)
+            os.rename(tmp.name, build.name, src_dir_fd=root_fd, dst_dir_fd=group_fd)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return True
     finally:
-        lock.close()  # type: ignore[attr-defined]
+        os.close(lock)
 
 
 def fetch_builds(base: str, entry: str, accelerator: str, entry_dir: Path, have: set[Build],

@@ -32,15 +32,14 @@ from pathlib import Path
 
 from embedfleet.operator.crd import naming
 
-from .engine_fetch import fetch_builds
+from . import safefs
+from .engine_fetch import TMP_PREFIX, fetch_builds
 from .engines import list_builds, node_accelerators
 from .peer_fetch import PeerFailed
 from .peers import TokenBucket
 from .wanted import ENGINES_NAME, Want
 
 log = logging.getLogger(__name__)
-
-TMP_PREFIX = ".tmp-"
 
 
 def scan_engines(root: Path) -> dict[str, bool]:
@@ -71,21 +70,41 @@ def ensure_folder(root: Path, name: str) -> Path:
 
 
 def prune(folder: Path, max_bytes: int) -> list[str]:
-    """Delete the oldest complete builds until the folder's builds hold at most ``max_bytes``; the builds removed."""
-    sized = []
-    for build in list_builds(folder):
-        path = folder / build.rel
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-        sized.append((path.stat().st_mtime, build.rel, size))
-    total = sum(size for _, _, size in sized)
-    removed = []
-    for _, rel, size in sorted(sized):
-        if total <= max_bytes:
-            break
-        shutil.rmtree(folder / rel, ignore_errors=True)
-        total -= size
-        removed.append(rel)
-    return removed
+    """Delete the oldest complete builds until the folder's builds hold at most ``max_bytes``; the builds removed.
+
+    The folder is the tenant's: builds are measured and deleted through directory descriptors, following no
+    link (a build whose way holds one is neither counted nor touched)."""
+    entry_fd = safefs.open_dir(folder)
+    try:
+        sized = []
+        for build in list_builds(folder):
+            try:
+                build_fd = safefs.open_dirs(entry_fd, [build.accelerator, build.group, build.name])
+            except OSError:
+                continue
+            try:
+                sized.append((os.fstat(build_fd).st_mtime, build, safefs.tree_bytes(build_fd)))
+            finally:
+                os.close(build_fd)
+        total = sum(size for _, _, size in sized)
+        removed = []
+        for _, build, size in sorted(sized):
+            if total <= max_bytes:
+                break
+            try:
+                group_fd = safefs.open_dirs(entry_fd, [build.accelerator, build.group])
+                try:
+                    safefs.remove_tree(build.name, group_fd)
+                finally:
+                    os.close(group_fd)
+            except OSError as exc:
+                log.warning("engine build %s/%s not deleted: %s", folder.name, build.rel, exc)
+                continue
+            total -= size
+            removed.append(build.rel)
+        return removed
+    finally:
+        os.close(entry_fd)
 
 
 @dataclass

@@ -33,6 +33,8 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import safefs
+
 #: Where a runtime pod sees its tenant's engines entry (pre-pull and a deployment that builds engines).
 ENGINES_MOUNT = "/var/cache/embedfleet/engines"
 #: NVIDIA GPU feature discovery's label naming a node's GPU model, e.g. ``NVIDIA-H100-80GB-HBM3``.
@@ -149,17 +151,17 @@ class BuildUnavailable(Exception):
     """A build that cannot be offered: gone, or holding something other than regular files and folders."""
 
 
-_HASHES: dict[tuple[str, int, int, int], str] = {}
+_HASHES: dict[tuple[int, int, int, int], str] = {}
 _HASHES_MAX = 4096
 
 
-def _sha256(path: Path, st: os.stat_result) -> str:
-    """sha256 of a file, remembered by (path, size, mtime, inode): builds are written once and renamed into
-    place, so a peer asking again does not re-read gigabytes of a plan."""
-    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+def _sha256_fd(fd: int, st: os.stat_result) -> str:
+    """sha256 of an open file, remembered by (device, inode, size, mtime): builds are written once and
+    renamed into place, so a peer asking again does not re-read gigabytes of a plan."""
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if key not in _HASHES:
         h = hashlib.sha256()
-        with path.open("rb") as fh:
+        with os.fdopen(os.dup(fd), "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
         if len(_HASHES) >= _HASHES_MAX:
@@ -168,31 +170,40 @@ def _sha256(path: Path, st: os.stat_result) -> str:
     return _HASHES[key]
 
 
-def build_files(build_dir: Path) -> list[tuple[str, int, str]]:
-    """(relative path, size, sha256) of every file of a build, sorted; BuildUnavailable when the build holds
-    a symlink, a device or anything but regular files and folders (whoever wrote it is a tenant's pod: what
-    the agent serves and copies must be plain bytes inside the folder). The agent's SOURCE_RECORD is left out."""
-    if build_dir.is_symlink() or not build_dir.is_dir():
-        raise BuildUnavailable(f"{build_dir.name}: not held here")
+def build_files_at(build_fd: int, label: str) -> list[tuple[str, int, str]]:
+    """(relative path, size, sha256) of every file of the build open as ``build_fd``, sorted; BuildUnavailable
+    when it holds a link, a device, a pipe or anything but regular files and folders (whoever wrote it is a
+    tenant's pod: what the agent serves and copies must be plain bytes inside the folder). Walked by
+    directory descriptors, never following a link (`safefs`). The agent's SOURCE_RECORD is left out."""
     out: list[tuple[str, int, str]] = []
-    for folder, dirs, files in os.walk(build_dir, followlinks=False):
-        base = Path(folder)
-        for name in dirs:
-            if (base / name).is_symlink():
-                raise BuildUnavailable(f"{build_dir.name}: {(base / name).relative_to(build_dir)} is a symlink")
-        for name in files:
-            path = base / name
-            rel = path.relative_to(build_dir).as_posix()
+    try:
+        for rel, name, folder_fd, st in safefs.walk(build_fd):
             if rel == SOURCE_RECORD:
                 continue
-            st = os.lstat(path)
-            if not _is_regular(st.st_mode):
-                raise BuildUnavailable(f"{build_dir.name}: {rel} is not a regular file")
-            out.append((rel, st.st_size, _sha256(path, st)))
+            if stat.S_ISLNK(st.st_mode):
+                raise BuildUnavailable(f"{label}: {rel} is a symlink")
+            if not stat.S_ISREG(st.st_mode):
+                raise BuildUnavailable(f"{label}: {rel} is not a regular file")
+            fd = safefs.open_regular(name, folder_fd)
+            try:
+                st = os.fstat(fd)
+                out.append((rel, st.st_size, _sha256_fd(fd, st)))
+            finally:
+                os.close(fd)
+    except safefs.UnsafePath as exc:
+        raise BuildUnavailable(f"{label}: {exc}") from exc
     if not out:
-        raise BuildUnavailable(f"{build_dir.name}: empty")
+        raise BuildUnavailable(f"{label}: empty")
     return sorted(out)
 
 
-def _is_regular(mode: int) -> bool:
-    return stat.S_ISREG(mode)
+def build_files(build_dir: Path) -> list[tuple[str, int, str]]:
+    """`build_files_at` of the folder ``build_dir`` (itself not a link)."""
+    try:
+        fd = safefs.open_dir(build_dir)
+    except OSError as exc:
+        raise BuildUnavailable(f"{build_dir.name}: not held here ({exc})") from exc
+    try:
+        return build_files_at(fd, build_dir.name)
+    finally:
+        os.close(fd)

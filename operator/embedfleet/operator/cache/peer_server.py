@@ -38,8 +38,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from . import safefs
 from .digest import ENTRY_MANIFEST, READY_MARKER, DigestError, parse_manifest
-from .engines import ACCELERATOR, ENGINES_ENTRY, PART, BuildUnavailable, build_files, list_builds
+from .engines import ACCELERATOR, ENGINES_ENTRY, PART, BuildUnavailable, build_files_at, list_builds
 
 log = logging.getLogger(__name__)
 
@@ -88,23 +89,76 @@ def _inside(folder: Path, rel: str) -> Path | None:
     return path
 
 
-def engine_listing(root: Path, entry: str, accelerator: str) -> list[dict[str, object]]:
-    """The complete, plain builds of ``entry`` for ``accelerator``; EntryUnavailable for a name outside the layout."""
+def _open_engines(root: Path, entry: str, accelerator: str) -> int:
+    """A descriptor of the tenant's engines folder ``root/entry`` (the agent made it in its own root; not a
+    link); EntryUnavailable for a name outside the layout or a folder not held here."""
     if ENGINES_ENTRY.match(entry) is None or ACCELERATOR.match(accelerator) is None:
         raise EntryUnavailable(f"not an engines folder and accelerator: {entry[:100]!r}/{accelerator[:70]!r}")
-    folder = root / entry
-    if folder.is_symlink() or not folder.is_dir():
-        raise EntryUnavailable(f"{entry}: not held here")
+    try:
+        return safefs.open_dir(root / entry)
+    except OSError as exc:
+        raise EntryUnavailable(f"{entry}: not held here") from exc
+
+
+def engine_listing(root: Path, entry: str, accelerator: str) -> list[dict[str, object]]:
+    """The complete, plain builds of ``entry`` for ``accelerator``; EntryUnavailable for a name outside the
+    layout. The folder is a tenant's (its runtimes write it): each build is opened component by component
+    without following a link, and one holding anything but regular files and folders is left out."""
+    entry_fd = _open_engines(root, entry, accelerator)
     out: list[dict[str, object]] = []
-    for build in list_builds(folder, accelerator):
-        try:
-            files = build_files(folder / build.rel)
-        except (BuildUnavailable, OSError) as exc:
-            log.warning("not offering %s/%s: %s", entry, build.rel, exc)
-            continue
-        out.append({"group": build.group, "name": build.name,
-                    "files": [{"path": rel, "size": size, "sha256": sha} for rel, size, sha in files]})
+    try:
+        for build in list_builds(root / entry, accelerator):
+            try:
+                build_fd = safefs.open_dirs(entry_fd, [build.accelerator, build.group, build.name])
+                try:
+                    files = build_files_at(build_fd, build.rel)
+                finally:
+                    os.close(build_fd)
+            except (BuildUnavailable, OSError) as exc:
+                log.warning("not offering %s/%s: %s", entry, build.rel, exc)
+                continue
+            out.append({"group": build.group, "name": build.name,
+                        "files": [{"path": rel, "size": size, "sha256": sha} for rel, size, sha in files]})
+    finally:
+        os.close(entry_fd)
     return out
+
+
+def open_build_file(root: Path, entry: str, accelerator: str, group: str, name: str, rel: str) -> int:
+    """A read descriptor of one file of a build, reached by descriptors without following a link and
+    checked to be a regular file; EntryUnavailable otherwise."""
+    entry_fd = _open_engines(root, entry, accelerator)
+    try:
+        *parents, last = rel.split("/")
+        folder = safefs.open_dirs(entry_fd, [accelerator, group, name, *parents])
+        try:
+            return safefs.open_regular(last, folder)
+        finally:
+            os.close(folder)
+    except OSError as exc:
+        raise EntryUnavailable(f"{entry}/{accelerator}/{group}/{name}/{rel}: {exc}") from exc
+    finally:
+        os.close(entry_fd)
+
+
+async def _send_fd(request: web.Request, fd: int, size: int) -> web.StreamResponse:
+    """Stream exactly ``size`` bytes of the open file ``fd`` (closed here)."""
+    try:
+        response = web.StreamResponse(headers={"Cache-Control": "no-store",
+                                               "Content-Type": "application/octet-stream"})
+        response.content_length = size
+        await response.prepare(request)
+        left = size
+        while left > 0:
+            chunk = await asyncio.to_thread(os.read, fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            left -= len(chunk)
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+    finally:
+        os.close(fd)
 
 
 def make_app(root: Path) -> web.Application:
@@ -148,13 +202,15 @@ def make_app(root: Path) -> web.Application:
             raise web.HTTPNotFound(text=str(exc)) from exc
         listed = {f["path"]: f["size"] for b in builds if b["group"] == group and b["name"] == name
                   for f in b["files"]}  # type: ignore[union-attr]
-        build_dir = root / entry / accelerator / group / name
-        path = _inside(build_dir, rel) if rel in listed else None
-        if path is None:
+        if rel not in listed:
             raise web.HTTPNotFound(text=f"{entry}: serves only the files of a complete build's listing")
+        try:
+            fd = await asyncio.to_thread(open_build_file, root, entry, accelerator, group, name, rel)
+        except EntryUnavailable as exc:
+            raise web.HTTPNotFound(text=str(exc)) from exc
         log.info("serving engine %s/%s/%s/%s/%s (%d bytes) to %s", entry, accelerator, group, name, rel,
                  listed[rel], request.remote)
-        return web.FileResponse(path, headers={"Cache-Control": "no-store"})
+        return await _send_fd(request, fd, int(listed[rel]))  # type: ignore[call-overload]
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")

@@ -71,7 +71,10 @@ class PullResult:
 @contextlib.contextmanager
 def entry_lock(cache_dir: Path, name: str) -> Iterator[None]:
     """Hold the exclusive lock on pulling ``name`` into ``cache_dir`` (see the module docstring)."""
-    with open(cache_dir / f".lock-{name}", "w") as fh:
+    # opened without following a link and never truncated: whatever the name holds, no other file changes
+    fd = os.open(cache_dir / f".lock-{name}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                 0o644)
+    with open(fd, "r+b", buffering=0) as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
