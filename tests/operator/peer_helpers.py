@@ -26,6 +26,14 @@ def model(directory: Path, weights_bytes: int = 256 * 1024) -> str:
     return tree_digest(directory)
 
 
+def key_file(directory: Path) -> Path:
+    """The release's peer key as the chart mounts it: one file, here ``directory/peer.key`` (made once)."""
+    path = directory / "peer.key"
+    if not path.exists():
+        path.write_text("k" * 24 + os.urandom(16).hex() + "\n")
+    return path
+
+
 def make_build(folder: Path, rel: str, files: dict[str, bytes] | None = None) -> Path:
     """An engine build as a runtime publishes one: ``folder/<accelerator>/<group>/<build>/`` with its files."""
     path = folder / rel
@@ -39,13 +47,14 @@ def make_build(folder: Path, rel: str, files: dict[str, bytes] | None = None) ->
 class Peer:
     """`embedfleet cache serve-peers` on a cache root, on a free loopback port."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, key_file: Path | None = None) -> None:
         self.root, self.port = root, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root.parent / f"peer-{self.port}.log"
         with open(self.log, "w") as out:
+            key = ["--peer-key-file", str(key_file)] if key_file else []
             self.proc = spawn([*CLI, "serve-peers", "--cache-root", str(root), "--host", "127.0.0.1",
-                               "--port", str(self.port)], env=child_env(), stdout=out, stderr=subprocess.STDOUT)
+                               "--port", str(self.port), *key], env=child_env(), stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from file_server import FileServer, serve_files
-from peer_helpers import CLI, NS, Peer, model
+from peer_helpers import CLI, NS, Peer, key_file, model
 from tests.procs import child_env, free_port, stop_process
 
 from embedfleet.operator.cache.digest import manifest_lines, render_manifest, verify_entry
@@ -25,7 +25,8 @@ from embedfleet.operator.crd import naming
 
 def pull(cache: Path, source: str, digest: str, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, "pull", "--source", source, "--digest", digest, "--cache-dir", str(cache),
-                           "--namespace", NS, "--retries", "1", "--backoff", "0.01", "--timeout", "5", *extra],
+                           "--namespace", NS, "--retries", "1", "--backoff", "0.01", "--timeout", "5",
+                           "--peer-key-file", str(key_file(cache.parent)), *extra],
                           env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -52,7 +53,7 @@ def first_node(tmp_path: Path, origin: tuple[FileServer, str, str]) -> Iterator[
     done = pull(root, source, digest)
     assert done.returncode == 0, done.stderr
     assert record(root, digest)["source"] == "origin"
-    peer = Peer(root)
+    peer = Peer(root, key_file(tmp_path))  # every request signed with the release's key (peer_auth)
     yield peer
     stop_process(peer.proc)
 
@@ -101,7 +102,7 @@ def test_a_peer_that_is_down_or_lacks_the_entry_means_the_origin(
     _, source, digest = origin
     empty = tmp_path / "empty-node"
     empty.mkdir()
-    lacking = Peer(empty)
+    lacking = Peer(empty, key_file(tmp_path))
     try:
         down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
         second = tmp_path / "node-b"
@@ -133,7 +134,8 @@ def test_concurrent_pulls_of_one_entry_download_it_once(
     second.mkdir()
     asked_origin = len(server.requests)
     cmd = [*CLI, "pull", "--source", source, "--digest", digest, "--cache-dir", str(second), "--namespace", NS,
-           "--peer", first_node.url, "--peer-rate", str(96 * 1024)]  # about 3 s: the pulls overlap
+           "--peer", first_node.url, "--peer-rate", str(96 * 1024),  # about 3 s: the pulls overlap
+           "--peer-key-file", str(key_file(tmp_path))]
     procs = [subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
@@ -157,7 +159,7 @@ def test_an_archive_entry_is_not_taken_from_a_peer(tmp_path: Path) -> None:
         server.files["/w.tar.gz"] = buf.getvalue()
         root = tmp_path / "node-a"
         assert pull(root, server.url + "/w.tar.gz", digest).returncode == 0
-        peer = Peer(root)
+        peer = Peer(root, key_file(tmp_path))
         try:
             done = pull(tmp_path / "node-b", server.url + "/w.tar.gz", digest, "--peer", peer.url)
             assert done.returncode == 0, done.stderr

@@ -56,6 +56,7 @@ from embedfleet.operator.platform import PlatformPolicy
 from .digest import READY_MARKER
 from .engine_sync import scan_engines, sync_engines
 from .engines import cpu_accelerator
+from .peer_auth import PeerKey
 from .peers import AgentPod, TokenBucket, choose_peers
 from .pull import PullFailed, pull
 from .wanted import ENTRY_NAME, label_patch, plan, wanted_engines, wanted_entries
@@ -113,6 +114,8 @@ class AgentConfig:
     #: Bytes per second this node takes from its peers, all downloads together; None: unlimited.
     peer_rate: float | None = None
     max_peers: int = 3
+    #: The release's peer key (`peer_auth`): requests to and from other agents are signed with it.
+    peer_key: PeerKey | None = None
     #: Bytes one tenant's engines folder may hold on this node (the oldest builds go first); None: no bound.
     max_engine_bytes: int | None = None
 
@@ -331,7 +334,8 @@ def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None,
             with heartbeat.pulling() if heartbeat is not None else contextlib.nullcontext():
                 result = pull(want.source, want.digest, root, retries=config.pull_retries,
                               timeout_s=config.pull_timeout_s, entry=want.entry,
-                              max_bytes=config.max_pull_bytes, peers=peers, bucket=bucket)
+                              max_bytes=config.max_pull_bytes, peers=peers, bucket=bucket,
+                              peer_key=config.peer_key)
             log.info("ready: %s for %s (source=%s, %.2fs, %d peer(s) known; %s)", result.path, want.namespace,
                      result.source, result.seconds, len(peers), result.fetched)
         except (PullFailed, OSError) as exc:
@@ -344,7 +348,7 @@ def run_pass(config: AgentConfig, cluster: Cluster, now: float | None = None,
         root, engines_wanted, node_labels, cpu_accelerator(),
         (lambda label, digest: find_peers(config, cluster, node_labels, label, digest))
         if config.peer_port is not None else None,
-        timeout_s=config.pull_timeout_s, bucket=bucket, max_bytes=config.max_engine_bytes)
+        timeout_s=config.pull_timeout_s, bucket=bucket, max_bytes=config.max_engine_bytes, peer_key=config.peer_key)
     problems += engines.problems
 
     ready = [name for name, is_ready in scan(root).items() if is_ready]
@@ -368,7 +372,7 @@ def run(config: AgentConfig, interval_s: float, once: bool, cluster: Cluster | N
     if config.peer_port is not None and not once:
         from .peer_server import PeerServer  # here: aiohttp is needed only when peers are on
 
-        server = PeerServer(config.root, config.peer_host, config.peer_port).start()
+        server = PeerServer(config.root, config.peer_host, config.peer_port, config.peer_key).start()
     stop = threading.Event()
     if not once:
         def stopping(*_: Any) -> None:

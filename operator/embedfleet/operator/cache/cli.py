@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "given; needs --namespace (repeatable)")
     p.add_argument("--peer-rate", type=_rate, default=None, metavar="BYTES_PER_S",
                    help="bandwidth limit for peer downloads (default: none)")
+    p.add_argument("--peer-key-file", type=Path, default=None, metavar="PATH",
+                   help="sign requests to --peer agents with this key (the release's peer key)")
 
     a = sub.add_parser("agent", help="keep this node's cache as the cluster's specs want it (node DaemonSet)")
     a.add_argument("--node-name", default=os.environ.get("NODE_NAME"),
@@ -93,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--peer-rate", type=_rate, default=None, metavar="BYTES_PER_S",
                    help="bandwidth this node takes from its peers, all downloads together (default: none)")
     a.add_argument("--max-peers", type=int, default=3, help="peers one pull asks before the origin (default 3)")
+    a.add_argument("--peer-key-file", type=Path, default=None, metavar="PATH",
+                   help="the release's peer key (the chart's Secret): requests between agents are signed with it; "
+                        "needed with --peer-port")
     a.add_argument("--health-dir", type=Path, metavar="DIR",
                    help="keep DIR/alive touched while the loop makes progress and DIR/ready present while "
                         "passes can read the cluster, for the kubelet's exec probes (not with --once)")
@@ -105,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--cache-root", required=True, type=Path)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port, default=8476)
+    s.add_argument("--peer-key-file", type=Path, default=None, metavar="PATH",
+                   help="serve only requests signed with this key (without it: anyone who reaches the port)")
 
     d = sub.add_parser("digest", help="print the sha256 digest of a file or directory (see docs/cache.md)")
     d.add_argument("path", type=Path)
@@ -129,8 +136,9 @@ def _pull(args: argparse.Namespace) -> int:
         entry = naming.cache_entry(args.namespace, args.digest) if args.namespace else None
         result = pull(args.source, args.digest, args.cache_dir, retries=args.retries,
                       backoff_s=args.backoff, timeout_s=args.timeout, max_bytes=args.max_bytes, entry=entry,
-                      peers=args.peer, bucket=TokenBucket(args.peer_rate) if args.peer_rate else None)
-    except DigestError as exc:
+                      peers=args.peer, bucket=TokenBucket(args.peer_rate) if args.peer_rate else None,
+                      peer_key=_key(args.peer_key_file))
+    except (DigestError, KeyUnreadable) as exc:
         print(f"embedfleet cache pull: {exc}", file=sys.stderr)
         return 2
     except PullFailed as exc:
@@ -149,12 +157,21 @@ def _agent(args: argparse.Namespace) -> int:
     if not args.node_name:
         print("embedfleet cache agent: needs --node-name or $NODE_NAME", file=sys.stderr)
         return 2
+    if args.peer_port is not None and args.peer_key_file is None:
+        print("embedfleet cache agent: --peer-port needs --peer-key-file (agents sign what they ask each other)",
+              file=sys.stderr)
+        return 2
+    try:
+        key = _key(args.peer_key_file)
+    except KeyUnreadable as exc:
+        print(f"embedfleet cache agent: {exc}", file=sys.stderr)
+        return 2
     config = AgentConfig(node_name=args.node_name, root=args.cache_root, policy=platform.load(),
                          retention_s=args.retention_seconds, max_pull_bytes=args.max_pull_bytes,
                          pull_timeout_s=args.timeout, peer_port=args.peer_port, peer_host=args.peer_host,
                          peer_namespace=args.peer_namespace, peer_selector=args.peer_selector,
                          peer_rate=args.peer_rate, max_peers=args.max_peers,
-                         max_engine_bytes=args.max_engine_bytes)
+                         max_engine_bytes=args.max_engine_bytes, peer_key=key)
     try:
         return run_agent(config, args.interval, args.once, health_dir=args.health_dir)
     except RootNotWritable as exc:
@@ -178,7 +195,27 @@ def _prepare(args: argparse.Namespace) -> int:
 def _serve_peers(args: argparse.Namespace) -> int:
     from .peer_server import serve
 
-    return serve(args.cache_root, args.host, args.port)
+    try:
+        key = _key(args.peer_key_file)
+    except KeyUnreadable as exc:
+        print(f"embedfleet cache serve-peers: {exc}", file=sys.stderr)
+        return 2
+    return serve(args.cache_root, args.host, args.port, key)
+
+
+class KeyUnreadable(Exception):
+    """A --peer-key-file that cannot be read or is too short."""
+
+
+def _key(path: Path | None):  # -> PeerKey | None
+    from .peer_auth import PeerKey
+
+    if path is None:
+        return None
+    try:
+        return PeerKey.from_file(path)
+    except (OSError, ValueError) as exc:
+        raise KeyUnreadable(f"--peer-key-file {path}: {exc}") from exc
 
 
 def _digest(args: argparse.Namespace) -> int:

@@ -32,6 +32,8 @@ import httpx
 from . import safefs
 from .digest import DigestError, safe_relpath
 from .engines import ACCELERATOR, PART, SOURCE_RECORD, Build
+from .peer_auth import PeerKey
+from .peer_auth import client as peer_client
 from .peer_fetch import PeerFailed, download_verified, get_json
 from .peers import TokenBucket
 
@@ -153,12 +155,12 @@ def _copy_into(client: httpx.Client, base: str, entry: str, listed: Listed, root
 
 def fetch_builds(base: str, entry: str, accelerator: str, entry_dir: Path, have: set[Build],
                  timeout: float = 60.0, bucket: TokenBucket | None = None,
-                 max_bytes: int | None = None) -> list[Build]:
+                 max_bytes: int | None = None, key: PeerKey | None = None) -> list[Build]:
     """Copy from the agent at ``base`` every build of ``accelerator`` it lists that ``have`` lacks; returns
     the builds published here. Nothing is fetched when the missing builds together pass ``max_bytes``."""
     if not ACCELERATOR.match(accelerator):
         raise ValueError(f"not an accelerator name: {accelerator!r}")
-    with httpx.Client(timeout=timeout, headers={"accept-encoding": "identity"}) as client:
+    with peer_client(timeout, key) as client:
         missing = [item for item in listing(client, base, entry, accelerator) if item.build not in have]
         total = sum(item.size for item in missing)
         if max_bytes is not None and total > max_bytes:

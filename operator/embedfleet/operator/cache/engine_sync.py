@@ -35,6 +35,7 @@ from embedfleet.operator.crd import naming
 from . import safefs
 from .engine_fetch import TMP_PREFIX, fetch_builds
 from .engines import list_builds, node_accelerators
+from .peer_auth import PeerKey
 from .peer_fetch import PeerFailed
 from .peers import TokenBucket
 from .wanted import ENGINES_NAME, Want
@@ -120,7 +121,7 @@ FindPeers = Callable[[str, str], list[str]]
 
 def sync_engines(root: Path, wanted: Mapping[str, Want], node_labels: Mapping[str, str], cpu: str,
                  find_peers: FindPeers | None, timeout_s: float = 60.0, bucket: TokenBucket | None = None,
-                 max_bytes: int | None = None) -> EngineOutcome:
+                 max_bytes: int | None = None, peer_key: PeerKey | None = None) -> EngineOutcome:
     """One pass over the wanted engines folders (see the module docstring)."""
     out = EngineOutcome()
     accelerators = node_accelerators(node_labels, cpu)
@@ -139,7 +140,7 @@ def sync_engines(root: Path, wanted: Mapping[str, Want], node_labels: Mapping[st
             for base in find_peers(label, want.digest):
                 try:
                     got = fetch_builds(base, name, accelerator, folder, have, timeout=timeout_s, bucket=bucket,
-                                       max_bytes=max_bytes)
+                                       max_bytes=max_bytes, key=peer_key)
                 except (PeerFailed, OSError) as exc:
                     log.warning("engine builds of %s for %s from %s failed (next peer): %s", name, accelerator,
                                 base, exc)

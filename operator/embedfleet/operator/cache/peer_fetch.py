@@ -17,6 +17,8 @@ from urllib.parse import quote
 import httpx
 
 from .digest import DigestError, safe_relpath
+from .peer_auth import PeerKey, SignedRequests
+from .peer_auth import client as peer_client
 from .peers import TokenBucket, manifest_proves
 from .sources import FetchError
 
@@ -37,6 +39,9 @@ def get_json(client: httpx.Client, url: str) -> Any:
         raise PeerFailed(f"GET {url}: {type(exc).__name__}: {exc}") from exc
     if response.status_code != 200:
         raise PeerFailed(f"GET {url}: HTTP {response.status_code}")
+    if isinstance(client.auth, SignedRequests) and not client.auth.verify(response):
+        raise PeerFailed(f"GET {url}: the listing is not signed with the release's peer key (not an agent, or "
+                         "altered on the way)")
     try:
         return response.json()
     except ValueError as exc:
@@ -85,11 +90,12 @@ def download_verified(client: httpx.Client, url: str, target: Path, sha: str, si
 
 def fetch_from_peer(base: str, entry: str, expected_hex: str, dest: Path, timeout: float = 60.0,
                     bucket: TokenBucket | None = None,
-                    max_bytes: int | None = None) -> tuple[str, int, list[tuple[str, str]]]:
+                    max_bytes: int | None = None,
+                    key: PeerKey | None = None) -> tuple[str, int, list[tuple[str, str]]]:
     """Fill the empty directory ``dest`` with ``entry`` from the agent at ``base``; return (what was fetched,
     bytes, the verified (sha256, path) of every file: ``dest``'s manifest, with no second read).
     ``timeout`` bounds connecting and each read (a peer that stops sending fails, not hangs)."""
-    with httpx.Client(timeout=timeout, headers={"accept-encoding": "identity"}) as client:
+    with peer_client(timeout, key) as client:
         files = _manifest(client, base, entry)
         if not manifest_proves([(sha, rel) for sha, rel, _ in files], expected_hex):
             raise PeerFailed(f"{base}: the manifest of {entry} does not prove sha256:{expected_hex} (an "

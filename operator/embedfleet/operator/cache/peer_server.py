@@ -41,6 +41,7 @@ from aiohttp import web
 from . import safefs
 from .digest import ENTRY_MANIFEST, READY_MARKER, DigestError, parse_manifest
 from .engines import ACCELERATOR, ENGINES_ENTRY, PART, BuildUnavailable, build_files_at, list_builds
+from .peer_auth import BODY_SIGNATURE, PeerKey, Refused, Verifier
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,27 @@ async def _send_fd(request: web.Request, fd: int, size: int) -> web.StreamRespon
         os.close(fd)
 
 
-def make_app(root: Path) -> web.Application:
+def _auth_middleware(verifier: Verifier):
+    """Every route but ``/healthz`` needs an agent's signed request (`peer_auth`): 401 and nothing else
+    otherwise; a JSON answer (a listing) is signed for the request's nonce."""
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.path == "/healthz":
+            return await handler(request)
+        try:
+            nonce = verifier.check(request.method, request.raw_path, request.headers)
+        except Refused as exc:
+            log.warning("refused a request from %s: %s", request.remote, exc)
+            return web.Response(status=401, text="peer credentials required\n")
+        response = await handler(request)
+        if isinstance(response, web.Response) and isinstance(response.body, bytes):
+            response.headers[BODY_SIGNATURE] = verifier.sign_body(nonce, response.body)
+        return response
+    return middleware
+
+
+def make_app(root: Path, key: PeerKey | None = None) -> web.Application:
+    """The peer routes over ``root``; with ``key``, only for callers that sign with it (`peer_auth`)."""
     async def manifest(request: web.Request) -> web.Response:
         entry = request.match_info["entry"]
         try:
@@ -215,7 +236,7 @@ def make_app(root: Path) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
-    app = web.Application()
+    app = web.Application(middlewares=[_auth_middleware(Verifier(key))] if key is not None else [])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/entries/{entry}/manifest", manifest)
     app.router.add_get("/v1/entries/{entry}/files/{path:.+}", file)
@@ -227,8 +248,8 @@ def make_app(root: Path) -> web.Application:
 class PeerServer:
     """The peer server on its own event loop in a daemon thread (the agent's loop is synchronous)."""
 
-    def __init__(self, root: Path, host: str, port: int) -> None:
-        self.root, self.host, self.port = root, host, port
+    def __init__(self, root: Path, host: str, port: int, key: PeerKey | None = None) -> None:
+        self.root, self.host, self.port, self.key = root, host, port, key
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._started = threading.Event()
@@ -247,7 +268,7 @@ class PeerServer:
         self._loop.run_forever()
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(make_app(self.root), access_log=None)
+        self._runner = web.AppRunner(make_app(self.root, self.key), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -268,8 +289,10 @@ class PeerServer:
             self._thread.join(timeout=10)
 
 
-def serve(root: Path, host: str, port: int) -> int:
+def serve(root: Path, host: str, port: int, key: PeerKey | None = None) -> int:
     """Serve in the foreground until SIGTERM/SIGINT (``embedfleet cache serve-peers``)."""
-    web.run_app(make_app(root), host=host, port=port, access_log=None, print=None,
+    if key is None:
+        log.warning("peer server without a key: any caller that reaches %s:%d is served", host, port)
+    web.run_app(make_app(root, key), host=host, port=port, access_log=None, print=None,
                 handle_signals=True, shutdown_timeout=5)
     return 0

@@ -42,6 +42,7 @@ from pathlib import Path
 from embedfleet.operator.crd import naming
 
 from .digest import ENTRY_MANIFEST, READY_MARKER, SOURCE_RECORD, manifest_lines, parse_digest, render_manifest
+from .peer_auth import PeerKey
 from .peer_fetch import PeerFailed, fetch_from_peer
 from .peers import TokenBucket, fetch_plan
 from .sources import FetchError, UnsupportedSource, fetch
@@ -145,10 +146,12 @@ def pull(
     peers: Sequence[str] = (),
     peer_entry: str | None = None,
     bucket: TokenBucket | None = None,
+    peer_key: PeerKey | None = None,
 ) -> PullResult:
     """Make ``entry_path(cache_dir, digest, entry)`` hold verified weights; idempotent once ready.
 
-    ``peers`` are asked for ``peer_entry`` (default: ``entry``) once each, in order, through ``bucket``;
+    ``peers`` are asked for ``peer_entry`` (default: ``entry``) once each, in order, through ``bucket``
+    (signing with ``peer_key``, `peer_auth`);
     then the origin: ``retries`` counts its attempts after the first; waits double from ``backoff_s``
     (capped at 60 s). ``max_bytes`` bounds what one attempt downloads (a larger source fails permanently).
     """
@@ -166,7 +169,7 @@ def pull(
                 tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{expected_hex[:12]}-", dir=cache_dir))
                 try:
                     fetched, size, verified = fetch_from_peer(step.url, asked, expected_hex, tmp, timeout=timeout_s,
-                                                              bucket=bucket, max_bytes=max_bytes)
+                                                              bucket=bucket, max_bytes=max_bytes, key=peer_key)
                     seconds = time.monotonic() - started
                     if not _publish(tmp, final, expected_hex, _record("peer", step.url, seconds, size), verified):
                         return PullResult(final, 0, "already cached (concurrent pull)")
