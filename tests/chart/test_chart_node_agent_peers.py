@@ -27,6 +27,7 @@ def test_peers_are_off_by_default_and_add_nothing() -> None:
     assert not [o for o in by_kind(objects, "Role") if o["metadata"]["name"] == AGENT]
     agent = _agent(objects)
     assert "ports" not in agent and not [a for a in agent["args"] if a.startswith("--peer")]
+    assert not by_kind(objects, "Secret")  # no peer key either
     assert named(objects, "ClusterRole", AGENT)["rules"][0]["verbs"] == ["get", "patch"]
 
 
@@ -50,6 +51,15 @@ def test_peers_on_grant_the_lookup_open_the_port_to_agents_only(role: str) -> No
     assert {"--peer-port=9123", "--peer-host=$(POD_IP)", "--peer-rate=50000000", "--max-peers=3",
             "--peer-selector=app.kubernetes.io/name=embedfleet-node-agent,app.kubernetes.io/instance=embedfleet",
             } <= args
+    # the release's peer key: one Secret, mounted read-only into the agent alone, passed as --peer-key-file
+    (secret,) = [o for o in by_kind(objects, "Secret") if o["metadata"]["name"] == f"{AGENT}-peer-key"]
+    assert secret["metadata"]["namespace"] == "embedfleet-system" and len(secret["data"]["key"]) >= 64
+    assert "--peer-key-file=/etc/embedfleet/peer/key" in args
+    (mount,) = [m for m in agent["volumeMounts"] if m["name"] == "peer-key"]
+    assert mount == {"name": "peer-key", "mountPath": "/etc/embedfleet/peer", "readOnly": True}
+    users = [o for o in objects for v in (o.get("spec", {}).get("template", {}).get("spec", {}).get("volumes") or [])
+             if v.get("secret", {}).get("secretName") == secret["metadata"]["name"]]
+    assert [o["kind"] for o in users] == ["DaemonSet"]
     env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in agent["env"]}
     assert env["POD_IP"] == "status.podIP" and env["POD_NAMESPACE"] == "metadata.namespace"
     (ds,) = by_kind(objects, "DaemonSet")

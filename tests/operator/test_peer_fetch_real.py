@@ -117,9 +117,12 @@ def two_agents(cluster: Cluster, unique: str, tmp_path: Path, tag: str) -> Itera
                     "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("runtime", "operator", "client"))}
         roots = {node: tmp_path / f"root-{node}" for node in NODES}
 
+        key = tmp_path / "peer.key"  # the release's Secret, as the chart mounts it into each agent
+        key.write_text(os.urandom(32).hex())
+
         def command(node: str, *extra: str) -> list[str]:
-            args = [a.replace("$(POD_IP)", ips[node]) for a in container["args"]
-                    if not a.startswith(("--cache-root=", "--health-dir="))]
+            args = [a.replace("$(POD_IP)", ips[node]).replace("/etc/embedfleet/peer/key", str(key))
+                    for a in container["args"] if not a.startswith(("--cache-root=", "--health-dir="))]
             return [sys.executable, "-m", "embedfleet.runtime.cli", "cache", "agent",
                     f"--cache-root={roots[node]}", *args, *extra]
 
