@@ -1,8 +1,9 @@
 """Copy engine builds from another node's agent (`peer_server`'s ``/v1/engines`` routes), verifying every byte.
 
-A build has no digest of its own to prove (a runtime made it from the weights), so the peer's listing
-is trusted as far as the agent itself: it is the platform's identity, and it names the same tenant's
-folder for the same weights. What is checked is transit and shape: each file arrives with exactly the
+A build has no digest of its own to prove (a runtime made it from the weights), so the peer's listing is
+trusted as far as its signature: signed with the release's peer key for this request (`peer_auth`), it
+comes from another agent, for the same tenant's folder and the same weights. What is checked then is
+transit and shape: each file arrives with exactly the
 size and sha256 the listing gives, paths stay inside the build (`digest.safe_relpath`), the builds'
 names are the layout's (`engines.ACCELERATOR`, `engines.PART`), and the whole copy stays under
 ``max_bytes``. Each build is fetched into a staging folder in the agent's own root (no tenant pod mounts

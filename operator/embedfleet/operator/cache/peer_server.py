@@ -21,10 +21,13 @@ Engine builds (operator/cache/engines.py) go out the same way, per tenant engine
   listed), a build holding a symlink or a special file left out;
 * ``GET /v1/engines/<entry>/<accelerator>/files/<group>/<build>/<path>``: one file that listing gives.
 
-Who may call it is the chart's business (a NetworkPolicy admits only node-agent pods to the port, and the
-server binds the pod IP): tenants' pods never reach it, so serving tenant A's entry to another node's
-agent, the platform's identity, leaks nothing. Entries are asked for by tenant and digest together, and
-a fetching agent only ever asks for the tenant whose entry it is filling.
+Who may call it: with the release's peer key (`peer_auth`, the agent always has one), only a request signed
+with it; anything else gets 401 and nothing more, and the JSON listings are signed for the request's nonce.
+The chart's NetworkPolicy (only node-agent pods reach the port) and the pod-IP bind are a second fence,
+not the only one: a hostNetwork pod or a CNI that does not enforce policies reaches the port, and reads
+nothing without the key. Entries are asked for by tenant and digest together, and a fetching agent only
+ever asks for the tenant whose entry it is filling. A tenant's engines folder is written by its pods, so
+builds are listed, hashed and sent through directory descriptors without following a link (`safefs`).
 """
 
 from __future__ import annotations
