@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from peer_helpers import Peer, make_build
 from tests.procs import child_env
 
@@ -132,3 +133,15 @@ def test_links_planted_by_a_tenant_change_nothing_outside_its_folder(tmp_path: P
     assert (mine_b / CPU / "g0" / "b0" / "int8.json").read_bytes() == FORGED
     assert not (b / VICTIM / CPU / "g1" / "b1").exists() and not (etc / "b6").exists()
     assert [p.name for p in b.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_a_tree_nested_past_the_bound_is_not_offered(tmp_path: Path) -> None:
+    from embedfleet.operator.cache.engines import BuildUnavailable, build_files
+    from embedfleet.operator.cache.safefs import MAX_DEPTH
+
+    build = make_build(tmp_path, "b", {"model.bin": b"x"})
+    deep = build / "/".join(["d"] * (MAX_DEPTH + 2))
+    deep.mkdir(parents=True)
+    (deep / "f").write_bytes(b"y")
+    with pytest.raises(BuildUnavailable, match="folders deep"):
+        build_files(build)

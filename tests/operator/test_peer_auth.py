@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from peer_helpers import Peer, key_file, make_build
+from peer_helpers import CLI, Peer, key_file, make_build
+from tests.procs import child_env
 
 from embedfleet.operator.cache.engine_fetch import fetch_builds
 from embedfleet.operator.cache.engines import list_builds
@@ -133,3 +135,13 @@ def test_a_listing_altered_on_the_way_is_refused(holder, tmp_path: Path) -> None
     finally:
         proxy.shutdown()
         proxy.server_close()
+
+
+def test_an_agent_serving_peers_needs_the_key(tmp_path: Path) -> None:
+    base = [*CLI, "agent", "--node-name", "n1", "--cache-root", str(tmp_path), "--once", "--peer-port", "8476"]
+    done = subprocess.run(base, env=child_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--peer-port needs --peer-key-file" in done.stderr
+    (tmp_path / "short.key").write_text("too short")
+    done = subprocess.run([*base, "--peer-key-file", str(tmp_path / "short.key")], env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "at least 32 bytes" in done.stderr

@@ -81,12 +81,12 @@ def prune(folder: Path, max_bytes: int) -> list[str]:
         for build in list_builds(folder):
             try:
                 build_fd = safefs.open_dirs(entry_fd, [build.accelerator, build.group, build.name])
-            except OSError:
-                continue
-            try:
-                sized.append((os.fstat(build_fd).st_mtime, build, safefs.tree_bytes(build_fd)))
-            finally:
-                os.close(build_fd)
+                try:
+                    sized.append((os.fstat(build_fd).st_mtime, build, safefs.tree_bytes(build_fd)))
+                finally:
+                    os.close(build_fd)
+            except OSError as exc:
+                log.warning("engine build %s/%s not measured: %s", folder.name, build.rel, exc)
         total = sum(size for _, _, size in sized)
         removed = []
         for _, build, size in sorted(sized):

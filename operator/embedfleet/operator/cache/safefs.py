@@ -131,10 +131,17 @@ def entries(dir_fd: int) -> list[tuple[str, os.stat_result]]:
     return out
 
 
-def walk(dir_fd: int, prefix: str = "") -> Iterator[tuple[str, str, int, os.stat_result]]:
+#: Folders deeper than this below a walk's top are refused (a tenant's tree could nest until the stack ends).
+MAX_DEPTH = 32
+
+
+def walk(dir_fd: int, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, str, int, os.stat_result]]:
     """Every non-directory below ``dir_fd``, depth first, sorted: (relative path, name, the descriptor of its
     folder, its lstat). Directories are entered by descriptor with O_NOFOLLOW; a link is yielded as what it
-    is (S_ISLNK), never followed. The folder descriptor is valid only until the next item."""
+    is (S_ISLNK), never followed. The folder descriptor is valid only until the next item. UnsafePath past
+    MAX_DEPTH."""
+    if depth > MAX_DEPTH:
+        raise UnsafePath(errno.ELOOP, f"{prefix}: more than {MAX_DEPTH} folders deep")
     for name, st in entries(dir_fd):
         rel = f"{prefix}{name}"
         if stat.S_ISDIR(st.st_mode):
@@ -144,7 +151,7 @@ def walk(dir_fd: int, prefix: str = "") -> Iterator[tuple[str, str, int, os.stat
                 yield rel, name, dir_fd, os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 continue
             try:
-                yield from walk(sub, rel + "/")
+                yield from walk(sub, rel + "/", depth + 1)
             finally:
                 os.close(sub)
         else:
