@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from embedfleet.runtime.api import errors
@@ -48,6 +48,9 @@ class DirectRoutes:
             response = errors.error_response(status, message, code)
         except StarletteHTTPException:
             raise  # the gate's PayloadTooLarge: the gate answers it
+        except ClientDisconnect:  # the client left mid-request: its business, not an error of ours
+            log.info("client left during %s %s", scope["method"], scope["path"])
+            return
         except Exception as exc:  # as errors.install's last handler: a 500 that names the kind, and the log
             log.exception("unexpected error on %s %s", scope["method"], scope["path"])
             self.on_error(500)

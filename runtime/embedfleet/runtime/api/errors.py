@@ -5,13 +5,17 @@ OpenAI's SDK reads `error.message`; TEI clients read `error` as text, which stil
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+
+log = logging.getLogger(__name__)
 
 TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -74,6 +78,11 @@ def install(app, on_error) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         on_error(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _left(request: Request, _: ClientDisconnect) -> Response:
+        log.info("client left during %s %s", request.method, request.url.path)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:
