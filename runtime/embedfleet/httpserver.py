@@ -3,24 +3,35 @@
 Why uvicorn and not a server of our own: bench/http_servers.py measures our former hand-written server
 against uvicorn (httptools and h11) and granian in one run; it saved 0.02-0.03 ms a request at c=1 over
 uvicorn with httptools, far under the 0.2 ms that would pay for keeping a parser loop of our own
-(docs/http.md has the figures). uvicorn leaves four things unbounded, and `BoundedProtocol` adds them
+(docs/http.md has the figures). uvicorn leaves these things unbounded, and `BoundedProtocol` adds them
 without touching how it parses or answers:
 
-- **an unfinished request head**: httptools keeps an incomplete header in a buffer it grows by copying,
-  and uvicorn has no head limit. Here the bytes of a head are counted as they are fed, in slices, and past
-  `max_head_bytes` the client gets 431 and the connection closes: httptools never holds more than the
-  limit and one slice;
+- **connections**: at `max_connections` open connections in this process, a new one makes room by closing
+  the connection quiet the longest among those with no request in flight (an idle keep-alive, or an
+  unfinished head); when every one has a request in flight, the new one gets a fixed 503 and is closed
+  before a byte of it is read. Each process counts its own, so the bound holds however many run;
+- **an unfinished request head, and trailers**: httptools keeps an incomplete header in a buffer it grows
+  by copying, and uvicorn has no head limit. Here the bytes of a head are counted as they are fed, in
+  slices, and past `max_head_bytes` the client gets 431 and the connection closes: httptools never holds
+  more than the limit and one slice. The header lines of a message are counted too, past `max_headers`
+  the same 431. A chunked body's trailers count against both (its bytes that are no body data, since the
+  last body data); trailers are never added to the request's headers. When the answer has already begun,
+  the connection is closed instead;
 - **pipelining**: httptools parses all it is fed, so one read of pipelined requests became thousands of
-  queued requests. Here nothing of a next request is parsed while one is being answered; its bytes are
-  held (at most `HOLD_BYTES` and one read, reading paused beyond) and parsed once the answer is out.
+  queued requests. Here no feed holds more than one possible end of a message (`\r\n\r\n`), and nothing
+  of a next head is fed while one request is being answered, so at most one request is parsed ahead of
+  the one answered, whatever the size of the reads; the rest is held (at most `HOLD_BYTES` and one read,
+  reading paused beyond) and parsed once the answer is out.
   Answers go out in order, one at a time, each task yielding to the loop, and uvicorn's own `send` waits
   for the write buffer to drain (`pause_writing`) before it writes more;
 - **time**: uvicorn closes an idle keep-alive connection, but never one that is slow in sending its head
   or body, nor a new connection that sends nothing. Here: `head_timeout_s` between bytes of an unfinished
   head, `head_total_s` for a whole head, `body_timeout_s` for a body that stops moving (while the server
   reads; a body the application is not reading yet does not count), `keep_alive_s` for a connection with
-  nothing in flight, from its opening too. Each is refreshed by progress, so an upload that keeps moving
-  is never cut, however long it takes. A head timeout answers 408; the others close;
+  nothing in flight, from its opening too. Each is refreshed by progress. A body must also keep an average
+  rate: by `body_timeout_s` + received / `min_body_rate` seconds from its start (Apache's
+  `RequestReadTimeout body=...,MinRate=...`), less the time the server was not reading it, or it is cut. A
+  head timeout answers 408; a body cut answers 408 when the answer has not begun; the others close;
 - **a refusal before the body is read**: when the application answers (413, say) and closes while the
   client is still sending, closing a socket with unread bytes resets it, and the reset can reach the
   client before the answer. Here our side ends (FIN), what still comes is read and dropped, and the
@@ -40,6 +51,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import httptools
 import orjson
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -52,6 +64,11 @@ BODY_SLICE = 65536  # bytes of a body of known length fed at a time
 HOLD_BYTES = 65536  # held bytes of a next request beyond which reading pauses
 LINGER_S = 2.0  # a refused request's rest is read and dropped this long at most,
 LINGER_BYTES = 1 << 20  # and this much
+END = b"\r\n\r\n"  # ends every head, trailers and chunked body: what no feed holds twice
+_BUSY = orjson.dumps({"error": {"message": "too many open connections", "type": "server_error",
+                                 "code": "too_many_connections"}})
+BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%b" % (len(_BUSY), _BUSY))
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,9 @@ class Limits:
     head_total_s: float = 30.0
     body_timeout_s: float = 30.0
     keep_alive_s: float = 65.0
+    max_headers: int = 100  # header lines of one message, trailers included (nginx: 100 by default, hyper 100)
+    max_connections: int = 1024  # open connections of one server process
+    min_body_rate: float = 500.0  # bytes/s a body must average after its first body_timeout_s (Apache: 500)
 
 
 def add_limit_arguments(parser: Any, keep_alive_default: float) -> None:
@@ -76,11 +96,25 @@ def add_limit_arguments(parser: Any, keep_alive_default: float) -> None:
                         help=f"longest pause in a request body being read; closed after (default {d.body_timeout_s})")
     parser.add_argument("--keep-alive-seconds", type=float, default=keep_alive_default,
                         help=f"an idle client connection is closed after this (default {keep_alive_default})")
+    parser.add_argument("--max-headers", type=int, default=d.max_headers,
+                        help=f"most header lines in a request, trailers included; 431 beyond (default {d.max_headers})")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                        help="most open client connections per process; beyond it the longest-quiet one with no "
+                             f"request in flight is closed, or the new one gets 503 (default {d.max_connections})")
+    parser.add_argument("--min-body-rate", type=float, default=d.min_body_rate,
+                        help="bytes per second a request body must average after its first --body-timeout-seconds; "
+                             f"cut below it (default {d.min_body_rate:g})")
 
 
 def limits_from_args(args: Any) -> Limits:
     return Limits(head_timeout_s=args.head_timeout_seconds, head_total_s=args.head_total_seconds,
-                  body_timeout_s=args.body_timeout_seconds, keep_alive_s=args.keep_alive_seconds)
+                  body_timeout_s=args.body_timeout_seconds, keep_alive_s=args.keep_alive_seconds,
+                  max_headers=args.max_headers, max_connections=args.max_connections,
+                  min_body_rate=args.min_body_rate)
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop the parse: the request is refused (`BoundedProtocol._refusal`)."""
 
 
 HEAD, BODY = 0, 1
@@ -95,47 +129,81 @@ class BoundedProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._held = bytearray()
         self._state = HEAD
-        self._head_bytes = 0
+        self._head_bytes = 0  # bytes of this head fed, or of a chunked body's non-data since its last data
+        self._lines = 0  # header lines of this message, trailers included
+        self._refusal: tuple[int, str] | None = None
         self._remaining: int | None = None  # body bytes still to come (Content-Length); None: chunked or none
         self._held_paused = False
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_deadline: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._rate_timer: asyncio.TimerHandle | None = None
+        self._body_start = self._rate_checked = 0.0
+        self._body_bytes = 0
         self._lingering = False
+        self._turned_away = False
         self._dropped = 0
+        self._quiet_since = 0.0
         self.timeout_keep_alive = self.limits.keep_alive_s
 
     # -- connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections and not self._make_room():
+            self._turned_away = True  # before uvicorn sees it: nothing is read or parsed
+            transport.write(BUSY_503)
+            transport.close()
+            return
         super().connection_made(transport)
         self.flow = _HoldingFlow(transport, self)
+        self._quiet_since = self.loop.time()
         # a connection that never sends a byte is idle from the start
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
+    def _make_room(self) -> bool:
+        """Close the connection quiet the longest among those with no request in flight; False: none."""
+        quiet = [c for c in self.connections if isinstance(c, BoundedProtocol) and c._evictable()]
+        if not quiet:
+            return False
+        victim = min(quiet, key=lambda c: c._quiet_since)
+        log.info("%d connections open: closing the one quiet for %.1f s to take a new one",
+                 len(self.connections), self.loop.time() - victim._quiet_since)
+        victim._cancel_timers()
+        victim.transport.close()
+        victim.connections.discard(victim)  # its connection_lost comes later; the room is now
+        return True
+
+    def _evictable(self) -> bool:
+        return (self._state == HEAD and not self._busy() and not self._lingering and not self.pipeline
+                and not self.transport.is_closing())
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._turned_away:
+            return
         self._cancel_timers()
         self._held.clear()
         super().connection_lost(exc)
 
     def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._head_deadline, self._body_timer):
+        for timer in (self._head_timer, self._head_deadline, self._body_timer, self._rate_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._head_deadline = self._body_timer = None
+        self._head_timer = self._head_deadline = self._body_timer = self._rate_timer = None
 
     # -- reading
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
+        self._quiet_since = self.loop.time()
         if self._lingering or self.parser is None:
             # a refused request's rest, read and dropped until the client's end, up to LINGER_BYTES
             self._dropped += len(data)
             if self._dropped > LINGER_BYTES:
                 self.transport.close()
             return
-        if not self._held and self._state == HEAD and len(data) <= SLICE and not self._busy():
-            self._feed(data)  # the usual request: one small read, nothing in flight
+        if (not self._held and self._state == HEAD and len(data) <= SLICE and not self._busy()
+                and data.count(END) <= 1):
+            self._feed(data)  # the usual request: one small read, one request at most, nothing in flight
         else:
             self._held += data
             self._feed_held()
@@ -155,6 +223,10 @@ class BoundedProtocol(HttpToolsProtocol):
                 n = max(1, min(BODY_SLICE, self._remaining))
             else:
                 n = SLICE
+            if self._state == HEAD or self._remaining is None:  # one possible end of a message per feed
+                end = self._held.find(END, 0, n + len(END) - 1)
+                if end >= 0:
+                    n = min(n, end + len(END))
             piece = bytes(self._held[:n])
             del self._held[:n]
             if not self._feed(piece):
@@ -170,14 +242,25 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def _feed(self, data: bytes) -> bool:
         """Parse `data`; False when the connection is done with (refused)."""
-        if self._state == HEAD:
-            self._head_bytes += len(data)
+        if self._state == HEAD or self._remaining is None:
+            self._head_bytes += len(data)  # a chunked body's data resets it (on_body)
         before = self.transport.is_closing()
-        HttpToolsProtocol.data_received(self, data)  # uvicorn: parse, 400 on a malformed request
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()  # as uvicorn with ws="none": no upgrade is served
+        except httptools.HttpParserError as exc:
+            if self._refusal is not None:
+                self._refuse(*self._refusal)
+            else:  # a client's mistake, not the server's: one line
+                log.info("bad request from %s: %s", _peer(self.client), exc)
+                self.send_400_response("Invalid HTTP request received.")
+            return False
         if self.transport.is_closing() and not before:
             return False
-        if self._state == HEAD and self._head_bytes > self.limits.max_head_bytes:
-            self._refuse(431, f"request head over {self.limits.max_head_bytes} bytes")
+        if self._head_bytes > self.limits.max_head_bytes and (self._state == HEAD or self._remaining is None):
+            what = "request head" if self._state == HEAD else "chunked body's framing and trailers"
+            self._refuse(431, f"{what} over {self.limits.max_head_bytes} bytes")
             return False
         return True
 
@@ -194,6 +277,8 @@ class BoundedProtocol(HttpToolsProtocol):
             if self._body_timer is not None:
                 self._body_timer.cancel()
             self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+            if self._rate_timer is None:  # armed once a body outlasts a read (a small request's never is)
+                self._rate_timer = self.loop.call_at(self._body_start + self.limits.body_timeout_s, self._rate_due)
 
     def _head_timed_out(self, which: str) -> None:
         if self._state != HEAD or self.transport.is_closing():
@@ -203,29 +288,52 @@ class BoundedProtocol(HttpToolsProtocol):
         seconds = self.limits.head_timeout_s if which == "head" else self.limits.head_total_s
         self._refuse(408, f"request head not received in time ({which} timeout of {seconds:g} s)")
 
+    def _reading(self) -> bool:
+        """The server reads the body now (not paused because the application or an answer is behind)."""
+        return not (self.flow.read_paused or self._held_paused or self._held)
+
     def _body_timed_out(self) -> None:
         self._body_timer = None
         if self._state != BODY or self.transport.is_closing():
             return
-        if self.flow.read_paused or self._held_paused or self._held:  # we are not reading: not the client's delay
+        if not self._reading():  # we are not reading: not the client's delay
             self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
             return
-        log.info("closing a connection whose request body stopped for %g s", self.limits.body_timeout_s)
-        if self.cycle is not None and not self.cycle.response_started:
-            self._refuse(408, f"request body stopped for {self.limits.body_timeout_s:g} s")
-        else:
-            self.transport.close()
+        self._cut_body(f"request body stopped for {self.limits.body_timeout_s:g} s")
+
+    def _rate_due(self) -> None:
+        """A body averages `min_body_rate` after its first `body_timeout_s`; time not read is not counted."""
+        self._rate_timer = None
+        if self._state != BODY or self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if not self._reading():
+            self._body_start += now - self._rate_checked
+        self._rate_checked = now
+        due = self._body_start + self.limits.body_timeout_s + self._body_bytes / self.limits.min_body_rate
+        if now < due:
+            self._rate_timer = self.loop.call_at(min(due, now + self.limits.body_timeout_s), self._rate_due)
+            return
+        self._cut_body(f"request body slower than {self.limits.min_body_rate:g} bytes/s")
+
+    def _cut_body(self, why: str) -> None:
+        log.info("closing a connection from %s: %s", _peer(self.client), why)
+        self._refuse(408, why)
 
     def _refuse(self, status: int, message: str) -> None:
-        """An answer to bytes that are no request we will take, then the end of the connection."""
+        """An answer to bytes that are no request we will take, then the end of the connection (only the
+        end, when an answer has begun: a second one cannot follow it)."""
         self._cancel_timers()
-        code = "head_too_large" if status == 431 else "request_timeout"
-        body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}})
-        self.transport.write(STATUS_LINE[status] + b"content-type: application/json\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n%b" % (len(body), body))
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
             self.cycle.message_event.set()
+            if self.cycle.response_started:
+                self.transport.close()
+                return
+        code = {431: "head_too_large", 408: "request_timeout"}[status]
+        body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}})
+        self.transport.write(STATUS_LINE[status] + b"content-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%b" % (len(body), body))
         self._linger()
 
     def _linger(self) -> None:
@@ -245,6 +353,19 @@ class BoundedProtocol(HttpToolsProtocol):
 
     # -- httptools callbacks (uvicorn's, plus the state the bounds need)
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._lines = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._lines += 1
+        if self._lines > self.limits.max_headers:
+            self._refusal = (431, f"more than {self.limits.max_headers} header lines")
+            raise _Refused  # stops the parse: no more header is kept
+        if self._state == HEAD:
+            super().on_header(name, value)
+        # else a trailer: counted, never added to the headers the application already has
+
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         self._state, self._head_bytes = BODY, 0
@@ -256,23 +377,30 @@ class BoundedProtocol(HttpToolsProtocol):
         for name, value in self.headers:
             if name == b"content-length" and value.isdigit():
                 self._remaining = int(value)
+        self._body_start = self._rate_checked = self.loop.time()
+        self._body_bytes = 0
         if self.cycle is not None:
             self.cycle.transport = _Ending(self.transport, self)  # type: ignore[assignment]
 
     def on_body(self, body: bytes) -> None:
         if self._remaining is not None:
             self._remaining -= len(body)
+        else:
+            self._head_bytes = 0
+        self._body_bytes += len(body)
         super().on_body(body)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._state, self._head_bytes, self._remaining = HEAD, 0, None
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
+        for timer in (self._body_timer, self._rate_timer):
+            if timer is not None:
+                timer.cancel()
+        self._body_timer = self._rate_timer = None
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._quiet_since = self.loop.time()
         if self._held and not self.transport.is_closing():
             self.loop.call_soon(self._resume_held)  # not inside the application's `send`
 
@@ -281,6 +409,10 @@ class BoundedProtocol(HttpToolsProtocol):
             return
         self._feed_held()
         self._arm_progress_timers()
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "a client"
 
 
 class _HoldingFlow(FlowControl):

@@ -2,7 +2,8 @@
 --head-timeout-seconds (longest gap between bytes of a request head), --head-total-seconds (the whole
 head, from its first byte), --body-timeout-seconds (a body that stops moving), --keep-alive-seconds (an
 idle connection between requests). Started small here, so that what each cuts is seen in seconds, and
-so that a client that keeps moving for longer than all of them is seen not to be cut."""
+so that a client that keeps moving for longer than all of them is seen not to be cut (--min-body-rate is
+set under the slow upload's rate here; tests/abuse/test_bounds.py holds a body to it)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.procs import start_runtime
 
 HEAD_S, HEAD_TOTAL_S, BODY_S, KEEP_ALIVE_S = 1, 3, 2, 2
 FLAGS = ("--head-timeout-seconds", str(HEAD_S), "--head-total-seconds", str(HEAD_TOTAL_S),
-         "--body-timeout-seconds", str(BODY_S), "--keep-alive-seconds", str(KEEP_ALIVE_S))
+         "--body-timeout-seconds", str(BODY_S), "--keep-alive-seconds", str(KEEP_ALIVE_S), "--min-body-rate", "1")
 GRACE_S = 1.0  # how late after its timeout a cut may come (each case waits a second longer, then fails)
 STEP_S = 0.5  # a client that keeps moving sends something this often
 CUT = ([], [408])  # what a cut connection may have said before closing: nothing, or 408

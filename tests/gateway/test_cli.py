@@ -41,7 +41,8 @@ def test_bad_settings_name_their_flag(field, value, flag):
 
 @pytest.mark.parametrize(("field", "flag"), [
     ("head_timeout_s", "--head-timeout-seconds"), ("head_total_s", "--head-total-seconds"),
-    ("body_timeout_s", "--body-timeout-seconds"), ("keep_alive_s", "--keep-alive-seconds")])
+    ("body_timeout_s", "--body-timeout-seconds"), ("keep_alive_s", "--keep-alive-seconds"),
+    ("max_headers", "--max-headers"), ("max_connections", "--max-connections"), ("min_body_rate", "--min-body-rate")])
 @pytest.mark.parametrize("value", [0, -1, float("nan")])
 def test_bad_connection_limits_name_their_flag(field, flag, value):
     with pytest.raises(ConfigError, match=flag):

@@ -81,6 +81,11 @@ class GatewayConfig:
             raise ConfigError(f"--eject-max ({self.eject_max}) must be >= --eject-base ({self.eject_base})")
         if self.payload_limit < 1:
             raise ConfigError(f"--payload-limit must be >= 1 byte, not {self.payload_limit}")
+        for flag, value in (("--max-headers", self.limits.max_headers),
+                            ("--max-connections", self.limits.max_connections),
+                            ("--min-body-rate", self.limits.min_body_rate)):
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{flag} must be a positive number, not {value}")
 
 
 def parse_spill(values: list[str]) -> dict[str, list[tuple[str, str]]]:

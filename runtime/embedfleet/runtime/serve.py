@@ -74,7 +74,9 @@ class Server:
         lifespan = Lifespan(self.app)
         await lifespan.startup()
         limits = Limits(head_timeout_s=s.head_timeout_seconds, head_total_s=s.head_total_seconds,
-                        body_timeout_s=s.body_timeout_seconds, keep_alive_s=s.keep_alive_seconds)
+                        body_timeout_s=s.body_timeout_seconds, keep_alive_s=s.keep_alive_seconds,
+                        max_headers=s.max_headers, max_connections=s.max_connections,
+                        min_body_rate=s.min_body_rate)
         http = server(self.app, s.host, s.port, limits, graceful_s=s.drain_timeout)
         loop = asyncio.get_running_loop()
         try:

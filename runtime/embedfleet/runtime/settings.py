@@ -125,7 +125,16 @@ class RuntimeSettings(BaseSettings):
         30.0, gt=0, description="time a whole request head may take from its first byte; 408 and closed after")
     body_timeout_seconds: float = Field(
         30.0, gt=0, description="longest pause in a request body being read; the connection is closed after "
-        "(an upload that keeps moving is never cut)")
+        "(see also --min-body-rate)")
+    min_body_rate: float = Field(
+        500.0, gt=0, description="bytes per second a request body must average after its first "
+        "--body-timeout-seconds (by then + received / this rate from its start); cut below it (408)")
+    max_headers: int = Field(
+        100, ge=1, description="most header lines in one request, a chunked body's trailers included; 431 beyond")
+    max_connections: int = Field(
+        1024, ge=1, description="most open client connections per server process; beyond it the connection quiet "
+        "the longest with no request in flight is closed to make room, or, when every one has a request in "
+        "flight, the new connection gets 503 before it is read")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     # GPU engine (docs/gpu.md)
     fp8_min_cosine: float = Field(
