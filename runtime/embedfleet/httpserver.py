@@ -131,6 +131,7 @@ class BoundedProtocol(HttpToolsProtocol):
         self._state = HEAD
         self._head_bytes = 0  # bytes of this head fed, or of a chunked body's non-data since its last data
         self._lines = 0  # header lines of this message, trailers included
+        self._max_headers = self.limits.max_headers
         self._refusal: tuple[int, str] | None = None
         self._remaining: int | None = None  # body bytes still to come (Content-Length); None: chunked or none
         self._held_paused = False
@@ -278,7 +279,8 @@ class BoundedProtocol(HttpToolsProtocol):
                 self._body_timer.cancel()
             self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
             if self._rate_timer is None:  # armed once a body outlasts a read (a small request's never is)
-                self._rate_timer = self.loop.call_at(self._body_start + self.limits.body_timeout_s, self._rate_due)
+                self._body_start = self._rate_checked = self.loop.time()
+                self._rate_timer = self.loop.call_later(self.limits.body_timeout_s, self._rate_due)
 
     def _head_timed_out(self, which: str) -> None:
         if self._state != HEAD or self.transport.is_closing():
@@ -353,13 +355,9 @@ class BoundedProtocol(HttpToolsProtocol):
 
     # -- httptools callbacks (uvicorn's, plus the state the bounds need)
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._lines = 0
-
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._lines += 1
-        if self._lines > self.limits.max_headers:
+        self._lines += 1  # back to 0 when a message completes
+        if self._lines > self._max_headers:
             self._refusal = (431, f"more than {self.limits.max_headers} header lines")
             raise _Refused  # stops the parse: no more header is kept
         if self._state == HEAD:
@@ -377,7 +375,6 @@ class BoundedProtocol(HttpToolsProtocol):
         for name, value in self.headers:
             if name == b"content-length" and value.isdigit():
                 self._remaining = int(value)
-        self._body_start = self._rate_checked = self.loop.time()
         self._body_bytes = 0
         if self.cycle is not None:
             self.cycle.transport = _Ending(self.transport, self)  # type: ignore[assignment]
@@ -392,15 +389,16 @@ class BoundedProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._state, self._head_bytes, self._remaining = HEAD, 0, None
-        for timer in (self._body_timer, self._rate_timer):
-            if timer is not None:
-                timer.cancel()
-        self._body_timer = self._rate_timer = None
+        self._state, self._head_bytes, self._remaining, self._lines = HEAD, 0, None, 0
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        if self._rate_timer is not None:
+            self._rate_timer.cancel()
+            self._rate_timer = None
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._quiet_since = self.loop.time()
         if self._held and not self.transport.is_closing():
             self.loop.call_soon(self._resume_held)  # not inside the application's `send`
 
