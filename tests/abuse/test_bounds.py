@@ -1,8 +1,9 @@
 """The bounds that count what no single timeout or size sees: header lines (--max-headers, trailers
 included), open connections per process (--max-connections), a body's average rate (--min-body-rate after
 its first --body-timeout-seconds), and how far pipelined requests are parsed ahead (one, whatever the size
-of the reads). Each against a real `embedfleet serve`, with real sockets; meanwhile its memory stays put
-and another client's /health is answered. And a client that leaves is one log line, not a traceback."""
+of the reads). Each against a real `embedfleet serve` and a real `embedfleet gateway` in front of it, with
+real sockets; meanwhile the server's memory stays put and another client's /health is answered. And a
+client that leaves is one log line in the runtime's log, not a traceback."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from tests.abuse import rawhttp
-from tests.abuse.conftest import Target, wait_until
+from tests.abuse.conftest import Target, gateway_to, wait_until
 from tests.abuse.rawhttp import MIB
 from tests.abuse.test_limits import HEAD_LIMIT, assert_calm
 from tests.gateway.conftest import MODEL
@@ -25,12 +26,27 @@ GRACE_S = 1.0  # how late after its bound a cut may come
 POST_HEAD = b"POST /v1/embeddings HTTP/1.1\r\nHost: abuse\r\nContent-Type: application/json\r\n"
 
 
+FLAGS = ("--max-connections", str(MAX_CONNECTIONS), "--body-timeout-seconds", str(BODY_S),
+         "--min-body-rate", str(MIN_RATE))
+
+
 @pytest.fixture(scope="module")
 def runtime():
-    srv = start_runtime("--max-connections", str(MAX_CONNECTIONS), "--body-timeout-seconds", str(BODY_S),
-                        "--min-body-rate", str(MIN_RATE))
+    srv = start_runtime(*FLAGS)
     yield Target("runtime", srv)
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(runtime):
+    srv = gateway_to(runtime.srv, *FLAGS)
+    yield Target("gateway", srv)
+    srv.stop()
+
+
+@pytest.fixture(scope="module", params=["runtime", "gateway"])
+def target(request) -> Target:
+    return request.getfixturevalue(request.param)
 
 
 def send_until_answered(sock, data: bytes, most: int) -> tuple[int, rawhttp.Drained]:
@@ -49,11 +65,11 @@ def send_until_answered(sock, data: bytes, most: int) -> tuple[int, rawhttp.Drai
 
 @pytest.mark.parametrize("trailer", [b"X-T: a\r\n", b"X-Long: " + b"a" * 65536],
                          ids=["many-lines", "one-long-line"])
-def test_endless_trailers_are_refused_431_and_closed(runtime, trailer: bytes) -> None:
+def test_endless_trailers_are_refused_431_and_closed(target, trailer: bytes) -> None:
     """A chunked body, its last chunk, then trailer lines without end (up to 16 MB)."""
     body = json.dumps({"model": MODEL, "input": ["trailers follow"]}).encode()
-    sock = rawhttp.connect(runtime.port, sndbuf=64 * 1024)
-    with rawhttp.RssWatcher(runtime.pid) as rss, rawhttp.HealthProber(runtime.port) as prober:
+    sock = rawhttp.connect(target.port, sndbuf=64 * 1024)
+    with rawhttp.RssWatcher(target.pid) as rss, rawhttp.HealthProber(target.port) as prober:
         sock.sendall(POST_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + rawhttp.chunk(body) + b"0\r\n")
         sent, out = send_until_answered(sock, trailer * max(1, 65536 // len(trailer)), 16 * MIB)
         growth, probe = rss.stop(), prober.stop()
@@ -64,15 +80,15 @@ def test_endless_trailers_are_refused_431_and_closed(runtime, trailer: bytes) ->
     assert out.statuses in ([], [431]), f"answered {out.statuses}: {out.data[:300]!r}"
     assert sent < 2 * MIB, f"the server read {sent / MIB:.1f} MiB of trailers"
     assert_calm(growth, probe, "endless trailers")
-    runtime.still_serving()
+    target.still_serving()
 
 
-def test_heads_of_many_tiny_headers_are_refused_431(runtime) -> None:
+def test_heads_of_many_tiny_headers_are_refused_431(target) -> None:
     """50 connections, each a 60 KB head of 15,000 empty headers (under the byte limit), held unfinished."""
     head = b"GET /health HTTP/1.1\r\nHost: abuse\r\n" + b"a:\r\n" * 15_000
     assert len(head) < HEAD_LIMIT
-    with rawhttp.RssWatcher(runtime.pid) as rss, rawhttp.HealthProber(runtime.port) as prober:
-        socks = [rawhttp.connect(runtime.port) for _ in range(50)]
+    with rawhttp.RssWatcher(target.pid) as rss, rawhttp.HealthProber(target.port) as prober:
+        socks = [rawhttp.connect(target.port) for _ in range(50)]
         for sock in socks:
             sock.sendall(head)
         outs = [rawhttp.drain(sock, 3) for sock in socks]
@@ -87,24 +103,24 @@ def test_heads_of_many_tiny_headers_are_refused_431(runtime) -> None:
     assert_calm(growth, probe, "heads of 15,000 headers")
     # a whole head just within the count is served
     fine = rawhttp.request("GET", "/health", {f"x-{i}": "1" for i in range(MAX_HEADERS - 1)})
-    with rawhttp.connect(runtime.port) as sock:
+    with rawhttp.connect(target.port) as sock:
         sock.sendall(fine)
         assert rawhttp.read_answer(sock, 10).status == 200
 
 
-def test_connections_past_max_connections_do_not_hold_the_server(runtime) -> None:
+def test_connections_past_max_connections_do_not_hold_the_server(target) -> None:
     """200 connections each holding a stalled 60 KB head: the server keeps at most --max-connections
     open (closing the longest-quiet to make room), and a new client's /health is answered meanwhile."""
-    before = rawhttp.fd_count(runtime.pid)
+    before = rawhttp.fd_count(target.pid)
     head = b"GET /health HTTP/1.1\r\nHost: abuse\r\nX-Long: " + b"a" * 60_000
     socks = []
-    with rawhttp.RssWatcher(runtime.pid) as rss, rawhttp.HealthProber(runtime.port) as prober:
+    with rawhttp.RssWatcher(target.pid) as rss, rawhttp.HealthProber(target.port) as prober:
         for _ in range(200):
-            sock = rawhttp.connect(runtime.port)
+            sock = rawhttp.connect(target.port)
             sock.sendall(head)
             socks.append(sock)
         time.sleep(0.5)
-        peak = rawhttp.fd_count(runtime.pid)
+        peak = rawhttp.fd_count(target.pid)
         growth, probe = rss.stop(), prober.stop()
     closed = sum(rawhttp.drain(sock, 0.01).closed for sock in socks)
     for sock in socks:
@@ -115,20 +131,20 @@ def test_connections_past_max_connections_do_not_hold_the_server(runtime) -> Non
                                              f"{MAX_CONNECTIONS})"
     assert closed >= 200 - MAX_CONNECTIONS, f"only {closed} of 200 stalled connections closed"
     assert_calm(growth, probe, "200 stalled heads")
-    runtime.still_serving()
+    target.still_serving()
 
 
-def test_a_new_connection_gets_503_when_every_one_has_a_request_in_flight(runtime) -> None:
+def test_a_new_connection_gets_503_when_every_one_has_a_request_in_flight(target) -> None:
     body_head = POST_HEAD + b"Content-Length: 1000\r\n\r\n" + b'{"input": "'
     socks = []
     try:
         for _ in range(MAX_CONNECTIONS):
-            sock = rawhttp.connect(runtime.port)
+            sock = rawhttp.connect(target.port)
             sock.sendall(body_head)  # a body under way: a request in flight, never closed to make room
             socks.append(sock)
         time.sleep(0.3)
         start = time.monotonic()
-        with rawhttp.connect(runtime.port) as extra:
+        with rawhttp.connect(target.port) as extra:
             extra.sendall(rawhttp.request("GET", "/health"))
             out = rawhttp.drain(extra, 5)
         print(f"the extra connection: statuses {out.statuses}, closed {out.closed} after "
@@ -139,12 +155,12 @@ def test_a_new_connection_gets_503_when_every_one_has_a_request_in_flight(runtim
     finally:
         for sock in socks:
             sock.close()
-    assert wait_until(lambda: rawhttp.get(runtime.port, "/health").status == 200, within=5)
+    assert wait_until(lambda: rawhttp.get(target.port, "/health").status == 200, within=5)
 
 
-def test_a_body_slower_than_min_body_rate_is_cut(runtime) -> None:
+def test_a_body_slower_than_min_body_rate_is_cut(target) -> None:
     """One byte every 0.5 s: no gap reaches --body-timeout-seconds, the rate is far under --min-body-rate."""
-    sock = rawhttp.connect(runtime.port)
+    sock = rawhttp.connect(target.port)
     sock.sendall(POST_HEAD + b"Content-Length: 1000\r\n\r\n")
     start, sent, out = time.monotonic(), 0, rawhttp.Drained(b"", False, 0.0)
     while time.monotonic() - start < 4 * (BODY_S + GRACE_S):
@@ -164,18 +180,18 @@ def test_a_body_slower_than_min_body_rate_is_cut(runtime) -> None:
     assert out.closed, f"a {sent / ended:.1f} bytes/s body still open after {ended:.1f}s"
     assert ended <= bound, f"cut after {ended:.2f}s, not by {bound:.2f}s"
     assert out.statuses in ([], [408]), f"answered {out.statuses}: {out.data[:300]!r}"
-    runtime.still_serving()
+    target.still_serving()
 
 
-def test_pipelined_requests_in_one_small_write_are_answered_in_order(runtime) -> None:
+def test_pipelined_requests_in_one_small_write_are_answered_in_order(target) -> None:
     """145 `GET /health` and a malformed request in one write under 4 KB, on 20 connections at once: every
     request before the malformed one is answered, in order, then its 400 (parsing everything at once
     found the 400 first, and the answers before it were lost)."""
     one = b"GET /health HTTP/1.1\r\n\r\n"
     burst = one * 145 + b"GET /health HTTP/1.1 junk\r\n\r\n"
     assert len(burst) <= 4096
-    with rawhttp.RssWatcher(runtime.pid) as rss, rawhttp.HealthProber(runtime.port) as prober:
-        socks = [rawhttp.connect(runtime.port) for _ in range(20)]
+    with rawhttp.RssWatcher(target.pid) as rss, rawhttp.HealthProber(target.port) as prober:
+        socks = [rawhttp.connect(target.port) for _ in range(20)]
         for sock in socks:
             sock.sendall(burst)
         outs = [rawhttp.drain(sock, 10) for sock in socks]
