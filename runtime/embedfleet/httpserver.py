@@ -167,7 +167,7 @@ class BoundedProtocol(HttpToolsProtocol):
         if not quiet:
             return False
         victim = min(quiet, key=lambda c: c._quiet_since)
-        log.info("%d connections open: closing the one quiet for %.1f s to take a new one",
+        log.debug("%d connections open: closing the one quiet for %.1f s to take a new one",
                  len(self.connections), self.loop.time() - victim._quiet_since)
         victim._cancel_timers()
         victim.transport.close()
