@@ -168,7 +168,7 @@ class BoundedProtocol(HttpToolsProtocol):
             return False
         victim = min(quiet, key=lambda c: c._quiet_since)
         log.debug("%d connections open: closing the one quiet for %.1f s to take a new one",
-                 len(self.connections), self.loop.time() - victim._quiet_since)
+                  len(self.connections), self.loop.time() - victim._quiet_since)
         victim._cancel_timers()
         victim.transport.close()
         victim.connections.discard(victim)  # its connection_lost comes later; the room is now
