@@ -6,6 +6,7 @@ Rerankers and classifiers: tests/runtime/test_int8_scoring.py; encoder families:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -53,16 +54,19 @@ def test_the_embedded_default_passes_the_gate(spec: ModelSpec, built: tuple[Path
 
 
 def test_a_second_start_reuses_the_cached_build(spec: ModelSpec, built: tuple[Path, Int8CpuEngine],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """It is judged again on the probe texts against float32 (tests/runtime/test_int8_gate.py), not rebuilt."""
     root, first = built
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("a cached build must not load float32 or quantise again")
+        raise AssertionError("a cached build must not be quantised again")
 
     monkeypatch.setattr(int8_cpu, "quantize", forbidden)
-    monkeypatch.setattr(int8_cpu, "TorchEngine", forbidden)
-    again = build_int8_engine(spec, num_threads=THREADS, cache_root=root)
+    with caplog.at_level(logging.INFO, logger="embedfleet.runtime.engines.int8_cpu"):
+        again = build_int8_engine(spec, num_threads=THREADS, cache_root=root)
     assert isinstance(again, Int8CpuEngine) and again.int8_gate == first.int8_gate
+    assert any("passed its re-judgement" in r.getMessage() for r in caplog.records)
     batch = [[101, 7592, 2088, 102], [101, 2023, 2003, 1037, 3231, 102]]
     np.testing.assert_allclose(again.embed(batch), first.embed(batch), rtol=0, atol=1e-6)
 
@@ -73,7 +77,7 @@ def test_a_failed_gate_refuses_the_start_or_serves_float32(spec: ModelSpec, buil
     root, engine = built
     assert engine.int8_gate is not None
     strict_bar = 1.0
-    with pytest.raises(Int8Rejected, match=r"int8 refused for embed: min cosine .* calibration input \d+"):
+    with pytest.raises(Int8Rejected, match=r"int8 refused for embed: min cosine .* judged input \d+"):
         build_int8_engine(spec, num_threads=THREADS, cache_root=root, min_cosine=strict_bar)
     fallback = build_int8_engine(spec, num_threads=THREADS, cache_root=root, min_cosine=strict_bar, strict=False)
     assert isinstance(fallback, TorchEngine) and fallback.effective_dtype == "float32"

@@ -12,11 +12,14 @@ and the weighted sum of values: no weights to calibrate, ranges that move with e
 second linear layer (its input is a GELU output, a long-tailed range a per-tensor scale cannot cover).
 Everything else (Q/K/V, the attention output and the FFN's first linear layer) runs int8.
 
-Start-up: the float32 model is loaded, converted, quantised on the calibration texts of
-engines/calibration.json plus a few degenerate repetitions (STRESS_TEXTS), and judged by the same gate as
-FP8 (every calibration embedding's cosine with its float32 twin >= --int8-min-cosine). The result (the int8
-model and the gate's verdict, pass or fail) is cached by model digest under --engine-cache-dir, so the
-second start neither quantises nor re-judges. Builds are kept per CPU class
+Start-up: the float32 model is loaded, converted, quantised on one set of texts and judged on another,
+disjoint one (engines/int8_gate.py: halves of engines/calibration.json, degenerate repetitions, long passages
+of unrelated and of rare vocabulary words): every judged embedding's cosine with its float32 twin must reach
+--int8-min-cosine less a margin (INT8_MARGIN_FACTOR), as for FP8. The result (the int8 model and the judged
+figures) is cached by model digest under --engine-cache-dir, so the second start does not quantise; it judges
+the cached build again on a few probe texts against the float32 model before serving it, because the
+folder is writable by the tenant's pod and a stored verdict proves nothing. A build that fails its probe is
+built again (and judged in full). Builds are kept per CPU class
 (``<engine cache dir>/<cpu class>/sha256-<digest>/int8-cpu-<hash>``, engines/cache_dir.py `engine_root`): a
 verdict holds on the class of processor it was measured on.
 Rerankers and sequence classifiers are built the same way and judged on scores, rankings and labels
@@ -28,10 +31,10 @@ models, any device but CPU, and any model the gate fails.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
-import random
 import shutil
 import sys
 import tempfile
@@ -47,11 +50,18 @@ import torch
 from embedfleet.operator.cache.engines import cpu_accelerator  # stdlib only
 from embedfleet.runtime.engines.base import Capabilities, pad_batch
 from embedfleet.runtime.engines.cache_dir import BuildSource, build_lock, build_source, check_part, engine_root
+from embedfleet.runtime.engines.int8_gate import (
+    STRESS_TEXTS,
+    Int8Sets,
+    int8_sets,
+    probe_verdict,
+    unrelated_passages,
+    verdict,
+)
 from embedfleet.runtime.engines.quality_gate import (
     Calibration,
     GateResult,
     calibration_batches,
-    embedding_gate,
     load_calibration,
     row_cosines,
     run_calibration,
@@ -85,26 +95,9 @@ def no_telemetry() -> None:
     sys.modules["openvino_telemetry"] = None  # type: ignore[assignment]
 
 
-# Calibrated ranges are static: an input far outside what calibration saw is clipped. Degenerate repetitions
-# ("x " * 300) set the widest activations an embedder meets; without them such an input fell to cosine 0.885
-# while natural text stayed above 0.99. They join calibration.json's texts for both the ranges and the gate.
-STRESS_TEXTS = ["x " * 300, "repeated words " * 80, "the " * 200, "a", "?", "1 2 3 4 5 6 7 8 9 0 " * 25,
-                "!!!! " * 100, "lorem ipsum " * 60]
-
-
-def unrelated_passages(texts: list[str], count: int = 6) -> list[str]:
-    """Long passages of unrelated words (200-240 words, near the 256-token limit), drawn with a fixed seed
-    from the calibration texts' own vocabulary. Natural passages keep activations in a narrower range than
-    a long run of words with no context between them (lists, tags, keyword dumps); without these, one such
-    held-out passage of 2,000 fell to cosine 0.987 (bench/int8_server.py)."""
-    words = sorted({w for t in texts for w in t.split() if w.isalpha()})
-    rng = random.Random(8)
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(200, 240))) for _ in range(count)]
-
-
 def int8_calibration() -> Calibration:
-    """calibration.json's texts plus STRESS_TEXTS and long unrelated-word passages: what int8 is calibrated
-    on and judged by."""
+    """calibration.json's texts plus STRESS_TEXTS (engines/int8_gate.py) and long unrelated-word passages:
+    what a classifier's int8 build is calibrated on and judged by (engines/int8_scoring.py)."""
     base = load_calibration()
     return Calibration([*base.texts, *STRESS_TEXTS, *unrelated_passages(base.texts)], base.queries, base.documents)
 
@@ -157,16 +150,15 @@ class CacheKey:
     calibration: str  # sha256 of the calibration set: the gate's verdict depends on it
 
     def dirname(self) -> str:
-        import hashlib
-
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return f"int8-cpu-{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
-def calibration_digest(calibration: Calibration) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(calibration.texts).encode()).hexdigest()[:16]
+def calibration_digest(calibration: Calibration | Int8Sets) -> str:
+    """The texts a build depends on: a Calibration's, or an Int8Sets' calibrate, judge and probe texts."""
+    texts = calibration.texts if isinstance(calibration, Calibration) else \
+        [calibration.calibrate, calibration.judge, calibration.probe]
+    return hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]
 
 
 def cache_path(engines: Path, key: CacheKey) -> Path:
@@ -186,24 +178,46 @@ def read_cached(path: Path, key: CacheKey) -> dict[str, Any] | None:
 
 
 Built = tuple[dict[str, Any], BuildSource, "TorchEngine | None"]
+#: Judges a cached build again before it is trusted: (its manifest, its folder, a loader of the float32 engine)
+#: -> why it fails, or None.
+Check = Callable[[dict[str, Any], Path, Callable[[], TorchEngine]], "str | None"]
 
 
 def build_once(spec: ModelSpec, key: CacheKey, cache_root: Path | None, num_threads: int,
-               build: Callable[[TorchEngine, Path], dict[str, Any]]) -> Built:
+               build: Callable[[TorchEngine, Path], dict[str, Any]], check: Check | None = None) -> Built:
     """The int8 build `key` names, made by `build(float32 engine, folder)` only when no complete one is cached
     in this CPU class's folder: replicas starting together on one node take the build lock, so one builds and
-    the others wait and read its result. Returns (its manifest, where it came from and its folder, the
-    float32 engine when this call built it)."""
+    the others wait and read its result. A cached build is judged again by `check` (when given) before it is
+    returned; one that fails is built again, in its place, with a warning saying why. Returns (its manifest,
+    where it came from and its folder, the float32 engine when this call loaded one)."""
     path = cache_path(engine_root(cache_root, spec.path, cpu_accelerator()), key)
-    manifest = read_cached(path, key)
     fp32: TorchEngine | None = None
+
+    def load_fp32() -> TorchEngine:
+        nonlocal fp32
+        fp32 = fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads)
+        return fp32
+
+    def trusted(found: dict[str, Any] | None) -> dict[str, Any] | None:
+        if found is None or check is None:
+            return found
+        why = check(found, path, load_fp32)
+        if why is None:
+            return found
+        log.warning("%s: the cached int8 build at %s fails its re-judgement (%s); building it again",
+                    spec.name, path, why)
+        return None
+
+    found = read_cached(path, key)
+    manifest = trusted(found)
     built = False
     if manifest is None:
         with build_lock(path):
-            manifest = read_cached(path, key)
+            again = read_cached(path, key)
+            # another replica may have built (or rebuilt) it while this one waited: judge that one too
+            manifest = trusted(again) if again != found else None
             if manifest is None:
-                fp32 = TorchEngine(spec, dtype="float32", num_threads=num_threads)
-                manifest = build(fp32, path)
+                manifest = build(load_fp32(), path)
                 built = True
     return manifest, build_source(path, built), fp32
 
@@ -332,20 +346,11 @@ class Int8CpuEngine:
     classify = embed_sparse = embed_tokens = _unsupported
 
 
-def _gate_of(manifest: dict[str, Any], threshold: float) -> GateResult:
-    """The cached measurement judged against today's threshold (the figures do not depend on it)."""
-    lo, mean, worst = manifest["min_cosine"], manifest["mean_cosine"], manifest["worst_input"]
-    passed = lo >= threshold and manifest["finite"]
-    reason = ("every calibration output within threshold" if passed else
-              f"calibration input {worst} has cosine {lo:.6f} < {threshold}")
-    return GateResult(passed, "embed", lo, mean, threshold, reason)
-
-
 def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = DEFAULT_MIN_COSINE,
                       strict: bool = True, cache_root: Path | None = None,
-                      calibration: Calibration | None = None) -> Int8CpuEngine | TorchEngine:
+                      sets: Int8Sets | None = None) -> Int8CpuEngine | TorchEngine:
     """The int8 engine if the gate passes; otherwise Int8Rejected (strict) or the float32 torch engine, whose
-    `int8_gate` then carries the refused measurement."""
+    `int8_gate` then carries the refused measurement. `sets` defaults to `int8_sets` for the model."""
     why = refusal(spec, "cpu")
     if why:
         raise Int8Rejected(why)
@@ -359,11 +364,12 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
     except ImportError as exc:
         raise EngineError(f"{INSTALL_HINT} ({exc})") from None
 
-    calibration = calibration or int8_calibration()
-    key = CacheKey(spec.digest, RECIPE, ov.__version__, nncf.__version__, calibration_digest(calibration))
+    sets = sets or int8_sets(spec.path / "tokenizer.json", spec.max_length)
+    key = CacheKey(spec.digest, RECIPE, ov.__version__, nncf.__version__, calibration_digest(sets))
     manifest, source, fp32 = build_once(
-        spec, key, cache_root, num_threads, lambda fp32, path: _build(fp32, spec, key, path, calibration, num_threads))
-    gate = _gate_of(manifest, min_cosine)
+        spec, key, cache_root, num_threads, lambda fp32, path: _build(fp32, spec, key, path, sets, num_threads),
+        check=lambda found, path, load_fp32: _probe(found, path, load_fp32, spec, sets.probe, min_cosine, num_threads))
+    gate = verdict(manifest, min_cosine)
     summary = gate.summary().replace("fp8", "int8", 1)
     if gate.passed:
         log.info("%s: %s", spec.name, summary)
@@ -380,24 +386,47 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
     return engine
 
 
-def _build(fp32: TorchEngine, spec: ModelSpec, key: CacheKey, path: Path, calibration: Calibration,
-           num_threads: int) -> dict[str, Any]:
-    """Quantise, measure on the calibration set, and publish the build atomically (a temporary folder
-    renamed into place: a crash never leaves half a build that a later start would trust)."""
+def _probe(manifest: dict[str, Any], path: Path, load_fp32: Callable[[], TorchEngine], spec: ModelSpec,
+           probe: list[str], min_cosine: float, num_threads: int) -> str | None:
+    """A cached build judged again on the probe texts against float32 before it may serve: why it fails, or
+    None. Its stored figures decide nothing here: the folder is writable by the tenant's pod, so figures
+    that pass prove nothing. Figures that refuse are taken as they are (no probe): a refusal serves no
+    int8, so a forged one can only keep int8 from serving, never let a bad build serve."""
+    if not verdict(manifest, min_cosine).passed:
+        return None
+    fp32 = load_fp32()
     started = time.perf_counter()
-    batches = calibration_batches(spec, calibration)
-    reference = run_calibration(fp32.embed, batches)
+    batches = calibration_batches(spec, Calibration(probe, [], []))
+    try:
+        candidate = run_calibration(Int8CpuEngine(spec, path / "model.xml", unjudged(), num_threads).embed, batches)
+    except Exception as exc:  # a build that does not load or run is a failed build, not a failed start
+        return f"it does not run ({type(exc).__name__}: {str(exc)[:200]})"
+    why = probe_verdict(run_calibration(fp32.embed, batches), candidate, min_cosine)
+    if why is None:
+        log.info("%s: the cached int8 build passed its re-judgement on %d probe texts in %.2fs", spec.name,
+                 len(probe), time.perf_counter() - started)
+    return why
+
+
+def _build(fp32: TorchEngine, spec: ModelSpec, key: CacheKey, path: Path, sets: Int8Sets,
+           num_threads: int) -> dict[str, Any]:
+    """Quantise on the calibrate texts, measure on the judge texts (none calibrated on), and publish the build
+    atomically (a temporary folder renamed into place: a crash never leaves half a build a later start
+    would find)."""
+    started = time.perf_counter()
+    calibrate = calibration_batches(spec, Calibration(sets.calibrate, [], []))
+    judge = calibration_batches(spec, Calibration(sets.judge, [], []))
+    reference = run_calibration(fp32.embed, judge)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        quantize(fp32, batches, tmp)
-        candidate = run_calibration(Int8CpuEngine(spec, tmp / "model.xml", unjudged(), num_threads).embed,
-                                    batches)
-        result = embedding_gate(reference, candidate, threshold=0.0)
+        quantize(fp32, calibrate, tmp)
+        candidate = run_calibration(Int8CpuEngine(spec, tmp / "model.xml", unjudged(), num_threads).embed, judge)
         cos = row_cosines(reference, candidate)
-        manifest = {"key": asdict(key), "min_cosine": result.min_cosine, "mean_cosine": result.mean_cosine,
+        manifest = {"key": asdict(key), "min_cosine": float(cos.min()), "mean_cosine": float(cos.mean()),
                     "worst_input": int(np.argmin(cos)), "finite": bool(np.isfinite(candidate).all()),
-                    "inputs": len(cos), "seconds": round(time.perf_counter() - started, 2)}
+                    "calibrated_on": len(sets.calibrate), "inputs": len(cos),
+                    "seconds": round(time.perf_counter() - started, 2)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if path.exists():
             shutil.rmtree(path)
@@ -412,4 +441,3 @@ def _build(fp32: TorchEngine, spec: ModelSpec, key: CacheKey, path: Path, calibr
 def unjudged() -> GateResult:
     """The gate result of a build still being measured (the engine needs one to exist)."""
     return GateResult(False, "embed", 0.0, 0.0, 0.0, "not judged yet")
-
