@@ -145,8 +145,9 @@ class RuntimeSettings(BaseSettings):
         "token", description="dtype fp8: one activation scale per token (accurate) or per tensor")
     # int8 CPU engine (engines/int8_cpu.py)
     int8_min_cosine: float = Field(
-        0.99, gt=0, le=1, description="dtype int8: serve int8 only if every calibration embedding has at least this "
-        "cosine with float32")
+        0.985, gt=0, le=1, description="dtype int8: serve int8 only if every judged embedding (texts it was not "
+        "calibrated on) has at least this cosine with float32, less a margin (engines/int8_gate.py "
+        "INT8_MARGIN_FACTOR: at 0.985 the judged minimum must reach 0.99)")
     int8_strict: bool = Field(
         True, description="dtype int8: refuse to start when the gate refuses int8 (--no-int8-strict: serve float32)")
     cuda_graphs: bool | None = Field(

@@ -41,13 +41,14 @@ from embedfleet.runtime.engines.vocab_calibration import SEED, vocabulary_texts
 # gate requires the judged minimum's deviation to be at most (1 - threshold) / INT8_MARGIN_FACTOR.
 # Measured on all-MiniLM-L6-v2, int8 against float32 on CPU (Intel Xeon, 2 cores; bench/int8_margin.py,
 # bench/results/int8-margin-cpu.jsonl), built from `int8_sets`' calibrate half:
-#   judged minimum, the judge half (the worst is the one-word query "yes")              0.99187 (dev. 0.00813)
-#   held-out minimum, 2,000 bench-corpus texts (seed 7), neither calibrated on nor judged  0.99425 (0.71x)
-# The judged set reaches further than the held-out corpus (ratio 0.71: short queries, rare-word passages at
-# the maximum length, degenerate phrases), so a factor of 1.1 covers the measured tail 1.5 times over. At
-# 0.99 the gate asks for 0.99091 and keeps int8 for MiniLM (0.00096 to spare); 1.2 would ask for 0.99167 and
-# leave 0.0002, less than the minimum moves between CPU classes (0.9919 to 0.9943 held out, docs/performance.md).
-INT8_MARGIN_FACTOR = 1.1
+#   judged minimum, the judge half (75 texts; the worst is the one-word query "yes")   0.99196 (dev. 0.00804)
+#   held-out minimum, 2,000 bench-corpus texts (seed 7), neither calibrated on nor judged  0.99221 (0.97x)
+#   held-out minimum, 4,000 bench-corpus texts (seed 0)                                   0.98954 (1.30x)
+# The worst ratio measured is 1.30x; the factor is FP8's (engines/quality_gate.py FP8_MARGIN_FACTOR), which
+# covers it. At --int8-min-cosine 0.99 the gate asks for 0.99333 and refuses int8 for MiniLM (one held-out
+# text of 4,000 is below 0.99); at the default, DEFAULT_MIN_COSINE 0.985, it asks for 0.99 and keeps it (the
+# held-out minimum 0.98954 keeps 0.985).
+INT8_MARGIN_FACTOR = 1.5
 CALIBRATE_VOCAB_SEED = SEED
 JUDGE_VOCAB_SEED = SEED + 7919  # another draw of the vocabulary: other words, other passages
 UNRELATED_SEED = 8
