@@ -122,9 +122,6 @@ class Int8Sets:
     judge: list[str]
     probe: list[str]
 
-    def as_calibration(self, which: str) -> Calibration:
-        return Calibration(list(getattr(self, which)), [], [])
-
 
 def probe_texts(judge: list[str], count: int = PROBE_COUNT) -> list[str]:
     """`count` judged texts spread over lengths: the shortest, the longest, and evenly between (by words), so
