@@ -164,7 +164,8 @@ class RuntimeSpec(CamelModel):
     image_pull_policy: PullPolicy = "IfNotPresent"
     engine: Engine = "torch"
     dtype: DType = Field(default="float32", description="int8: CPU only, an OpenVINO int8 build kept only if "
-                         "every calibration vector keeps cosine >= 0.99 with float32 (docs/runtime.md).")
+                         "every judged vector keeps cosine >= the runtime's --int8-min-cosine (0.985) with its margin "
+                         "against float32 (docs/runtime.md).")
     quantization: Quantization = Field(default="none", description="fp8 runs the engine in FP8 (GPU only).")
     max_batch_requests: int | None = Field(
         default=None, ge=1, le=4096,
