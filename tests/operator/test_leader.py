@@ -109,3 +109,42 @@ def test_a_call_never_outlives_the_deadline(deadline: float, now: float) -> None
         assert left is None
     else:
         assert left is not None and now + left <= deadline + 1e-9
+
+
+def test_a_leader_that_finds_its_lease_gone_has_lost_it() -> None:
+    mine = observe(None, record(holder=ME), now=0.0)
+    gone = observe(mine, None, now=1.0)
+    assert decide(gone, ME, 1.0, "t", 15, leading=True) == ("lost", None)
+    assert decide(None, ME, 1.0, "t", 15, leading=True) == ("lost", None)
+
+
+def test_a_held_lease_that_went_missing_is_created_only_a_lease_duration_after_it_was_found_gone() -> None:
+    seen = observe(None, record(), now=0.0)
+    gone = observe(seen, None, now=3.0)
+    assert gone is not None and gone.missing and gone.at == 3.0
+    assert observe(gone, None, now=10.0) is gone  # still gone: the count goes on from 3 s
+    assert decide(observe(gone, None, 17.9), ME, 17.9, "t", 15) == ("follow", None)
+    outcome, spec = decide(observe(gone, None, 18.0), ME, 18.0, "t", 15)
+    assert outcome == "create" and spec is not None and spec["holderIdentity"] == ME
+    # It comes back (held by another): judged as any held Lease, counted from now.
+    back = observe(gone, record(holder="other", rv="9"), now=12.0)
+    assert back is not None and not back.missing and back.at == 12.0
+    assert decide(back, ME, 26.9, "t", 15)[0] == "follow"
+
+
+def test_a_lease_never_seen_or_last_seen_free_is_created_at_once() -> None:
+    assert observe(None, None, 0.0) is None  # as client-go: NotFound on the first read creates at once
+    free = observe(None, record(holder="", renew=""), now=0.0)
+    assert observe(free, None, 1.0) is None
+    assert decide(None, ME, 1.0, "t", 15)[0] == "create"
+
+
+@given(missing_at=st.floats(0, 1e4), duration=st.integers(1, 120), later=st.floats(0, 300))
+def test_a_standby_never_creates_before_the_deleted_leader_must_have_stopped(missing_at: float, duration: int,
+                                                                           later: float) -> None:
+    """The leader's last renewal started before the deletion, which came before the standby found the
+    Lease gone; its renew deadline (< duration) ends its acting before the standby may create."""
+    seen = observe(None, record(duration=duration), now=0.0)
+    gone = observe(observe(seen, None, missing_at), None, missing_at + later)
+    outcome = decide(gone, ME, missing_at + later, "t", 15)[0]
+    assert outcome == ("create" if later >= duration else "follow")

@@ -149,3 +149,54 @@ def test_a_hung_api_server_ends_the_leaders_acting_before_the_lease_can_be_taken
         waiter.join(10)
         standby.release()
         leader.release()
+
+
+def test_a_deleted_lease_ends_the_leader_before_a_standby_creates_another(cluster: Cluster) -> None:
+    """`kubectl delete lease` while a leader renews and a standby waits: the leader stops acting at its
+    next round, and the standby creates a new Lease only after a full lease duration of its own clock
+    from when it first found the Lease gone, so the two never act together."""
+    lost = Lost()
+    leader = elector(cluster, "deleted", "leader", lost)
+    assert leader.acquire()
+    standby = elector(cluster, "deleted", "standby", Lost())
+    standby_stop = threading.Event()
+    taken: list[float] = []
+    waiter = threading.Thread(target=lambda: standby.acquire(standby_stop) and taken.append(time.monotonic()),
+                              daemon=True)
+    waiter.start()
+    try:
+        wait_until(lambda: standby._observed is not None and standby._observed.record.holder == "leader", 10,
+                   "the standby seeing the held Lease")
+        cluster.kubectl("delete", "lease", "deleted", "-n", NS)
+        deleted = time.monotonic()
+        assert lost.event.wait(TIMING["retry_period"] + 2), "the leader acted on without its Lease"
+        assert lost.at is not None and not leader.is_leader
+        wait_until(lambda: bool(taken), TIMING["lease_duration"] + 10, "the standby creating a new Lease")
+        assert taken[0] > lost.at, "the standby acted while the old leader still did"
+        # Counted from the standby's first read that found the Lease gone (at most one retry after).
+        assert taken[0] - deleted >= TIMING["lease_duration"] - 0.1, taken[0] - deleted
+        assert holder(cluster, "deleted") == "standby"
+    finally:
+        standby_stop.set()
+        waiter.join(10)
+        standby.release()
+        leader.release()
+
+
+def test_a_write_that_lands_after_the_deadline_does_not_make_a_leader(cluster: Cluster) -> None:
+    """The clock jumps past the renew deadline while the write is under way: the round fails (a leader
+    that started acting now would race its own watchdog)."""
+    now = [time.monotonic()]
+    candidate = elector(cluster, "late", "late", Lost(), clock=lambda: now[0])
+    request = candidate.kube.request
+
+    def slow(method: str, *args, **kwargs):
+        answer = request(method, *args, **kwargs)
+        if method in ("POST", "PATCH"):
+            now[0] += TIMING["renew_deadline"] + 1
+        return answer
+
+    candidate.kube.request = slow  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError):
+        candidate.try_once()
+    assert not candidate.is_leader

@@ -16,7 +16,15 @@ The leader counts its renew deadline from the start of its last successful renew
 (read and write) is bounded by the time left before that deadline and is never retried behind its back
 (`without_retries`), and a watchdog ends its acting at the deadline even if a call overran. Since the
 deadline is shorter than the lease duration, and a standby's count starts no earlier than the renewal it
-saw, the leader has stopped before any standby can take the Lease.
+saw, the leader has stopped before any standby can take the Lease. A round whose write returns after
+the deadline does not count (the process is not made leader, or stops acting).
+
+A deleted Lease. The leader that finds its Lease gone (404 on its read or its write) has lost it and stops
+acting at once. A candidate that saw the Lease held and then finds it gone waits a full lease duration,
+counted on its own clock from the first read that found it gone, before it creates a new one: the old
+holder may still be acting until its next round or its renew deadline. A candidate that never saw the
+Lease held (the first start of the cluster, or the Lease was released) creates it at once, as client-go
+does.
 
 Why not the ``kubernetes`` package's ``leaderelection`` (read at version 37.0): it never releases the Lease
 on shutdown, so every rollout of the operator would leave the cluster without an acting leader for a whole
@@ -84,18 +92,28 @@ class LeaseRecord:
 
 @dataclass(frozen=True)
 class Observed:
-    """A Lease record and when (this process's monotonic clock) it was first seen as it is."""
+    """A Lease record and when (this process's monotonic clock) it was first seen as it is.
+
+    ``missing``: the Lease was gone at that time; ``record`` is then the last one seen before (it held a
+    holder), and its duration is how long the candidate waits before creating a new Lease."""
 
     record: LeaseRecord
     at: float
+    missing: bool = False
 
 
 def observe(previous: Observed | None, record: LeaseRecord | None, now: float) -> Observed | None:
     """The observation after reading ``record`` at ``now``: the previous one while the record is unchanged
-    (its time keeps counting), else a new one starting now. None when there is no Lease."""
+    (its time keeps counting), else a new one starting now.
+
+    No Lease (``record`` None): None when no held Lease was seen before (never seen, or last seen free: it
+    may be created at once); else a ``missing`` observation counted from the first read that found it gone,
+    since its holder may still be acting until it notices."""
     if record is None:
-        return None
-    if previous is not None and previous.record.same(record):
+        if previous is None or (not previous.missing and not previous.record.holder):
+            return None
+        return previous if previous.missing else Observed(previous.record, now, missing=True)
+    if previous is not None and not previous.missing and previous.record.same(record):
         return previous
     return Observed(record, now)
 
@@ -105,18 +123,24 @@ def expired(observed: Observed, now: float) -> bool:
     return now >= observed.at + max(observed.record.duration, 1)
 
 
-def decide(observed: Observed | None, identity: str, now: float, stamp: str, duration: int
-           ) -> tuple[str, dict[str, Any] | None]:
+def decide(observed: Observed | None, identity: str, now: float, stamp: str, duration: int,
+           leading: bool = False) -> tuple[str, dict[str, Any] | None]:
     """One election round. Returns (outcome, Lease spec to write or None).
 
     ``now`` is this process's monotonic time (the only clock that decides); ``stamp`` the wall-clock
-    ``renewTime``/``acquireTime`` to write. outcome: ``create`` (no Lease yet), ``acquire`` (free, or
-    unchanged for its duration: take it), ``renew`` (ours), or ``follow`` (someone else holds a live Lease:
-    write nothing). Pure, so the rules are tested alone.
+    ``renewTime``/``acquireTime`` to write; ``leading``: this process is the acting leader (renewing).
+    outcome: ``create`` (no Lease, and none held seen, or one seen held went missing a lease duration
+    ago), ``acquire`` (free, or unchanged for its duration: take it), ``renew`` (ours), ``lost`` (the
+    leader finds its Lease gone: it stops acting at once), or ``follow`` (someone else holds a live Lease,
+    or one seen held went missing too recently: write nothing). Pure, so the rules are tested alone.
     """
-    if observed is None:
+    if leading and (observed is None or observed.missing):
+        return "lost", None
+    if observed is None or (observed.missing and expired(observed, now)):
         return "create", {"holderIdentity": identity, "leaseDurationSeconds": duration,
                           "acquireTime": stamp, "renewTime": stamp, "leaseTransitions": 0}
+    if observed.missing:
+        return "follow", None
     lease = observed.record
     if lease.holder == identity:
         return "renew", {"holderIdentity": identity, "leaseDurationSeconds": duration, "renewTime": stamp}
@@ -213,7 +237,10 @@ class LeaderElector:
         record = LeaseRecord.from_lease(live) if live is not None else None
         self._observed = observe(self._observed, record, self.clock())
         outcome, spec = decide(self._observed, self.identity, self.clock(), format_time(self.wall()),
-                               int(self.lease_duration))
+                               int(self.lease_duration), leading=self.is_leader)
+        if outcome == "lost":
+            log.error("leader election: lease %s/%s is gone", self.namespace, self.name)
+            return False
         if outcome == "follow":
             return False
         if outcome == "create":
@@ -226,6 +253,8 @@ class LeaderElector:
             patch = {"metadata": {"resourceVersion": live["metadata"]["resourceVersion"]}, "spec": spec}
             self.kube.request("PATCH", self._path(), body=patch, content_type="application/merge-patch+json",
                               timeout=bound())
+        if self.clock() >= deadline:  # the write landed, but too late to count: the deadline has passed
+            raise TimeoutError("leader election: the renew deadline passed during the write")
         self.renewed_at = started
         if outcome != "renew":
             log.info("leader election: acquired lease %s/%s as %s", self.namespace, self.name, self.identity)
@@ -263,7 +292,13 @@ class LeaderElector:
             try:
                 if self.try_once(self.deadline):
                     continue
-                log.error("leader election: another process holds lease %s/%s", self.namespace, self.name)
+                log.error("leader election: lost lease %s/%s (gone, or another process holds it)",
+                          self.namespace, self.name)
+            except KubeError as exc:
+                if exc.status != 404:  # 404: deleted between our read and our write, lost at once
+                    log.warning("leader election: renewal failed: %s", exc)
+                    if self.clock() < self.deadline:
+                        continue
             except Exception as exc:  # any failure (HTTP, TLS, a call out of time) is a missed renewal
                 log.warning("leader election: renewal failed: %s", exc)
                 if self.clock() < self.deadline:

@@ -83,7 +83,11 @@ class KubeClient:
         timeout: float | tuple[float, float] | None = None,
     ) -> Any:
         """The decoded JSON answer (``{}`` when empty; None for a 404 when ``allow_404``). ``timeout``
-        replaces the client's (connect, read) pair for this call; one number bounds the whole call."""
+        replaces the client's (connect, read) pair for this call; one number is urllib3's ``total``: it bounds
+        the connect and the read, but not the host name's lookup (``getaddrinfo`` has no time-out, and
+        bounding it would need a thread per call), nor a server that trickles its answer a little at a time
+        (each read gets the time that was left when reading began). A caller whose bound is a promise (the
+        leader's renewal) keeps a watchdog of its own for the call that overruns."""
         headers = {"Accept": accept, "Content-Type": content_type}
         method_, url, headers, body_, post = self.client.param_serialize(
             method, path, query_params=query or [], header_params=headers, body=body,
