@@ -200,3 +200,34 @@ def test_a_write_that_lands_after_the_deadline_does_not_make_a_leader(cluster: C
     with pytest.raises(TimeoutError):
         candidate.try_once()
     assert not candidate.is_leader
+
+
+def test_a_release_that_fails_leaves_the_watchdog_armed(cluster: Cluster) -> None:
+    """The release PATCH fails: this process is still the Lease's holder, so it must still stop acting at
+    its renew deadline (a standby takes the Lease once it expires)."""
+    lost = Lost()
+    leader = elector(cluster, "release-fails", "leader", lost)
+    assert leader.acquire()
+    request = leader.kube.request
+
+    def failing(method: str, *args, **kwargs):
+        if method == "PATCH":
+            raise ConnectionError("the API server went away")
+        return request(method, *args, **kwargs)
+
+    leader.kube.request = failing  # type: ignore[method-assign]
+    leader.release()
+    assert holder(cluster, "release-fails") == "leader"
+    assert lost.event.wait(TIMING["renew_deadline"] + 2), "acting on past the renew deadline after a failed release"
+    assert lost.at is not None and lost.at - leader.renewed_at < TIMING["lease_duration"]
+    assert not leader.is_leader
+
+
+def test_a_release_that_succeeds_stands_the_watchdog_down(cluster: Cluster) -> None:
+    lost = Lost()
+    leader = elector(cluster, "released", "leader", lost)
+    assert leader.acquire()
+    leader.release()
+    assert holder(cluster, "released") == ""
+    assert not leader.is_leader
+    assert not lost.event.wait(TIMING["renew_deadline"] + 1)

@@ -5,8 +5,11 @@ use): a candidate takes the Lease when it is free or its holder stopped renewing
 ``leaseDurationSeconds``, the leader renews it every ``retry_period``, and a leader that cannot renew
 within ``renew_deadline`` stops acting at once (the process exits; its pod restarts as a candidate).
 On a clean shutdown the leader releases the Lease, so a standby takes over in one retry period instead
-of one lease duration. Writes go through optimistic concurrency (``resourceVersion``): two candidates
-racing for a free Lease cannot both win.
+of one lease duration: only once its work has ended (main.py waits for kopf's handler threads and the
+background workers, bounded; if they do not end, it exits without releasing and the Lease expires). Until
+the release is written, the renew deadline still ends the acting: a release that fails leaves the
+watchdog to stop the process at the deadline. Writes go through optimistic concurrency
+(``resourceVersion``): two candidates racing for a free Lease cannot both win.
 
 Time, as client-go judges it. A candidate never compares another machine's clock with its own: it
 remembers when, on its own monotonic clock, it last saw the Lease record change (holder, ``renewTime`` or
@@ -163,7 +166,8 @@ def default_identity() -> str:
 
 
 class LeaderElector:
-    """Blocks in `acquire()` until leader, then renews on a daemon thread until `release()`.
+    """Blocks in `acquire()` until leader, then renews on a daemon thread until `release()` (or
+    `abandon()`). The deadline watchdog stays armed until a release has been written.
 
     ``clock`` (monotonic seconds) decides every expiry and deadline; ``wall`` (epoch seconds) only stamps
     the times written into the Lease. Both are parameters so that tests can run a candidate whose clock is
@@ -197,7 +201,8 @@ class LeaderElector:
         self.on_lost = on_lost or self._exit
         self.clock = clock
         self.wall = wall
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # stop renewing
+        self._released = threading.Event()  # the release was written: the watchdog stands down
         self._thread: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
         self._lost_lock = threading.Lock()
@@ -313,34 +318,59 @@ class LeaderElector:
             if left <= 0:
                 self._lose()
                 return
-            if self._stop.wait(left):
+            if self._released.wait(left):
                 return
 
     def _lose(self) -> None:
         with self._lost_lock:
-            if self._lost or self._stop.is_set():
+            if self._lost or self._released.is_set():
                 return
             self._lost = True
             self.is_leader = False
         self.on_lost()
 
-    def release(self) -> None:
-        """Stop renewing and hand the Lease back (a standby takes over at its next round)."""
+    def abandon(self) -> None:
+        """Stop renewing without handing the Lease back (work may still be under way): it expires a lease
+        duration after the last renewal. The watchdog stays armed: if this process lingers, it stops at
+        the renew deadline."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.renew_deadline + 1)
-        with self._lost_lock:
-            if not self.is_leader:
-                return
-            self.is_leader = False
+        log.warning("leader election: not releasing lease %s/%s (work still under way); it expires by itself",
+                    self.namespace, self.name)
+
+    def release(self) -> None:
+        """Stop renewing and hand the Lease back (a standby takes over at its next round). Call it only once
+        this process's work has ended. Its calls are bounded by the renew deadline; until the release is
+        written this process is still the leader, and the watchdog still ends its acting at the deadline."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.renew_deadline + 1)
+        if not self.is_leader:
+            self._released.set()
+            return
+
+        def bound() -> float:
+            left = call_timeout(self.deadline, self.clock())
+            if left is None:
+                raise TimeoutError("the renew deadline passed")
+            return left
+
         try:
-            timeout = self.renew_deadline
-            live = self.kube.request("GET", self._path(), allow_404=True, timeout=timeout)
+            live = self.kube.request("GET", self._path(), allow_404=True, timeout=bound())
             if live and (live.get("spec") or {}).get("holderIdentity") == self.identity:
                 patch = {"metadata": {"resourceVersion": live["metadata"]["resourceVersion"]},
                          "spec": {"holderIdentity": None, "renewTime": None, "acquireTime": None}}
-                self.kube.request("PATCH", self._path(), body=patch, timeout=timeout,
+                self.kube.request("PATCH", self._path(), body=patch, timeout=bound(),
                                   content_type="application/merge-patch+json")
                 log.info("leader election: released lease %s/%s", self.namespace, self.name)
+            else:
+                log.warning("leader election: lease %s/%s is no longer ours; nothing to release",
+                            self.namespace, self.name)
         except Exception as exc:  # HTTP, unreachable, out of time: the Lease then expires by itself
-            log.warning("leader election: could not release the lease (it expires by itself): %s", exc)
+            log.warning("leader election: could not release the lease (it expires by itself; this process "
+                        "stops acting at the renew deadline): %s", exc)
+            return
+        with self._lost_lock:
+            self._released.set()
+            self.is_leader = False

@@ -15,19 +15,24 @@ standby is ready to take over). kopf's own liveness endpoint is not used: it sta
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import logging
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import kopf
 
-from embedfleet.operator import metrics
+from embedfleet.operator import background, metrics
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.fleet import FLEET_CLUSTER_PLURAL, PLACEMENT_POLICY_PLURAL
 from embedfleet.operator.health import HealthServer, ServedResources, loop_responsive, parse_endpoint
+
+if TYPE_CHECKING:
+    from embedfleet.operator.leader import LeaderElector
 
 #: What each role runs. Importing a module registers its kopf handlers. standalone/spoke reconcile
 #: EmbeddingDeployments and ModelCaches into pods and scale them; a spoke also renews its heartbeat Lease;
@@ -184,17 +189,37 @@ def _run(role: str, namespaces: Sequence[str] | None, election: Election, state:
         log.info("embedfleet operator: acquired leadership, starting handlers")
     state.phase = "acting"
     metrics.set_leader(role, True)
+    # kopf's pool for synchronous handlers, ours so that shutdown can wait for it (kopf never does).
+    handler_pool = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="kopf-handler")
+    settings = kopf.OperatorSettings()
+    settings.execution.executor = handler_pool
     try:
         # What kopf.run does, with the event loop in hand for the liveness check.
         with asyncio.Runner() as runner:
             state.loop = runner.get_loop()
             try:
                 runner.run(kopf.operator(clusterwide=not watched, namespaces=watched, standalone=True,
-                                         ready_flag=state.kopf_started))
+                                         ready_flag=state.kopf_started, settings=settings))
             except asyncio.CancelledError:
                 pass
     finally:
         metrics.set_leader(role, False)
         if elector is not None:
-            elector.release()
+            hand_over(elector, handler_pool)
     return 0
+
+
+#: How long shutdown waits for handlers and background workers to end before it leaves the Lease to expire.
+SETTLE_S = 10.0
+
+
+def hand_over(elector: LeaderElector, *pools: concurrent.futures.Executor, timeout: float = SETTLE_S) -> bool:
+    """Release the Lease only once the work has ended (handler threads, background workers, spoke writers),
+    so that a standby taking over at once never acts beside writes of ours still under way; else stop
+    renewing and let the Lease expire (the process exits; the watchdog ends the acting at the renew
+    deadline if it does not). True when released."""
+    if background.settle(timeout, *pools):
+        elector.release()
+        return True
+    elector.abandon()
+    return False

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from embedfleet.operator.background import track_pool
 from embedfleet.operator.hub.breaker import Breaker
 from embedfleet.operator.hub.health import Health
 from embedfleet.operator.hub.informer import Informer
@@ -34,7 +35,8 @@ class SpokeLink:
     lease: Informer
     checked: float  # monotonic time the kubeconfig Secret was last read
     writer: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spoke-writer"))
+        default_factory=lambda: track_pool(
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spoke-writer")))
     #: The batch running on ``writer``: hub object -> its ``writes.Outcome`` (writes.py imports this module).
     batch: concurrent.futures.Future[dict[str, Any]] | None = None
     written: str = ""  # the newest resourceVersion the spoke returned for the hub's writes
