@@ -148,3 +148,24 @@ def test_a_standby_never_creates_before_the_deleted_leader_must_have_stopped(mis
     gone = observe(observe(seen, None, missing_at), None, missing_at + later)
     outcome = decide(gone, ME, missing_at + later, "t", 15)[0]
     assert outcome == ("create" if later >= duration else "follow")
+
+
+def test_an_edit_of_labels_or_annotations_is_no_renewal() -> None:
+    """Metadata edits change the resourceVersion but not the record: a dead holder's Lease is still taken
+    one lease duration after its last renewal, however often someone labels it."""
+    seen = observe(None, record(rv="1"), now=0.0)
+    for i, now in enumerate((4.0, 8.0, 12.0), start=2):
+        seen = observe(seen, record(rv=str(i)), now=now)
+    assert seen is not None and seen.at == 0.0
+    assert decide(seen, ME, 15.0, "t", 15)[0] == "acquire"
+
+
+def test_every_field_of_the_record_marks_a_change() -> None:
+    base = LeaseRecord(holder=HOLDER, renew_time="r", duration=15, transitions=1, acquire_time="a")
+    for changed in (LeaseRecord(holder="x", renew_time="r", duration=15, transitions=1, acquire_time="a"),
+                    LeaseRecord(holder=HOLDER, renew_time="r2", duration=15, transitions=1, acquire_time="a"),
+                    LeaseRecord(holder=HOLDER, renew_time="r", duration=16, transitions=1, acquire_time="a"),
+                    LeaseRecord(holder=HOLDER, renew_time="r", duration=15, transitions=2, acquire_time="a"),
+                    LeaseRecord(holder=HOLDER, renew_time="r", duration=15, transitions=1, acquire_time="b")):
+        seen = observe(observe(None, base, 0.0), changed, 5.0)
+        assert seen is not None and seen.at == 5.0

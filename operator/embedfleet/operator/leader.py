@@ -12,9 +12,11 @@ watchdog to stop the process at the deadline. Writes go through optimistic concu
 (``resourceVersion``): two candidates racing for a free Lease cannot both win.
 
 Time, as client-go judges it. A candidate never compares another machine's clock with its own: it
-remembers when, on its own monotonic clock, it last saw the Lease record change (holder, ``renewTime`` or
-``resourceVersion``), and takes a held Lease only once ``leaseDurationSeconds`` passed since then with no
-change (`observe`, `decide`). ``renewTime`` is written for people and other tools, never read to decide.
+remembers when, on its own monotonic clock, it last saw the Lease record change (its ``spec``: holder,
+``renewTime``, ``acquireTime``, duration or ``leaseTransitions``, the record client-go compares; not the
+``resourceVersion``, which anyone editing the Lease's labels or annotations changes), and takes a held
+Lease only once ``leaseDurationSeconds`` passed since then with no change (`observe`, `decide`).
+``renewTime`` is written for people and other tools, never read to decide.
 The leader counts its renew deadline from the start of its last successful renewal; every call it makes
 (read and write) is bounded by the time left before that deadline and is never retried behind its back
 (`without_retries`), and a watchdog ends its acting at the deadline even if a call overran. Since the
@@ -75,6 +77,7 @@ class LeaseRecord:
     duration: int
     transitions: int = 0
     resource_version: str = ""
+    acquire_time: str = ""
 
     @classmethod
     def from_lease(cls, lease: Mapping[str, Any]) -> LeaseRecord:
@@ -85,12 +88,15 @@ class LeaseRecord:
             duration=int(spec.get("leaseDurationSeconds") or 0),
             transitions=int(spec.get("leaseTransitions") or 0),
             resource_version=str((lease.get("metadata") or {}).get("resourceVersion") or ""),
+            acquire_time=str(spec.get("acquireTime") or ""),
         )
 
     def same(self, other: LeaseRecord) -> bool:
-        """Whether nothing that marks a renewal changed between the two reads."""
-        return (self.holder, self.renew_time, self.resource_version) == (
-            other.holder, other.renew_time, other.resource_version)
+        """Whether the leader election record (the spec) is unchanged between the two reads. Metadata is not
+        compared: an edit of labels or annotations is no renewal, and must not keep a dead holder's Lease
+        from being taken."""
+        return (self.holder, self.renew_time, self.acquire_time, self.duration, self.transitions) == (
+            other.holder, other.renew_time, other.acquire_time, other.duration, other.transitions)
 
 
 @dataclass(frozen=True)
