@@ -234,7 +234,8 @@ class LeaderElector:
 
     def try_once(self, deadline: float | None = None) -> bool:
         """One round; True when this process holds the Lease afterwards. Every call ends by ``deadline``
-        (this clock; default: one renew deadline from now); TimeoutError when too little time is left."""
+        (this clock; default: one renew deadline from now); TimeoutError when too little time is left, or
+        when the write returns at or after the deadline (the round then does not count)."""
         started = self.clock()
         deadline = started + self.renew_deadline if deadline is None else deadline
 
