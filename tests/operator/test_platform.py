@@ -162,7 +162,7 @@ def test_the_charts_defaults_are_the_operators_defaults() -> None:
 
 def test_the_example_values_reach_the_operator_as_its_policy() -> None:
     """examples/platform-values.yaml through `helm template`: the operator's EMBEDFLEET_PLATFORM_POLICY
-    is that file's platform block, and both admission policies are rendered."""
+    is that file's platform block, and both allow-list policies and the three node-cache ones are rendered."""
     import yaml
     from tests.chart.helm import by_kind, operator_container, template
     from tests.kube.controlplane import ROOT
@@ -176,8 +176,11 @@ def test_the_example_values_reach_the_operator_as_its_policy() -> None:
     # the chart adds its default runtime image (runtimeImage) to the platform block it is given
     assert policy == expected.model_copy(update={"runtime_image": f"ghcr.io/embedfleet/runtime:{app_version}"})
     assert policy.cache_root == "/mnt/nvme/embedfleet-cache"
-    assert len(by_kind(objects, "ValidatingAdmissionPolicy")) == 2
-    assert len(by_kind(objects, "ValidatingAdmissionPolicyBinding")) == 2
+    names = sorted(o["metadata"]["name"].rsplit("embedfleet-", 1)[-1]
+                   for o in by_kind(objects, "ValidatingAdmissionPolicy"))
+    assert names == ["embeddingdeployments", "modelcaches", "node-cache-cronjobs", "node-cache-pods",
+                     "node-cache-workloads"], names
+    assert len(by_kind(objects, "ValidatingAdmissionPolicyBinding")) == 5
     off = template([path], sets={"admissionPolicy.enabled": "false"})
     assert by_kind(off, "ValidatingAdmissionPolicy") == []
 
