@@ -185,3 +185,23 @@ def test_the_operators_pods_still_mount_their_entry_and_an_editor_cannot_redirec
             assert proc is not None and proc.unexpected_errors() == [], proc.log()[-3000:]
     finally:
         kube_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_cache_root_with_regex_characters_compiles_and_names_only_itself(
+    kube_cluster: Cluster, unique: str, tmp_path: Path
+) -> None:
+    """platform.cacheRoot is quoted into the policy's regular expression (the real-node tier's root holds
+    dots): the API server compiles the policy, the namespace's own entry under it is admitted, and a root
+    that differs only where a dot would match any character is not."""
+    root = "/mnt/nvme.0/embedfleet-cache"
+    user, ns = _tenant(kube_cluster, unique)
+    try:
+        with release(kube_cluster, tmp_path, unique, start=False, sets={"platform.cacheRoot": root}):
+            pod = _objects(ns, "/mnt/nvmeX0/embedfleet-cache/" + f"{ns}_sha256-{'cd' * 32}")["Pod"]
+            wait_until(lambda: "denied request" in _dry_run_as(kube_cluster, user, pod).stderr, 30,
+                       "the node-cache policy to take effect")
+            own = _objects(ns, f"{root}/{ns}_sha256-{'cd' * 32}")["Pod"]
+            done = _dry_run_as(kube_cluster, user, own)
+            assert done.returncode == 0, done.stderr
+    finally:
+        kube_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
