@@ -46,27 +46,22 @@ def open_dir(name: str | os.PathLike[str], dir_fd: int | None = None) -> int:
 def open_dirs(top: int, parts: list[str]) -> int:
     """Descend from the descriptor ``top`` through ``parts`` (single names), each without following a link;
     the caller closes the returned descriptor (a new one, even for no parts)."""
-    fd = os.dup(top)
-    try:
-        for part in parts:
-            _check_name(part)
-            nxt = open_dir(part, fd)
-            os.close(fd)
-            fd = nxt
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _descend(top, parts, None)
 
 
 def make_dirs(top: int, parts: list[str], mode: int = 0o755) -> int:
     """`open_dirs`, creating missing components (never through a link: an existing link is UnsafePath)."""
+    return _descend(top, parts, mode)
+
+
+def _descend(top: int, parts: list[str], create_mode: int | None) -> int:
     fd = os.dup(top)
     try:
         for part in parts:
             _check_name(part)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, mode, dir_fd=fd)
+            if create_mode is not None:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, create_mode, dir_fd=fd)
             nxt = open_dir(part, fd)
             os.close(fd)
             fd = nxt
