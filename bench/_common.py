@@ -1,7 +1,8 @@
-"""Shared by the benchmark scripts: a deterministic corpus and a server process."""
+"""Shared by the benchmark scripts: a deterministic corpus, a server process, and the results logs."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 SOURCE_PATHS = [str(ROOT / "runtime"), str(ROOT / "operator"), str(ROOT / "client"), str(ROOT / "gateway")]
 sys.path[:0] = SOURCE_PATHS
 
@@ -54,6 +56,45 @@ def run_meta() -> dict:
     return {"commit": commit or "unknown", "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+
+
+def record(bench: str, row: dict, device: str = "cpu", results_dir: Path | None = None) -> Path:
+    """Append `row` with run_meta() as one JSON line to `<results_dir>/<bench>-<device>.jsonl` (bench/results by
+    default; device "" names the file by `bench` alone, as bench/gpu.py's `<gpu-name>.jsonl`); returns the path.
+
+    A log, not a snapshot: a rewritten file loses the earlier runs and the figures the docs quote from them,
+    so the file is only ever opened for appending. run_meta's keys are the run's own (which tree, machine,
+    date and command produced the row); where the row already has one of them with another value (a bench's
+    own `cpu` or `cores` label), both are kept, the row's as `bench_<key>`."""
+    out = dict(row)
+    for key, value in run_meta().items():
+        if key in out and out[key] != value:
+            out[f"bench_{key}"] = out[key]
+        out[key] = value
+    folder = RESULTS if results_dir is None else Path(results_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (f"{bench}-{device}.jsonl" if device else f"{bench}.jsonl")
+    with path.open("a+b") as f:  # a+: every write lands at the end, whatever was read before
+        end = f.seek(0, os.SEEK_END)
+        if end:
+            f.seek(end - 1)
+            if f.read(1) != b"\n":  # a hand-edited file without its last newline: this row on a line of its own
+                f.write(b"\n")
+        f.write(json.dumps(out).encode() + b"\n")
+    return path
+
+
+def read_rows(path: Path | str) -> list[dict]:
+    """Every row of a results file, in order. Reads the JSON-lines logs record() appends to and, so that a copy
+    of an older tree or an outside file still reads, a file holding one JSON object (indented or not)."""
+    text = Path(path).read_text()
+    try:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError:
+        rows = [json.loads(text)]
+    if not all(isinstance(row, dict) for row in rows):
+        raise ValueError(f"{path}: a results row is a JSON object")
+    return rows
 
 
 def free_port() -> int:
