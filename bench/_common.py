@@ -58,16 +58,18 @@ def run_meta() -> dict:
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
 
 
-def record(bench: str, row: dict, device: str = "cpu", results_dir: Path | None = None) -> Path:
+def record(bench: str, row: dict, device: str = "cpu", results_dir: Path | None = None,
+           meta: dict | None = None) -> Path:
     """Append `row` with run_meta() as one JSON line to `<results_dir>/<bench>-<device>.jsonl` (bench/results by
     default; device "" names the file by `bench` alone, as bench/gpu.py's `<gpu-name>.jsonl`); returns the path.
 
     A log, not a snapshot: a rewritten file loses the earlier runs and the figures the docs quote from them,
     so the file is only ever opened for appending. run_meta's keys are the run's own (which tree, machine,
     date and command produced the row); where the row already has one of them with another value (a bench's
-    own `cpu` or `cores` label), both are kept, the row's as `bench_<key>`."""
+    own `cpu` or `cores` label), both are kept, the row's as `bench_<key>`. A bench that appends several rows
+    of one run passes one run_meta() as `meta`, so that they share its date: the date tells runs apart."""
     out = dict(row)
-    for key, value in run_meta().items():
+    for key, value in (run_meta() if meta is None else meta).items():
         if key in out and out[key] != value:
             out[f"bench_{key}"] = out[key]
         out[key] = value

@@ -43,7 +43,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from _common import Server, corpus, free_port, wait_ready
+from _common import Server, corpus, free_port, record, wait_ready
 from embedfleet.runtime.engines.int8_cpu import build_int8_engine
 from embedfleet.runtime.models.spec import load_spec
 from embedfleet.runtime.settings import default_model_dir
@@ -163,7 +163,7 @@ def main() -> None:
            "quality": quality, "servers": results}
     line = json.dumps(out)
     print(line)
-    (Path(__file__).resolve().parent / "results" / "cpu-peers-cpu.json").write_text(line + "\n")
+    record("cpu-peers", out)
 
 
 if __name__ == "__main__":

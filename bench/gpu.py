@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, Server, corpus, percentiles, run_meta
+from _common import ROOT, Server, corpus, percentiles, record, run_meta
 
 sys.path.insert(0, str(ROOT))
 
@@ -593,14 +593,14 @@ def main() -> int:
     deadline = began + (args.budget_s if not args.smoke else 1e9)
     gpu = torch.cuda.get_device_name() if not args.smoke else "cpu-smoke"
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    out = args.results_dir / (re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-") + ".jsonl")
-    meta = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, **run_meta()}
+    log = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")  # bench/results/<log>.jsonl
+    run = run_meta()  # one for the whole run: its rows share the date
+    meta = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, **run}
 
     def emit(line: dict) -> None:
         line = {**line, **meta, "t_s": round(time.monotonic() - began, 1)}
         print(json.dumps(line), flush=True)
-        with out.open("a") as fh:
-            fh.write(json.dumps(line) + "\n")
+        record(log, line, device="", results_dir=args.results_dir, meta=run)
 
     sections = {"server": lambda m: server_figures(m, emit, deadline),
                 "latency": lambda m: latency_figures(m, emit, deadline),

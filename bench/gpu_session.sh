@@ -46,7 +46,9 @@ fi
 phase encoder 90 110 --only forward --filter '^encoder-bge-large/packed'
 phase server 80 90 --only server --filter '^minilm-(bfloat16|fp8)$'
 phase latency 60 60 --only latency,profile
-cp bench/results/*.jsonl "$OUT/" 2>/dev/null
+for f in bench/results/*.jsonl; do  # the GPU logs: the -cpu ones are not this machine's
+  case $f in *-cpu.jsonl) ;; *) cp "$f" "$OUT/" ;; esac
+done
 grep -h '^{' "$OUT"/bench.*.log | python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -1,6 +1,6 @@
 """The server's host path at large batches: embeddings per second of the whole server (HTTP, parsing,
 tokenization, the batch manager, the response) with a null engine, this tree against a baseline checkout,
-measured in the same run. One JSON line, also written to bench/results/host-path-cpu.json.
+measured in the same run. One JSON line, also appended to bench/results/host-path-cpu.jsonl.
 
 Why a null engine: the engine's own time is the same in both trees; what differs is the Python around it,
 which on a GPU (batches of hundreds to a thousand inputs, a forward pass of milliseconds) is what keeps
@@ -35,7 +35,7 @@ Figures, per scenario:
 Run: .venv/bin/python bench/host_path.py --baseline-tree /tmp/hostpath-base (about a minute).
 
 This machine (2 cores, a VM shared with other jobs; Python 3.11, pybase64 installed), the run in
-bench/results/host-path-cpu.json, baseline d517066 (the tree before this work), this tree 9d40402:
+bench/results/host-path-cpu.jsonl, baseline d517066 (the tree before this work), this tree 9d40402:
   null engine: 5,304 -> 5,730 embeddings/s (1.08x); the event loop's CPU 40.9 -> 32.3 ms per 1,000
     embeddings. The loop is not what limits this server: of its 169 ms of CPU per 1,000 embeddings,
     about 130 are the tokenizer's (HF tokenizers' encode_batch on this corpus, ~130 us a text measured
@@ -63,7 +63,7 @@ from pathlib import Path
 
 import httpx
 
-from _common import ROOT, corpus, free_port, pinned_to, wait_ready
+from _common import RESULTS, ROOT, corpus, free_port, pinned_to, record, wait_ready
 
 LAUNCHER = """
 import sys, time
@@ -170,7 +170,8 @@ def main() -> None:
                     help="the slow engine's time per padded token (microseconds)")
     ap.add_argument("--per-request", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "host-path-cpu.json"))
+    ap.add_argument("--results-dir", type=Path, default=RESULTS,
+                    help="the row is appended to host-path-cpu.jsonl there")
     args = ap.parse_args()
     if not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
         sys.exit(f"{args.baseline_tree} is not a checkout of this repository: "
@@ -209,7 +210,7 @@ def main() -> None:
               "python": platform.python_version(), "machine": f"{platform.machine()}, shared 2-core VM"}
     line = json.dumps(result)
     print(line)
-    Path(args.out).write_text(line + "\n")
+    record("host-path", result, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

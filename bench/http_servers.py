@@ -10,7 +10,7 @@ a process of its own on uvloop where the server allows:
 
 Figures: c=1 latency (median round trip over one kept-alive connection; variants interleaved in blocks so
 drift on the machine falls on all alike) and throughput with 32 connections (a backfill's shape), each as a
-ratio against `uvicorn_httptools`: what the bounds cost. bench/results/http-servers-cpu.json also keeps the
+ratio against `uvicorn_httptools`: what the bounds cost. bench/results/http-servers-cpu.jsonl also keeps the
 figures of the hand-written server this replaced (docs/http.md). The abuse classes are the tests'
 (tests/abuse); this measures speed only. One JSON line per server, then a summary line.
 

@@ -38,7 +38,7 @@ Figures:
                                       2*spokes + 3 + namespaces (it leaves out the per-spoke Secret GET)
 
 Run: cd bench && python hub_fleet.py --spokes 10 --deployments 2000 (needs the control plane built:
-scripts/kube-tools.sh). Results in bench/results/hub-fleet-cpu.json.
+scripts/kube-tools.sh). Rows appended to bench/results/hub-fleet-cpu.jsonl.
 
 This machine (2 cores, 24 GB), --spokes 16 --deployments 2000 (17 API servers on one etcd; 257 s in all):
   placing: 2 rounds, 80.3 s (first round 76.4 s: 16 links set up, 2000 status patches in sequence), 7619
@@ -79,6 +79,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "operator")]
 
 from tests.kube.controlplane import KUBE_VERSION, Cluster, ControlPlane, missing_reason  # noqa: E402
 
+from _common import record  # noqa: E402
 from embedfleet.operator import platform  # noqa: E402
 from embedfleet.operator.hub.controller import HubController  # noqa: E402
 from embedfleet.operator.kube import Kube, load_client  # noqa: E402
@@ -516,7 +517,7 @@ def main() -> int:
               "hub_loop_sha256": hashlib.sha256(loop_source).hexdigest()[:12], "machine": facts}
     line = json.dumps(result)
     print(line)
-    (Path(__file__).resolve().parent / "results" / "hub-fleet-cpu.json").write_text(line + "\n")
+    record("hub-fleet", result)
     return 0
 
 

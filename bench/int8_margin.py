@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import corpus, run_meta
+from _common import corpus, record
 from embedfleet.runtime.engines.int8_cpu import build_int8_engine
 from embedfleet.runtime.engines.int8_gate import INT8_MARGIN_FACTOR
 from embedfleet.runtime.engines.quality_gate import row_cosines
@@ -29,8 +29,6 @@ from embedfleet.runtime.engines.torch_engine import TorchEngine
 from embedfleet.runtime.models.spec import load_spec
 from embedfleet.runtime.settings import default_model_dir
 from fp8_gate import HELD_OUT_SEED, embed_all, tokenize
-
-RESULTS = Path(__file__).parent / "results" / "int8-margin-cpu.jsonl"
 
 
 def measure(held_out: int, seed: int, threads: int) -> dict:
@@ -51,7 +49,7 @@ def measure(held_out: int, seed: int, threads: int) -> dict:
             "held_out": {"texts": held_out, "seed": seed, "min": round(float(cos.min()), 5),
                          "mean": round(float(cos.mean()), 5), "below_0_99": int((cos < 0.99).sum())},
             "deviation_ratio": round(held_dev / judged_dev, 3) if judged_dev > 0 else None,
-            "build_s": round(built, 1), "seconds": round(time.perf_counter() - started, 1), "run": run_meta()}
+            "build_s": round(built, 1), "seconds": round(time.perf_counter() - started, 1)}
 
 
 def main() -> None:
@@ -63,8 +61,7 @@ def main() -> None:
     row = measure(args.held_out, args.seed, args.threads)
     line = json.dumps(row)
     print(line)
-    with RESULTS.open("a") as f:
-        f.write(line + "\n")
+    record("int8-margin", row)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import Server, corpus
+from _common import Server, corpus, record
 from ceiling import measure as ceiling
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.engines.int8_cpu import build_int8_engine
@@ -187,7 +187,7 @@ def main() -> None:
             out["quality"] = quality(cache, a.held_out, a.passages, a.queries)
     line = json.dumps(out)
     print(line)
-    (Path(__file__).resolve().parent / "results" / "int8_server-cpu.json").write_text(line + "\n")
+    record("int8_server", out)
 
 
 if __name__ == "__main__":

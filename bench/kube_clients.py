@@ -37,7 +37,7 @@ Figures:
 
 Needs the control plane built (scripts/kube-tools.sh) and, for the bench only (it is no dependency of
 embedfleet), ``pip install kubernetes_asyncio``. Run: python bench/kube_clients.py (about 1 minute on 2
-cores). Results in bench/results/kube-clients-cpu.json.
+cores). Results in bench/results/kube-clients-cpu.jsonl.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ are separate processes, the puller is this one. Both loopback on one machine: th
 two paths' software, not two networks. Measured twice: caches on the system's temp folder (disk), then
 on /dev/shm (tmpfs), where the disk's write speed no longer bounds both.
 
-Prints one JSON line, also written to bench/results/peer_fetch-cpu.json.
+Prints one JSON line, also appended to bench/results/peer_fetch-cpu.jsonl.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from _common import ROOT, SOURCE_PATHS, free_port
+from _common import RESULTS, SOURCE_PATHS, free_port, record
 from embedfleet.operator.cache.digest import MANIFEST_NAME, manifest_lines, render_manifest, tree_digest
 from embedfleet.operator.cache.pull import pull
 from embedfleet.operator.crd import naming
@@ -100,7 +100,8 @@ def measure(base: str | None, megabytes: int, env: dict[str, str]) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="megabytes of weights (default 256)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peer_fetch-cpu.json")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS,
+                        help="the row is appended to peer_fetch-cpu.jsonl there")
     args = parser.parse_args()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(SOURCE_PATHS))
     result: dict[str, object] = {
@@ -115,8 +116,7 @@ def main() -> None:
                          "python": sys.version.split()[0]}
     line = json.dumps(result)
     print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(line + "\n")
+    record("peer_fetch", result, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Cost-aware placement: time of one ``place()`` call for 10,000 deployments over 100 clusters ranked by cost
 per million embeddings, against the same call ranked by hourly price alone (``throughput=None``) on the same
-input in the same run, alternating the two so both see the same machine load. One JSON line, also written to
-bench/results/placement-cost-cpu.json.
+input in the same run, alternating the two so both see the same machine load. One JSON line, also appended to
+bench/results/placement-cost-cpu.jsonl.
 
 Input: bench/scheduler.py's seeded fleet and deployments, each deployment given one of six models (22M to
 8B parameters, so the priors differ), and a measured throughput table with an entry for half of the
@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _common import record  # noqa: E402
 from embedfleet.operator.scheduling import Placement, place  # noqa: E402
 from embedfleet.operator.scheduling.cost import Throughput  # noqa: E402
 from embedfleet.operator.scheduling.model import CPU  # noqa: E402
@@ -93,9 +94,7 @@ def main() -> None:
     }
     line = json.dumps(out)
     print(line)
-    results = ROOT / "bench" / "results"
-    results.mkdir(exist_ok=True)
-    (results / "placement-cost-cpu.json").write_text(line + "\n")
+    record("placement-cost", out)
 
 
 if __name__ == "__main__":

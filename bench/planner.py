@@ -1,6 +1,6 @@
 """Batch planner: plans per second of `plan_batch` against the planner it replaced (every window tried: a
 double loop over window size and position, quadratic in max_items), on the same queues in the same run.
-One JSON line, also written to bench/results/planner-cpu.json.
+One JSON line, also appended to bench/results/planner-cpu.jsonl.
 
 Why: a GPU engine runs batches of hundreds to a thousand inputs, and the plan is Python on the event loop
 between two batches; at max_items 1024 the old planner spent a large fraction of a second per plan.
@@ -22,7 +22,7 @@ Figures, per case:
 
 Run: .venv/bin/python bench/planner.py (about 20 s).
 
-This machine (2 cores, a VM shared with other jobs; Python 3.11), the run in bench/results/planner-cpu.json:
+This machine (2 cores, a VM shared with other jobs; Python 3.11), the run in bench/results/planner-cpu.jsonl:
   max_items 32: 1.2x (both planners mostly sort the queue then); 256: 5.2-5.4x; 1024: 21.4x at 16384
   tokens (23 ms -> 1.1 ms a plan) and 26.3x at 65536 (30 ms -> 1.15 ms); the same cost on every queue.
 """
@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "runtime"))
 
+from _common import RESULTS, record  # noqa: E402
 from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch  # noqa: E402
 
 
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--queues", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--round-s", type=float, default=0.4)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "planner-cpu.json"))
+    ap.add_argument("--results-dir", type=Path, default=RESULTS, help="the row is appended to planner-cpu.jsonl there")
     args = ap.parse_args()
     queues = [natural_queue(args.items, seed) for seed in range(args.queues)]
     cases = {}
@@ -144,7 +145,7 @@ def main() -> None:
               "python": platform.python_version(), "machine": f"{platform.machine()}, shared 2-core VM"}
     line = json.dumps(result)
     print(line)
-    Path(args.out).write_text(line + "\n")
+    record("planner", result, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Global scheduler: time of one ``place()`` call for 10,000 deployments over 100 clusters and for 100,000
 over 1,000, against the implementation at commit a4181f8 on the same input in the same run, and the
-replica moves a 5% load change causes. One JSON line, also written to bench/results/scheduler-cpu.json.
+replica moves a 5% load change causes. One JSON line, also appended to bench/results/scheduler-cpu.jsonl.
 
 Fleet: clusters in 10 regions over 3 providers, each with CPU slots and one or two GPU types (seeded, so
 every run measures the same input). Deployments: a mix of region-locked (1-2 regions), active-active
@@ -31,7 +31,7 @@ Figures:
 Run: .venv/bin/python bench/scheduler.py (about 30 s; --no-large skips 100k x 1000).
 
 This machine (2 cores, 24 GB, a VM shared with other jobs; Python 3.11, numpy 2.4), 2026-11-23, the run in
-bench/results/scheduler-cpu.json:
+bench/results/scheduler-cpu.jsonl:
   10k x 100: 0.31 s, baseline a4181f8 2.21 s in the same run: 7.2x (five runs that morning: 0.25-0.42 s,
     4.0x-7.2x, with the machine's load); same (min, desired, max) as the baseline for all 10,000 deployments
   100k x 1000: 4.5 s (3.4-4.6 s), 2,052,076 placed (deployment, cluster) pairs; no baseline (about 220 s)
@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 
 import numpy as np  # noqa: E402
 
+from _common import record  # noqa: E402
 from embedfleet.operator.scheduling import Cluster, Deployment, GPUCapacity, Intent, Placement, place  # noqa: E402
 
 GPU_TYPES = ("nvidia-l4", "nvidia-a100-80gb", "nvidia-h100")
@@ -259,7 +260,7 @@ def main() -> None:
                       "python": platform.python_version(), "numpy": np.__version__}
     line = json.dumps(out)
     print(line)
-    (ROOT / "bench" / "results" / "scheduler-cpu.json").write_text(line + "\n")
+    record("scheduler", out)
 
 
 if __name__ == "__main__":
