@@ -17,5 +17,5 @@ and 1.68-2.00x the CPU per call; 32 GETs in flight (32 threads over one ApiClien
 spread between runs) and a loss at concurrency 1, the way the operator's handlers and the hub's writer make
 their calls: the kit stays synchronous. Switching would take async twins of ``KubeClient``, ``Informer`` and
 the work queue, and coroutine callers (kopf's async handlers, the hub's rounds, the gateway's watches on its
-event loop). Figures: docs/performance.md, bench/results/kube-clients-cpu.json.
+event loop). Figures: docs/performance.md, bench/results/kube-clients-cpu.jsonl.
 """
