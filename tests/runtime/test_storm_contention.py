@@ -7,16 +7,15 @@ does, so the engine's threads share the hog's core and run at the pace of the sl
 measured at start-up (the warm-up batch, before the hog) is out of date from the first request, and
 it stays erratic (from a fraction of a second to seconds per batch) throughout.
 
-The promise: an accepted request is answered within its class's bound plus one batch, and every
-other one is refused with 429 and Retry-After; no 5xx, no time-out. "One batch" is the longest
-engine batch the server reported for the answers it gave (`server-timing` inference: the engine
-time of the batch a lone query ran in). The latency checked is what admission promises, as the server
-timed it (`server-timing` tokenize + queue + inference: from the request being whole to the end of its
-last batch; encoding the answer afterwards, on a core shared with the hog, is the server's work but not
-queue wait), and the server's whole time must stay within that and one more batch. The clients share the two cores with
-the server and the hog, so what they see also holds their own event loop's delays, which the
-server cannot promise anything about; the client's figure is checked against the server's allowance
-(the bound and two batches) plus a margin for them.
+The promise, and only what the server measures: an accepted request waits (`server-timing` tokenize +
+queue + inference: from the request being whole to the end of its last batch) at most its class's bound
+plus one batch, and every other one is refused with 429 and Retry-After; no 5xx, no time-out. "One batch"
+is the server's own figure, `embedfleet_batch_seconds_max` (the longest wall time of one engine batch since
+it started), so a loaded machine slows the batches and the promise with them, but cannot fail a working
+admission, and a broken admission (one that admits past its bound) fails whatever the machine's load. The
+whole answer (`total`: encoding it on a core shared with the hog included) comes within one more batch.
+What the clients saw, on two cores shared with the server and the hog, holds their own event loop's
+delays, which the server promises nothing about: it is printed, not judged (bench/storm.py measures it).
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ QUERY_BOUND_S = 2.0
 BULK_BOUND_S = 6.0
 CLIENTS = 96
 STORM_S = 15.0
-CLIENT_MARGIN_S = 2.0  # the clients' own delays on two cores shared with the server and the hog
 WORDS = [f"word{i}" for i in range(400)]
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -53,6 +51,13 @@ def server_timing(value: str | None) -> dict[str, float]:
             if key == "dur":
                 parts[name.strip()] = float(dur) / 1000
     return parts
+
+
+def longest_batch(srv: RuntimeServer) -> float:
+    """`embedfleet_batch_seconds_max` from the server's /metrics (the largest over its models)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{srv.url}/metrics", timeout=30).text.splitlines()
+              if line.startswith("embedfleet_batch_seconds_max{")]
+    return max(values, default=0.0)
 
 
 def text(rng: random.Random) -> str:
@@ -106,33 +111,28 @@ def test_accepted_work_keeps_its_bound_with_a_core_taken(runtime_factory):
     refused = sum(status == 429 for _, status, _, _ in results)
     assert refused >= 1, "a core taken away under a storm must overload the engine"
     accepted = [(kind, client_s, timing) for kind, status, client_s, timing in results if status == 200]
-    # The longest batch, as the server timed it: a lone query runs in one batch, so its engine time is that
-    # batch's; a bulk request's is the sum of its batches, which bounds any one of them from above.
-    longest = {"single": max((t["inference"] for k, _, t in accepted if k == "single"), default=0.0),
-               "bulk": max(t["inference"] for _, _, t in accepted)}
+    batch_s = longest_batch(srv)
+    assert batch_s > 0, "the server reports its longest batch"
     report = {kind: sorted(round(timing["total"], 2) for k, _, timing in accepted if k == kind)[-5:]
               for kind in ("single", "bulk")}
+    clients = {kind: sorted(round(c, 2) for k, c, _ in accepted if k == kind)[-5:] for kind in ("single", "bulk")}
+    print(f"storm: {len(results)} requests, {refused} refused; longest batch {batch_s:.2f} s; slowest server "
+          f"totals {report}; slowest as the clients saw them {clients}")
     for kind, bound in (("single", QUERY_BOUND_S), ("bulk", BULK_BOUND_S)):
-        mine = [(client_s, timing) for k, client_s, timing in accepted if k == kind]
-        batch_s = longest[kind]
+        mine = [timing for k, _, timing in accepted if k == kind]
         if kind == "bulk" and not mine:
             # With the machine loaded from outside as well (other jobs on the same two cores), the engine can
             # be too slow for any bulk request to fit its bound: refusing them all is the promise kept.
             assert any(k == "bulk" and status == 429 for k, status, _, _ in results)
             continue
         assert mine, f"some {kind} requests are accepted"
-        waited = [t["tokenize"] + t["queue"] + t["inference"] for _, t in mine]
-        late = [(round(w, 2), {k: round(v, 2) for k, v in t.items() if k != "total"})
-                for w, (_, t) in zip(waited, mine, strict=True) if w > bound + batch_s]
-        assert not late, f"{kind}: {len(late)} of {len(mine)} ran past {bound} s + one batch ({batch_s:.2f} s): " \
+        late = [(round(t["tokenize"] + t["queue"] + t["inference"], 2),
+                 {k: round(v, 2) for k, v in t.items() if k != "total"})
+                for t in mine if t["tokenize"] + t["queue"] + t["inference"] > bound + batch_s]
+        assert not late, f"{kind}: {len(late)} of {len(mine)} waited past {bound} s + one batch ({batch_s:.2f} s): " \
                          f"{late}; slowest totals: {report}"
-        over = [round(t["total"], 2) for _, t in mine if t["total"] > bound + 2 * batch_s]
+        over = [round(t["total"], 2) for t in mine if t["total"] > bound + 2 * batch_s]
         assert not over, f"{kind}: answered past {bound} s + two batches ({batch_s:.2f} s each): {over}"
-        # the client's figure holds the server's whole time (allowed bound + two batches, above) and the
-        # clients' own delays: checked against the same allowance plus their margin, with the server's figure
-        slow = [(round(client_s, 2), round(t["total"], 2)) for client_s, t in mine
-                if client_s > bound + 2 * batch_s + CLIENT_MARGIN_S]
-        assert not slow, f"{kind}: clients waited (client s, server s) {slow} (bound {bound} s, batch {batch_s:.2f} s)"
 
     ok = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "after the storm"}, timeout=60)
     assert ok.status_code == 200, "the server serves normally afterwards"

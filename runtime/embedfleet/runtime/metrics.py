@@ -48,6 +48,14 @@ class RuntimeMetrics:
         self.batch_tokens = Histogram(
             "embedfleet_batch_tokens", "Padded tokens per engine batch", ["model"], buckets=TOKEN_BUCKETS,
             registry=r)
+        self.batch_seconds = Histogram(
+            "embedfleet_batch_seconds", "Wall time of one engine batch, from its start on the engine thread to "
+            "its end (pauses for preempting queries included)", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        # The longest such batch since the process started: "one batch" in admission's promise (an accepted
+        # request waits at most its bound plus one batch; docs/runtime.md), read by whoever checks it.
+        self.batch_seconds_max = Gauge(
+            "embedfleet_batch_seconds_max", "Longest wall time of one engine batch since the process started",
+            ["model"], registry=r)
         self.inputs = Counter("embedfleet_inputs_total", "Inputs run through the engine", ["model"], registry=r)
         self.tokens = Counter(
             "embedfleet_tokens_total", "Tokens run through the engine (unpadded)", ["model"], registry=r)
@@ -155,6 +163,8 @@ class ModelMetrics:
     expected_wait: Gauge
     batch_size: Histogram
     batch_tokens: Histogram
+    batch_seconds: Histogram
+    batch_seconds_max: Gauge
     inputs: Counter
     tokens: Counter
     truncated: Counter

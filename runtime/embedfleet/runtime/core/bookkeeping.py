@@ -31,6 +31,7 @@ class Bookkeeping:
         self.tokens_per_s = 0.0  # the long-run rate (sizes bulk batches)
         self.last_end: float | None = None  # when the last batch finished, if work was waiting then
         self.last_batch_s = 0.0  # the drain seconds of the last batch (the promise's "one batch")
+        self.longest_batch = 0.0  # the longest wall time of one batch (embedfleet_batch_seconds_max)
         self.served: dict[str, float] = {}  # tokens run per tenant, decayed over SERVED_WINDOW_S
         self._served_at = now
         self._urgent_arrivals = 0.0  # urgent tokens submitted, decayed over ARRIVALS_WINDOW_S
@@ -90,6 +91,10 @@ class Bookkeeping:
         self.metrics.inputs.inc(len(batch))
         self.metrics.tokens.inc(tokens)
         self.metrics.engine_busy.inc(ended - started - paused)
+        self.metrics.batch_seconds.observe(ended - started)
+        if ended - started > self.longest_batch:
+            self.longest_batch = ended - started
+            self.metrics.batch_seconds_max.set(self.longest_batch)
         if not scheduled:  # run during a pause: its own time only (the pause is not the bulk batch's)
             self.observe(ended, tokens, ended - started)
             return
