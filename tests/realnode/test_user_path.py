@@ -45,6 +45,7 @@ pytestmark = pytest.mark.timeout(5400)  # the first run builds the node and its 
 
 CHART = ROOT / "charts" / "embedfleet"
 EXAMPLE = ROOT / "examples" / "embedding.yaml"
+CHART_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 WORKLOADS = ("operator", "gateway", "node-agent")
 # A 2-core node: one gateway replica leaves room for three runtime replicas of the example.
 CHART_VALUES = ["--set", "image.pullPolicy=Never", "--set", "gateway.replicas=1"]
@@ -231,6 +232,28 @@ def http_deployment(name: str, source: str, digest: str) -> dict[str, Any]:
     doc["spec"]["cache"] = {"prePull": True}
     doc["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
     return doc
+
+
+def hostpath_pod(name: str, path: str) -> str:
+    return yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"containers": [{"name": "c", "image": f"ghcr.io/embedfleet/runtime:{CHART_VERSION}",
+                                 "volumeMounts": [{"name": "h", "mountPath": "/h"}]}],
+                 "volumes": [{"name": "h", "hostPath": {"path": path}}]}})
+
+
+def test_a_labelled_tenant_namespace_refuses_a_pod_on_the_cache_root(release: RealNode) -> None:
+    """The tenant namespace is labelled as docs/security.md tells a platform team; from then on a namespace
+    editor's raw Pod that mounts the node cache root, or another tenant's entry, is refused at apply, naming
+    the rule. The label stays: the node-cache steps below run the operator's pre-pulling pods under it."""
+    root = str(release.home / "nodecache")
+    release.kubectl("label", "namespace", "default", "embedfleet.dev/pod-security=baseline", "--overwrite")
+    other = root + "/" + naming.cache_entry("team-b", "sha256:" + "a" * 64)
+    for name, path in (("steal-root", root), ("steal-root-slash", root + "/"), ("steal-other", other),
+                       ("steal-parent", root + "/default_x/..")):
+        done = release.kubectl("apply", "-f", "-", input=hostpath_pod(name, path), check=False)
+        assert done.returncode != 0 and "hostPath" in done.stderr, (name, done.stdout, done.stderr)
+        assert release.get("pod", name, "-n", "default") is None, f"{name} exists"
 
 
 def test_node_cache_serves_the_second_cold_start_and_the_gateway_wakes_from_zero(
