@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -37,15 +39,16 @@ def corpus(n: int = 10_000, seed: int = 0) -> list[str]:
 
 def run_meta() -> dict:
     """What a results row says of where it came from: the commit (git, or EMBEDFLEET_COMMIT where the tree
-    travelled without its .git, as to a GPU machine), the machine (CPU model, cores), the date, the command."""
+    travelled without its .git, as to a GPU machine), the machine (CPU model, cores), the date, the command.
+    The tree is named as safe to git, so that a bench run as root on a user's checkout (the real-node ones,
+    under sudo) still finds its commit."""
     import platform
-    import subprocess
 
     commit = os.environ.get("EMBEDFLEET_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                                    text=True, timeout=10).stdout.strip()
+            commit = subprocess.run(["git", "-c", f"safe.directory={ROOT}", "-C", str(ROOT), "rev-parse",
+                                     "--short=12", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             commit = ""
     try:
@@ -84,6 +87,31 @@ def record(bench: str, row: dict, device: str = "cpu", results_dir: Path | None 
                 f.write(b"\n")
         f.write(json.dumps(out).encode() + b"\n")
     return path
+
+
+def add_results_dir(parser: argparse.ArgumentParser, log: str) -> None:
+    """The `--results-dir` every bench takes: the folder whose `log` (the file its record() call names, such
+    as `gateway-cpu.jsonl`) the run appends its row to. bench/results by default, since a run is a row there;
+    a trial run that should not count goes elsewhere (`--results-dir /tmp/x`)."""
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, metavar="DIR",
+                        help=f"append the run's row to {log} in DIR (default: bench/results; a trial run: "
+                             "another folder, e.g. /tmp/x)")
+
+
+def gpu_log_name(gpu: str) -> str:
+    """A GPU's name as a results file spells it: torch.cuda.get_device_name() with every run of characters
+    other than letters and digits as one "-" ("NVIDIA H200" -> "NVIDIA-H200")."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")
+
+
+def device_name(device: str = "cpu") -> str:
+    """record()'s `device` for a bench that ran on torch device `device`: "cpu", or on CUDA the GPU's name
+    (gpu_log_name), so that one GPU's rows share a file and never land in a -cpu log."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    return gpu_log_name(torch.cuda.get_device_name(torch.device(device)))
 
 
 def read_rows(path: Path | str) -> list[dict]:

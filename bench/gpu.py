@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import RESULTS, ROOT, Server, corpus, percentiles, record, run_meta
+from _common import RESULTS, ROOT, Server, corpus, gpu_log_name, percentiles, record, run_meta
 
 sys.path.insert(0, str(ROOT))
 
@@ -593,7 +593,7 @@ def main() -> int:
     deadline = began + (args.budget_s if not args.smoke else 1e9)
     gpu = torch.cuda.get_device_name() if not args.smoke else "cpu-smoke"
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    log = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-")  # bench/results/<log>.jsonl
+    log = gpu_log_name(gpu)  # bench/results/<log>.jsonl
     run = run_meta()  # one for the whole run: its rows share the date
     meta = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, **run}
 
