@@ -43,7 +43,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from _common import Server, corpus, free_port, record, wait_ready
+from _common import Server, add_results_dir, corpus, free_port, record, wait_ready
 from embedfleet.runtime.engines.int8_cpu import build_int8_engine
 from embedfleet.runtime.models.spec import load_spec
 from embedfleet.runtime.settings import default_model_dir
@@ -120,6 +120,7 @@ def main() -> None:
     p.add_argument("--infinity-python", required=True, help="the python of Infinity's venv (ONNX export)")
     p.add_argument("--n", type=int, default=3_000, help="backfill texts")
     p.add_argument("--held-out", type=int, default=500)
+    add_results_dir(p, "cpu-peers-cpu.jsonl")
     a = p.parse_args()
     texts, held_out = corpus(a.n), corpus(a.held_out, seed=HELD_OUT_SEED)
     results: dict[str, dict[str, Any]] = {}
@@ -163,7 +164,8 @@ def main() -> None:
            "quality": quality, "servers": results}
     line = json.dumps(out)
     print(line)
-    record("cpu-peers", out)
+    record("cpu-peers", out, results_dir=a.results_dir)
+
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import RESULTS, ROOT, Server, corpus, gpu_log_name, percentiles, record, run_meta
+from _common import ROOT, Server, add_results_dir, corpus, gpu_log_name, percentiles, record, run_meta
 
 sys.path.insert(0, str(ROOT))
 
@@ -576,7 +576,8 @@ def main() -> int:
     p.add_argument("--filter", help="regex: only the server runs (minilm-bfloat16, minilm-fp8, minilm-bfloat16-padded, "
                    "bge-large-server) and forward variants (model/variant/dtype) it matches")
     p.add_argument("--budget-s", type=float, default=300.0, help="start no section after this many seconds")
-    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    add_results_dir(p, "<gpu-name>.jsonl")
+
     p.add_argument("--smoke", action="store_true", help="on the CPU at toy sizes: checks this script, no figures")
     args = p.parse_args()
     import torch

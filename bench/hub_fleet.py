@@ -79,7 +79,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "operator")]
 
 from tests.kube.controlplane import KUBE_VERSION, Cluster, ControlPlane, missing_reason  # noqa: E402
 
-from _common import record  # noqa: E402
+from _common import add_results_dir, record  # noqa: E402
 from embedfleet.operator import platform  # noqa: E402
 from embedfleet.operator.hub.controller import HubController  # noqa: E402
 from embedfleet.operator.kube import Kube, load_client  # noqa: E402
@@ -491,6 +491,7 @@ def main() -> int:
     parser.add_argument("--gap", type=float, default=1.0, help="seconds between idle rounds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-old", dest="old", action="store_false", help="skip the old loop's measurement")
+    add_results_dir(parser, "hub-fleet-cpu.jsonl")
     args = parser.parse_args()
     head = {"bench": "hub_fleet", "spokes": args.spokes, "deployments": args.deployments,
             "namespaces": len(NAMESPACES), "regions": len(REGIONS)}
@@ -517,7 +518,8 @@ def main() -> int:
               "hub_loop_sha256": hashlib.sha256(loop_source).hexdigest()[:12], "machine": facts}
     line = json.dumps(result)
     print(line)
-    record("hub-fleet", result)
+    record("hub-fleet", result, results_dir=args.results_dir)
+
     return 0
 
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import corpus, record
+from _common import add_results_dir, corpus, record
 from embedfleet.runtime.engines.int8_cpu import build_int8_engine
 from embedfleet.runtime.engines.int8_gate import INT8_MARGIN_FACTOR
 from embedfleet.runtime.engines.quality_gate import row_cosines
@@ -57,11 +57,13 @@ def main() -> None:
     ap.add_argument("--held-out", type=int, default=2000, help="corpus texts neither calibrated on nor judged")
     ap.add_argument("--seed", type=int, default=HELD_OUT_SEED, help="corpus seed of the held-out texts")
     ap.add_argument("--threads", type=int, default=2)
+    add_results_dir(ap, "int8-margin-cpu.jsonl")
     args = ap.parse_args()
     row = measure(args.held_out, args.seed, args.threads)
     line = json.dumps(row)
     print(line)
-    record("int8-margin", row)
+    record("int8-margin", row, results_dir=args.results_dir)
+
 
 
 if __name__ == "__main__":

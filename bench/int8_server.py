@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import Server, corpus, record
+from _common import Server, add_results_dir, corpus, record
 from ceiling import measure as ceiling
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.engines.int8_cpu import build_int8_engine
@@ -147,13 +147,17 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=200)
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--quality-only", action="store_true", help="only the quality figures (no servers)")
+    add_results_dir(p, "int8_server-cpu.jsonl")
     a = p.parse_args()
 
     if a.quality_only:
         with tempfile.TemporaryDirectory(prefix="embedfleet-int8-") as tmp:
-            print(json.dumps({"figure": "int8_quality", "model": MODEL,
-                              "quality": quality(Path(tmp), a.held_out, a.passages, a.queries)}))
+            row = {"figure": "int8_quality", "model": MODEL,
+                   "quality": quality(Path(tmp), a.held_out, a.passages, a.queries)}
+        print(json.dumps(row))
+        record("int8_server", row, results_dir=a.results_dir)
         return
+
     with tempfile.TemporaryDirectory(prefix="embedfleet-int8-") as tmp:
         cache = Path(tmp)
         started = time.perf_counter()
@@ -187,7 +191,8 @@ def main() -> None:
             out["quality"] = quality(cache, a.held_out, a.passages, a.queries)
     line = json.dumps(out)
     print(line)
-    record("int8_server", out)
+    record("int8_server", out, results_dir=a.results_dir)
+
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "operator"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _common import record  # noqa: E402
+from _common import add_results_dir, record  # noqa: E402
 from embedfleet.operator.scheduling import Placement, place  # noqa: E402
 from embedfleet.operator.scheduling.cost import Throughput  # noqa: E402
 from embedfleet.operator.scheduling.model import CPU  # noqa: E402
@@ -58,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=6, help="place() calls per ranking")
     parser.add_argument("--seed", type=int, default=0)
+    add_results_dir(parser, "placement-cost-cpu.jsonl")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     clusters = fleet(100, rng)
@@ -94,7 +95,8 @@ def main() -> None:
     }
     line = json.dumps(out)
     print(line)
-    record("placement-cost", out)
+    record("placement-cost", out, results_dir=args.results_dir)
+
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT / "operator"))
 
 import numpy as np  # noqa: E402
 
-from _common import record  # noqa: E402
+from _common import add_results_dir, record  # noqa: E402
 from embedfleet.operator.scheduling import Cluster, Deployment, GPUCapacity, Intent, Placement, place  # noqa: E402
 
 GPU_TYPES = ("nvidia-l4", "nvidia-a100-80gb", "nvidia-h100")
@@ -204,6 +204,7 @@ def main() -> None:
     parser.add_argument("--repeat-large", type=int, default=2, help="place() calls at 100k x 1000")
     parser.add_argument("--no-large", action="store_true", help="skip 100k deployments x 1000 clusters")
     parser.add_argument("--seed", type=int, default=0)
+    add_results_dir(parser, "scheduler-cpu.jsonl")
     args = parser.parse_args()
     out: dict[str, Any] = {"bench": "scheduler", "goal_s": GOALS}
 
@@ -260,7 +261,8 @@ def main() -> None:
                       "python": platform.python_version(), "numpy": np.__version__}
     line = json.dumps(out)
     print(line)
-    record("scheduler", out)
+    record("scheduler", out, results_dir=args.results_dir)
+
 
 
 if __name__ == "__main__":
