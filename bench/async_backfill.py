@@ -1,11 +1,13 @@
 """Async backfill vs. sync backfill on one server, and sync latency while an async backfill runs.
 
-Starts a real redis-server and one runtime replica (API + in-process worker) and prints one JSON line:
+Starts a real redis-server and one runtime replica (API + in-process worker) and prints one JSON line, also
+appended to bench/results/async_backfill-cpu.jsonl:
   async_over_sync      async backfill inputs/s (jobs of 64 inputs, submit -> all succeeded)
                        / sync backfill inputs/s (requests of 64 inputs, same texts' shape)   goal >= 0.9
   loaded_over_idle     sync single-query p99 while the async backfill saturates the server
                        / the same p99 on the idle server                                     goal <= 2
 Usage: python3 bench/async_backfill.py [--jobs 32] [--rounds 3] [--queries 200] [--serve-arg=--flag=value]
+                                       [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import httpx  # noqa: E402
 from tests.asyncq.procs import start_redis  # noqa: E402
 from tests.procs import start_runtime  # noqa: E402
 
+from _common import add_results_dir, record  # noqa: E402
 from embedfleet.runtime.asyncq.keys import Keys  # noqa: E402
 
 WORDS = ("vector search embedding batch token model queue latency backfill replica cluster worker result "
@@ -130,5 +133,9 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3, help="alternating sync/async backfills; medians reported")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="extra flag for `embedfleet serve` (repeat), e.g. --serve-arg=--max-batch-requests=8")
+    add_results_dir(parser, "async_backfill-cpu.jsonl")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(json.dumps(asyncio.run(main(parser.parse_args()))))
+    args = parser.parse_args()
+    row = asyncio.run(main(args))
+    print(json.dumps(row))
+    record("async_backfill", row, results_dir=args.results_dir)

@@ -1,4 +1,5 @@
-"""`embedfleet embed` end to end vs Baseten's client doing the same backfill in-process, one JSON line.
+"""`embedfleet embed` end to end vs Baseten's client doing the same backfill in-process, one JSON line
+(also appended to bench/results/backfill_cli-cpu.jsonl).
 
     python bench/backfill_cli.py [--n 100000] [--batch-size 128] [--concurrency 32] [--rounds 3]
 
@@ -32,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _common import add_results_dir, record
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_BENCH = ROOT / "bench" / "client.py"
@@ -140,6 +143,7 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=10_240, help="a multiple of --batch-size")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of both contenders, order alternating")
     parser.add_argument("--baseline", nargs=3, metavar=("SRC", "OUT", "URL"), help=argparse.SUPPRESS)
+    add_results_dir(parser, "backfill_cli-cpu.jsonl")
     args = parser.parse_args()
     if args.baseline:
         src, out, url = args.baseline
@@ -207,6 +211,7 @@ def main() -> None:
         "goal_ratio>=1.5": ratio >= 1.5,
     }
     print(json.dumps(line))
+    record("backfill_cli", line, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The in-process ceiling: the same model with no HTTP, corpus sorted by length, packed by token budget.
 
-Prints one JSON line: embeddings/s and tokens/s end to end (tokenize + forward) and forward only,
-plus the single-query time (tokenize + forward of one short query).
+Prints one JSON line, also appended to bench/results/ceiling-cpu.jsonl: embeddings/s and tokens/s end to
+end (tokenize + forward) and forward only, plus the single-query time (tokenize + forward of one short query).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import statistics
 import time
 
-from _common import corpus
+from _common import add_results_dir, corpus, record
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.engines.torch_engine import TorchEngine
 from embedfleet.runtime.models.spec import load_spec
@@ -66,8 +66,11 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
     p.add_argument("--max-batch-requests", type=int, default=32)
+    add_results_dir(p, "ceiling-cpu.jsonl")
     a = p.parse_args()
-    print(json.dumps(measure(a.n, a.dtype, a.max_batch_tokens, a.max_batch_requests)))
+    row = measure(a.n, a.dtype, a.max_batch_tokens, a.max_batch_requests)
+    print(json.dumps(row))
+    record("ceiling", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Client throughput: embeddings/s through an instant stub server on loopback, one JSON line.
+"""Client throughput: embeddings/s through an instant stub server on loopback, one JSON line (also appended to
+bench/results/client-cpu.jsonl).
 
     python bench/client.py [--n 100000] [--batch-size 128] [--concurrency 32]
 
@@ -26,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import orjson
+
+from _common import add_results_dir, record
 
 DIM = 384
 STUB_CPU, CLIENT_CPU = 0, 1
@@ -175,6 +178,7 @@ def main() -> None:
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
+    add_results_dir(parser, "client-cpu.jsonl")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve)
@@ -250,6 +254,7 @@ def main() -> None:
         },
     }
     print(json.dumps(line))
+    record("client", line, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,15 @@ Two node folders on this machine stand for two nodes' engines folders of one ten
   node    node A again: the build made there (a replica restarting, or the second replica on the node)
 
 Each start is process start to /ready (the runtime's own `ready` phase, from /load). The figure is the
-ratio peer start (with its fetch) / build start, baseline measured in the same run. One JSON line.
+ratio peer start (with its fetch) / build start, baseline measured in the same run. One JSON line, also
+appended to bench/results/engine-peer-cpu.jsonl.
 
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 HF_HUB_OFFLINE=1 .venv/bin/python bench/engine_peer.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -32,7 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / p) for p in ("runtime", "operator", "client")]
-from _common import SOURCE_PATHS, Server, free_port  # noqa: E402
+from _common import SOURCE_PATHS, Server, add_results_dir, free_port, record  # noqa: E402
 from embedfleet.operator.cache.engine_sync import sync_engines  # noqa: E402
 from embedfleet.operator.cache.engines import cpu_accelerator, list_builds  # noqa: E402
 from embedfleet.operator.cache.wanted import Want  # noqa: E402
@@ -58,6 +60,9 @@ def start(folder: Path, log: Path) -> tuple[float, dict]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_results_dir(parser, "engine-peer-cpu.jsonl")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         entry = naming.engines_entry(TENANT, DIGEST)
@@ -96,7 +101,7 @@ def main() -> None:
         models = info["report"].get("models") or {}
         return next((m["engine"]["source"] for m in models.values() if (m or {}).get("engine")), None)
 
-    print(json.dumps({
+    row = {
         "bench": "engine_peer",
         "machine": platform.machine(), "cpus": os.cpu_count(), "accelerator": cpu_accelerator(),
         "model": "all-MiniLM-L6-v2 (embedded), --dtype int8",
@@ -109,7 +114,9 @@ def main() -> None:
         "peer_with_fetch_over_build": round((peer_s + fetch_s) / build_s, 3),
         "node_over_build": round(node_s / build_s, 3),
         "served_dtype": [build_info["dtype"], peer_info["dtype"], node_info["dtype"]],
-    }))
+    }
+    print(json.dumps(row))
+    record("engine-peer", row, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ leaner one, a socket with httptools' response parser (http.client parses headers
 package, about 0.25 ms on cold caches). All are measured in interleaved rounds in one run, so that a
 neighbour's load on a small machine shifts them alike; each sample is one query's wall time.
 
-Prints one JSON line: in-process p50, and by client the server p50 and p99 as the client saw them,
-their difference (the overhead of HTTP, validation, thread hops and encoding) and ratio, the server's
-own time for the request (`server-timing`, gate to answer) and the CPU.
+Prints one JSON line, also appended to bench/results/fastpath-cpu.jsonl: in-process p50, and by client the
+server p50 and p99 as the client saw them, their difference (the overhead of HTTP, validation, thread hops
+and encoding) and ratio, the server's own time for the request (`server-timing`, gate to answer) and the CPU.
 
 The difference between two processes also holds the difference between their forward passes, which
 on a small VM moves by a millisecond or more from one process start to the next: the same model,
@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httptools
 import numpy as np
 
-from _common import SOURCE_PATHS, Server, free_port
+from _common import SOURCE_PATHS, Server, add_results_dir, free_port, record
 from embedfleet.gateway.upstreams import server_timing
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.engines.torch_engine import TorchEngine
@@ -307,11 +307,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20, help="untimed queries at the start of each round")
     p.add_argument("--server-flag", action="append", default=[], help="extra flag for `embedfleet serve`")
     p.add_argument("--floor-server", nargs=2, metavar=("PORT", "PAUSE_S"), help=argparse.SUPPRESS)
+    add_results_dir(p, "fastpath-cpu.jsonl")
     a = p.parse_args()
     if a.floor_server:
         floor_server(int(a.floor_server[0]), float(a.floor_server[1]))
         return
-    print(json.dumps(measure(a.reps, a.rounds, a.warmup, a.server_flag)))
+    row = measure(a.reps, a.rounds, a.warmup, a.server_flag)
+    print(json.dumps(row))
+    record("fastpath", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

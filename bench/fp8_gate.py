@@ -1,4 +1,6 @@
-"""Does the FP8 quality gate keep its promise on texts it never saw? One JSON line per run.
+"""Does the FP8 quality gate keep its promise on texts it never saw? One JSON line per run, also appended to
+bench/results/fp8-gate-<device>.jsonl (fp8-gate-cpu.jsonl; with `--device cuda` the GPU's name as bench/gpu.py
+spells it, fp8-gate-NVIDIA-H200.jsonl).
 
 The gate (engines/quality_gate.py) judges FP8 on its calibration inputs at start-up; users send other
 texts. This runs the gate as `--dtype fp8 --fp8-min-cosine THRESHOLD` does (`--fixed-only --margin-factor
@@ -30,7 +32,7 @@ import time
 import numpy as np
 from tokenizers import Tokenizer
 
-from _common import corpus
+from _common import add_results_dir, corpus, device_name, record
 from embedfleet.runtime.engines.fp8 import quantize_model
 from embedfleet.runtime.engines.quality_gate import (
     FP8_MARGIN_FACTOR,
@@ -119,9 +121,12 @@ def main() -> None:
     ap.add_argument("--margin-factor", type=float, default=FP8_MARGIN_FACTOR,
                     help="how far the served tail is taken to reach beyond the calibration minimum (1: no margin)")
     ap.add_argument("--fixed-only", action="store_true", help="judge on calibration.json alone")
+    add_results_dir(ap, "fp8-gate-<device>.jsonl (cpu, or the GPU's name)")
     args = ap.parse_args()
-    print(json.dumps(measure(args.threshold, args.held_out, args.seed, args.threads, args.device,
-                             args.margin_factor, args.fixed_only)))
+    row = measure(args.threshold, args.held_out, args.seed, args.threads, args.device, args.margin_factor,
+                  args.fixed_only)
+    print(json.dumps(row))
+    record("fp8-gate", row, device=device_name(args.device), results_dir=args.results_dir)
 
 
 if __name__ == "__main__":
