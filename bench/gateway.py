@@ -12,11 +12,11 @@ a neighbour's load on a small machine shifts both alike:
 - backfill throughput: `--backfill-concurrency` closed-loop clients sending large requests
   (`--backfill-inputs` passages each, bulk by size): passages per second.
 
-Prints one JSON line: the figures direct and via the gateway, the latency overhead (ms) and
-ratio (gateway / direct), the throughput ratios (gateway / direct; 1.0 is free; the issue's goal for
-the backfill: >= 0.97), the 429s each side got (honoured, then resent), and the CPU. On a
-small machine the gateway shares the cores with the runtime and the clients, so the throughput ratio
-also counts the CPU the gateway takes from the runtime.
+Prints one JSON line, also appended to bench/results/gateway-cpu.jsonl: the figures direct and via the
+gateway, the latency overhead (ms) and ratio (gateway / direct), the throughput ratios (gateway / direct;
+1.0 is free; the goal for the backfill: >= 0.97), the 429s each side got (honoured, then resent), and the
+CPU. On a small machine the gateway shares the cores with the runtime and the clients, so the throughput
+ratio also counts the CPU the gateway takes from the runtime.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import aiohttp
 import httpx
 import numpy as np
 
-from _common import ROOT, SOURCE_PATHS, Server, corpus, free_port, pinned_to, wait_ready
+from _common import ROOT, SOURCE_PATHS, Server, add_results_dir, corpus, free_port, pinned_to, record, wait_ready
 from embedfleet.runtime.settings import DEFAULT_MODEL_NAME
 
 QUERY = "how do I reset the password on my account from a phone"
@@ -196,9 +196,12 @@ def main() -> None:
     p.add_argument("--backfill-concurrency", type=int, default=4, help="closed-loop clients sending large requests")
     p.add_argument("--backfill-requests", type=int, default=40, help="large requests per side per round")
     p.add_argument("--backfill-inputs", type=int, default=64, help="passages per large request")
+    add_results_dir(p, "gateway-cpu.jsonl")
     a = p.parse_args()
-    print(json.dumps(measure(a.reps, a.rounds, a.warmup, a.concurrency, a.requests, a.backfill_concurrency,
-                             a.backfill_requests, a.backfill_inputs)))
+    row = measure(a.reps, a.rounds, a.warmup, a.concurrency, a.requests, a.backfill_concurrency,
+                  a.backfill_requests, a.backfill_inputs)
+    print(json.dumps(row))
+    record("gateway", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

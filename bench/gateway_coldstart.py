@@ -4,11 +4,11 @@ A gateway fronts a runtime port where nothing listens yet. A query is sent (the 
 `embedfleet serve` is started on that port. The replica's own start-up (process start, model load,
 warm-up) is not the gateway's to shorten, so it is measured apart: a poller asks the runtime's
 `/ready` directly every 5 ms, and the first 200 is "ready". The figure is the held request's answer
-time minus that moment: what holding costs on top of the replica's start-up (the issue's goal:
-<= 100 ms). Repeated `--rounds` times (a fresh runtime each round; the gateway stays).
+time minus that moment: what holding costs on top of the replica's start-up (the goal: <= 100 ms).
+Repeated `--rounds` times (a fresh runtime each round; the gateway stays).
 
-Prints one JSON line: per-round (answer - ready) in ms, their median and max, the replicas' start-up
-seconds, the gateway's `--held-poll-interval`, and the CPU.
+Prints one JSON line, also appended to bench/results/gateway-coldstart-cpu.jsonl: per-round (answer - ready)
+in ms, their median and max, the replicas' start-up seconds, the gateway's `--held-poll-interval`, and the CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 import httpx
 
-from _common import ROOT, SOURCE_PATHS, free_port, wait_ready
+from _common import ROOT, SOURCE_PATHS, add_results_dir, free_port, record, wait_ready
 from embedfleet.gateway.config import GatewayConfig
 from embedfleet.runtime.settings import DEFAULT_MODEL_NAME
 from fastpath import cpu_name
@@ -85,6 +85,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--held-poll-interval", type=float, default=GatewayConfig().held_poll_interval,
                    help="the gateway's flag (default: its default)")
+    add_results_dir(p, "gateway-coldstart-cpu.jsonl")
     a = p.parse_args()
     runtime_port, gateway_port = free_port(), free_port()
     gateway = start(["gateway", "--host", "127.0.0.1", "--port", str(gateway_port), "--log-level", "warning",
@@ -98,10 +99,12 @@ def main() -> None:
         gateway.terminate()
         gateway.wait(60)
     after = [r[0] * 1000 for r in rounds]
-    print(json.dumps({"figure": "gateway_coldstart", "rounds": a.rounds, "held_poll_interval_s": a.held_poll_interval,
-                      "answer_after_ready_ms": [round(x, 1) for x in after],
-                      "median_ms": round(statistics.median(after), 1), "max_ms": round(max(after), 1),
-                      "replica_startup_s": [round(r[1], 2) for r in rounds], "goal_ms": 100, "cpu": cpu_name()}))
+    row = {"figure": "gateway_coldstart", "rounds": a.rounds, "held_poll_interval_s": a.held_poll_interval,
+           "answer_after_ready_ms": [round(x, 1) for x in after],
+           "median_ms": round(statistics.median(after), 1), "max_ms": round(max(after), 1),
+           "replica_startup_s": [round(r[1], 2) for r in rounds], "goal_ms": 100, "cpu": cpu_name()}
+    print(json.dumps(row))
+    record("gateway-coldstart", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

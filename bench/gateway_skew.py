@@ -16,10 +16,11 @@ Two layouts, each a whole measurement in the same run:
   backfill's client, the gateways and the query client need, the quiet replica is slowed by the busy
   one's CPU use, and the ratio measures that contention as much as the routing.
 
-Prints one JSON line: per layout, the queries' p50/p90/p99 through each gateway, the ratio of the
-p99s (least-wait / round-robin; the issue's goal: <= 0.5), the share of least-wait's queries that
-went to the quiet replica, the queries each side got refused and the backfill's 429s; the headline
-`p99_ratio` is the `separate` layout's (the `shared` one's where there is one core), and the CPU.
+Prints one JSON line, also appended to bench/results/gateway-skew-cpu.jsonl: per layout, the queries'
+p50/p90/p99 through each gateway, the ratio of the p99s (least-wait / round-robin; the goal: <= 0.5), the
+share of least-wait's queries that went to the quiet replica, the queries each side got refused and the
+backfill's 429s; the headline `p99_ratio` is the `separate` layout's (the `shared` one's where there is one
+core), and the CPU.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from _common import Server, corpus, percentiles
+from _common import Server, add_results_dir, corpus, percentiles, record
 from embedfleet.runtime.settings import DEFAULT_MODEL_NAME
 from gateway import Gateway, cpu_name
 
@@ -165,15 +166,18 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of backfill before queries are timed")
     p.add_argument("--server-flag", action="append", default=[],
                    help="extra flag for both `embedfleet serve` (e.g. --server-flag=--shared-batch-seconds=0)")
+    add_results_dir(p, "gateway-skew-cpu.jsonl")
     a = p.parse_args()
     cpus = os.sched_getaffinity(0)
     runs = {name: measure(a.queries, a.backfill_concurrency, a.warmup, a.server_flag, *where)
             for name, where in layouts(cpus).items()}
     headline = runs.get("separate", runs["shared"])
-    print(json.dumps({"figure": "gateway_skew", "model": DEFAULT_MODEL_NAME, "queries_per_side": a.queries,
-                      "backfill_concurrency": a.backfill_concurrency, "server_flags": a.server_flag,
-                      "p99_ratio": headline["p99_ratio"], "p99_ratio_layout": "separate" if "separate" in runs
-                      else "shared", "goal": "<= 0.5", **runs, "cpus": len(cpus), "cpu": cpu_name()}))
+    row = {"figure": "gateway_skew", "model": DEFAULT_MODEL_NAME, "queries_per_side": a.queries,
+           "backfill_concurrency": a.backfill_concurrency, "server_flags": a.server_flag,
+           "p99_ratio": headline["p99_ratio"], "p99_ratio_layout": "separate" if "separate" in runs else "shared",
+           "goal": "<= 0.5", **runs, "cpus": len(cpus), "cpu": cpu_name()}
+    print(json.dumps(row))
+    record("gateway-skew", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

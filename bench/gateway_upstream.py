@@ -17,7 +17,8 @@ a small machine shifts them alike:
   gateway's CPU time per request.
 
 Prints one JSON line per variant (`wire`, `aiohttp`), each with its ratios against `aiohttp` measured in
-the same run (`added_ms_ratio` < 1: the variant adds less than aiohttp's client does).
+the same run (`added_ms_ratio` < 1: the variant adds less than aiohttp's client does); both are appended to
+bench/results/gateway-upstream-cpu.jsonl with one run_meta (the run's date tells them from other runs').
 
     python bench/gateway_upstream.py [--pairs 1500] [--rounds 3]
 """
@@ -34,7 +35,7 @@ import statistics
 import sys
 import time
 
-from _common import Server, corpus
+from _common import Server, add_results_dir, corpus, record, run_meta
 from embedfleet.runtime.settings import DEFAULT_MODEL_NAME
 from gateway import QUERY, Gateway, cpu_name, throughput
 
@@ -173,9 +174,13 @@ def main() -> None:
     p.add_argument("--backfill-concurrency", type=int, default=8, help="closed-loop clients sending bulk requests")
     p.add_argument("--backfill-requests", type=int, default=24, help="bulk requests per side per round")
     p.add_argument("--backfill-inputs", type=int, default=48, help="passages per bulk request")
+    add_results_dir(p, "gateway-upstream-cpu.jsonl")
     a = p.parse_args()
-    for line in measure(a.pairs, a.rounds, a.backfill_concurrency, a.backfill_requests, a.backfill_inputs):
-        print(json.dumps(line))
+    rows = measure(a.pairs, a.rounds, a.backfill_concurrency, a.backfill_requests, a.backfill_inputs)
+    meta = run_meta()  # one for the run: its rows share the date
+    for row in rows:
+        print(json.dumps(row))
+        record("gateway-upstream", row, results_dir=a.results_dir, meta=meta)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Figures: c=1 latency (median round trip over one kept-alive connection; variants
 drift on the machine falls on all alike) and throughput with 32 connections (a backfill's shape), each as a
 ratio against `uvicorn_httptools`: what the bounds cost. bench/results/http-servers-cpu.jsonl also keeps the
 figures of the hand-written server this replaced (docs/http.md). The abuse classes are the tests'
-(tests/abuse); this measures speed only. One JSON line per server, then a summary line.
+(tests/abuse); this measures speed only. One JSON line per server, then a summary line, all appended to
+bench/results/http-servers-cpu.jsonl with one run_meta (the run's date tells them from other runs').
 
     python bench/http_servers.py [--requests 4000] [--seconds 4]
 """
@@ -30,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import SOURCE_PATHS, free_port
+from _common import SOURCE_PATHS, add_results_dir, free_port, record, run_meta
 
 VARIANTS = ("embedfleet", "embedfleet_calls", "uvicorn_httptools", "uvicorn_h11", "granian")
 BASELINE = "uvicorn_httptools"
@@ -164,10 +165,11 @@ async def throughput(port: int, seconds: float, connections: int = 32) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=4000, help="c=1 requests per server")
     parser.add_argument("--seconds", type=float, default=4.0, help="throughput window per server")
     parser.add_argument("--serve", nargs=2, metavar=("VARIANT", "PORT"), help=argparse.SUPPRESS)
+    add_results_dir(parser, "http-servers-cpu.jsonl")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve[0], int(args.serve[1]))
@@ -188,14 +190,17 @@ def main() -> None:
             proc.wait(10)
     p50 = {v: statistics.median(s) * 1000 for v, s in samples.items()}
     p99 = {v: statistics.quantiles(s, n=100)[98] * 1000 for v, s in samples.items()}
-    for v in VARIANTS:
-        print(json.dumps({"figure": "http_servers", "server": v, "c1_p50_ms": round(p50[v], 4),
-                          "c1_p99_ms": round(p99[v], 4), "c32_req_per_s": round(rates[v]),
-                          "c1_p50_vs_uvicorn": round(p50[v] / p50[BASELINE], 3),
-                          "c32_vs_uvicorn": round(rates[v] / rates[BASELINE], 3)}))
-    print(json.dumps({"figure": "http_servers_summary", "cpus": os.cpu_count(),
-                      "bounds_cost_ms_at_c1": round(p50["embedfleet"] - p50[BASELINE], 4),
-                      "calls_cost_ms_at_c1": round(p50["embedfleet_calls"] - p50["embedfleet"], 4)}))
+    rows = [{"figure": "http_servers", "server": v, "c1_p50_ms": round(p50[v], 4),
+             "c1_p99_ms": round(p99[v], 4), "c32_req_per_s": round(rates[v]),
+             "c1_p50_vs_uvicorn": round(p50[v] / p50[BASELINE], 3),
+             "c32_vs_uvicorn": round(rates[v] / rates[BASELINE], 3)} for v in VARIANTS]
+    rows.append({"figure": "http_servers_summary", "cpus": os.cpu_count(),
+                 "bounds_cost_ms_at_c1": round(p50["embedfleet"] - p50[BASELINE], 4),
+                 "calls_cost_ms_at_c1": round(p50["embedfleet_calls"] - p50["embedfleet"], 4)})
+    meta = run_meta()  # one for the run: its rows share the date
+    for row in rows:
+        print(json.dumps(row))
+        record("http-servers", row, results_dir=args.results_dir, meta=meta)
 
 
 if __name__ == "__main__":

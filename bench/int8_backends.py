@@ -6,7 +6,7 @@ batches of the natural-order corpus, rounds alternating between float32 PyTorch 
 backend, best round of each (a round hit by another process' burst says nothing about the engine), so each
 ratio comes from one run. Quality: cosine of every held-out vector (a corpus seed the calibration set never
 saw) with its float32 twin, min and mean. Backends that are not installed are skipped with a reason.
-Prints one JSON line.
+Prints one JSON line, also appended to bench/results/int8_backends-cpu.jsonl.
 
     ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 HF_HUB_OFFLINE=1 .venv/bin/python bench/int8_backends.py
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _common import corpus
+from _common import add_results_dir, corpus, record
 from embedfleet.runtime.engines.base import pad_batch
 from embedfleet.runtime.engines.quality_gate import load_calibration, row_cosines
 from embedfleet.runtime.engines.torch_engine import TorchEngine
@@ -211,6 +211,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--only", nargs="*", default=None, help="backends to run (default: all installed)")
+    add_results_dir(p, "int8_backends-cpu.jsonl")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     spec = load_spec(default_model_dir())
@@ -241,8 +242,10 @@ def main() -> None:
                       "quantize_s": round(built, 2), "start_s": round(start, 3),
                       "installed_mb": installed_mb(*dists), "fp32_texts_per_s": round(a.texts / min(fp32_s), 1)}
         print(json.dumps({name: rows[name]}), file=sys.stderr, flush=True)
-    print(json.dumps({"figure": "int8_backends", "model": spec.name, "threads": a.threads, "held_out": a.held_out,
-                      "throughput_texts": a.texts, "batch": a.batch, "rounds": a.rounds, "backends": rows}))
+    row = {"figure": "int8_backends", "model": spec.name, "threads": a.threads, "held_out": a.held_out,
+           "throughput_texts": a.texts, "batch": a.batch, "rounds": a.rounds, "backends": rows}
+    print(json.dumps(row))
+    record("int8_backends", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":
