@@ -37,7 +37,8 @@ Figures:
 
 Needs the control plane built (scripts/kube-tools.sh) and, for the bench only (it is no dependency of
 embedfleet), ``pip install kubernetes_asyncio``. Run: python bench/kube_clients.py (about 1 minute on 2
-cores). Results in bench/results/kube-clients-cpu.jsonl.
+cores). Its lines (the setup, then one per figure) are appended to bench/results/kube-clients-cpu.jsonl with
+one run_meta (the run's date tells them from other runs').
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "operator"), str(ROOT / "runtime"), str(RO
 
 import kubernetes  # noqa: E402
 
+from _common import add_results_dir, record, run_meta  # noqa: E402
 from embedfleet.kit.client import TIMEOUT, KubeClient, KubeError  # noqa: E402
 
 NS = "kube-clients"
@@ -388,20 +390,23 @@ def run(args: argparse.Namespace) -> int:
         plane.stop()
 
     c = args.concurrency
-    print(json.dumps({"bench": "kube_clients", "setup": {
+    rows = [{"bench": "kube_clients", "setup": {
         "rounds": args.rounds, "concurrency": c, "loop": args.loop, "gets_c1": args.gets_c1, "gets_c32": args.gets_c32,
         "patches": args.patches, "lists": args.lists, "list_size": args.list_size,
         "sync_default_pool": kubernetes.client.Configuration().connection_pool_maxsize,
         "populate_s": round(populate_s, 1), "measured_s": round(measured_s, 1),
         "total_s": round(time.monotonic() - started, 1)},
-        "machine": {**info, "loadavg_end": round(os.getloadavg()[0], 2)}}))
+        "machine": {**info, "loadavg_end": round(os.getloadavg()[0], 2)}}]
     better = {"get_c1_p50_ms": "lower", "get_c1_cpu_s_per_1000": "lower", "get_c32_calls_per_s": "higher",
               "get_c32_cpu_s_per_1000": "lower", "patch_c32_calls_per_s": "higher",
               "patch_c32_cpu_s_per_1000": "lower", "list_s": "lower", "list_cpu_s": "lower",
               "list_rss_growth_mib": "lower"}
     digits = {"get_c32_calls_per_s": 1, "patch_c32_calls_per_s": 1, "list_rss_growth_mib": 1}
-    for name, per_round in res.items():
-        print(json.dumps(figure(name, better[name], per_round, digits.get(name, 4))), flush=True)
+    rows += [figure(name, better[name], per_round, digits.get(name, 4)) for name, per_round in res.items()]
+    meta = run_meta()  # one for the run: its rows share the date
+    for row in rows:
+        print(json.dumps(row), flush=True)
+        record("kube-clients", row, results_dir=args.results_dir, meta=meta)
     return 0
 
 
@@ -418,6 +423,7 @@ def main() -> int:
                         help="the event loop kubernetes_asyncio runs on (uvloop: as the gateway's server runs)")
     parser.add_argument("--rss-child", choices=["sync", "asyncio"], help=argparse.SUPPRESS)
     parser.add_argument("--kubeconfig", type=Path, help=argparse.SUPPRESS)
+    add_results_dir(parser, "kube-clients-cpu.jsonl")
     args = parser.parse_args()
     if args.rss_child:
         rss_child(args.rss_child, args.kubeconfig)

@@ -2,7 +2,8 @@
 
 Rounds alternate between the two bodies (same texts, so the engine work is identical) and the figure
 is the ratio of their throughputs; the response sizes per vector show what int8 and binary save on the
-wire (/v1/embeddings: float JSON vs each `encoding_format`). Prints one JSON line.
+wire (/v1/embeddings: float JSON vs each `encoding_format`). Prints one JSON line, also appended to
+bench/results/quantized-cpu.jsonl.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import httpx
 
-from _common import Server, corpus
+from _common import Server, add_results_dir, corpus, record
 
 TYPES = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
 FORMATS = ["float", "base64", "int8", "int8_base64", "binary", "ubinary_base64"]
@@ -23,6 +24,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--texts", type=int, default=64)
     p.add_argument("--rounds", type=int, default=8)
+    add_results_dir(p, "quantized-cpu.jsonl")
     a = p.parse_args()
     texts = corpus(a.texts, seed=2)
     server = Server()
@@ -42,11 +44,13 @@ def main() -> None:
     finally:
         server.stop()
     rate = {k: a.rounds * len(texts) / v for k, v in seconds.items()}
-    print(json.dumps({"figure": "quantized", "texts": a.texts, "rounds": a.rounds,
-                      "float_only_texts_per_s": round(rate["float"], 1), "six_types_texts_per_s": round(rate["all"], 1),
-                      "six_types_over_float": round(rate["all"] / rate["float"], 3),
-                      "bytes_per_vector": sizes,
-                      "int8_base64_over_float_json": round(sizes["int8_base64"] / sizes["float"], 3)}))
+    row = {"figure": "quantized", "texts": a.texts, "rounds": a.rounds,
+           "float_only_texts_per_s": round(rate["float"], 1), "six_types_texts_per_s": round(rate["all"], 1),
+           "six_types_over_float": round(rate["all"] / rate["float"], 3),
+           "bytes_per_vector": sizes,
+           "int8_base64_over_float_json": round(sizes["int8_base64"] / sizes["float"], 3)}
+    print(json.dumps(row))
+    record("quantized", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

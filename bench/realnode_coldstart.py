@@ -11,13 +11,15 @@ Each row splits the time with the pod's own timestamps (whole seconds): scheduli
 sandbox and image (-> first container started), weights (the init container's run), engine load and first
 answer (runtime started -> the first 200 this client saw), and how much later the kubelet marked the pod Ready.
 Also the images' sizes and each workload's memory (containerd's working set). Ratios are against the baselines
-measured in the same run: cached / download, present / imported.
+measured in the same run: cached / download, present / imported. One JSON line, also appended to
+bench/results/realnode-coldstart-cpu.jsonl.
 
     sudo .venv/bin/python bench/realnode_coldstart.py
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import subprocess
@@ -54,6 +56,8 @@ from tests.realnode.test_user_path import (  # noqa: E402
     gateway_ip,
     http_deployment,
 )
+
+from _common import add_results_dir, record  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -152,6 +156,9 @@ def image_sizes() -> dict[str, int]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_results_dir(parser, "realnode-coldstart-cpu.jsonl")
+    args = parser.parse_args()
     home = realnode_home()
     with installed_node("realnode-bench-", home / "nodecache") as (node, work):
         doc = example()
@@ -203,6 +210,7 @@ def main() -> int:
             "selector": runtime_selector(name),
         }
         print(json.dumps(result))
+        record("realnode-coldstart", result, results_dir=args.results_dir)
     return 0
 
 

@@ -18,13 +18,15 @@ pod's own timestamps (bench/realnode_coldstart.py):
   int8-peer  node cache and engines folder emptied, the peer holds both: the agent fetches the weights and
              the build; the runtime loads the build (`/load` says engine source `peer`)
 
-Ratios against the baselines of the same run: peer / download, int8-peer / int8-build. One JSON line.
+Ratios against the baselines of the same run: peer / download, int8-peer / int8-build. One JSON line, also
+appended to bench/results/realnode-peer-cpu.jsonl.
 
     sudo .venv/bin/python bench/realnode_peer.py
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import shutil
@@ -50,6 +52,7 @@ from tests.realnode.node import (  # noqa: E402
 )
 from tests.realnode.test_user_path import ModelServer, all_runtimes, http_deployment  # noqa: E402
 
+from _common import add_results_dir, record  # noqa: E402
 from embedfleet.operator.cache.engines import list_builds  # noqa: E402
 from embedfleet.operator.crd import naming  # noqa: E402
 from realnode_coldstart import cold_start, installed_node  # noqa: E402
@@ -133,6 +136,9 @@ def engine_source(node: RealNode, name: str) -> dict[str, Any] | None:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_results_dir(parser, "realnode-peer-cpu.jsonl")
+    args = parser.parse_args()
     home = realnode_home()
     cache = home / "nodecache"
     with installed_node("realnode-peer-", cache, "--set", "nodeAgent.peers.enabled=true", "--set",
@@ -185,6 +191,7 @@ def main() -> int:
                 "int8_peer_over_build": round(rows["int8-peer"]["total_s"] / rows["int8-build"]["total_s"], 3),
             }
             print(json.dumps(result))
+            record("realnode-peer", result, results_dir=args.results_dir)
         finally:
             if served is not None:
                 served.close()

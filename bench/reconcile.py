@@ -1,5 +1,5 @@
 """Operator at scale on the real test control plane: N EmbeddingDeployments created at once (default 300).
-One JSON line.
+One JSON line, also appended to bench/results/reconcile-cpu.jsonl.
 
 A fresh control plane (tests/kube: etcd, kube-apiserver with RBAC and audit, controller-manager,
 scheduler, kwok nodes), the chart installed with role standalone, and the operator run exactly as the
@@ -38,6 +38,8 @@ import kubernetes  # noqa: E402
 from tests.kube.controlplane import ControlPlane, missing_reason  # noqa: E402
 from tests.kube.operator_proc import CHART, start_operator  # noqa: E402
 from tests.operator.real import small  # noqa: E402
+
+from _common import add_results_dir, record  # noqa: E402
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -144,6 +146,7 @@ def measure_baseline(cluster, count: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=300)
+    add_results_dir(parser, "reconcile-cpu.jsonl")
     args = parser.parse_args()
     reason = missing_reason()
     if reason:
@@ -161,7 +164,9 @@ def main() -> int:
     result["baseline_deployments_p99_s"] = round(baseline, 3)
     if result.get("reconcile_p99_s") and baseline:
         result["ratio_p99_vs_baseline"] = round(result["reconcile_p99_s"] / baseline, 2)
-    print(json.dumps({"bench": "reconcile", "count": args.count, **result}))
+    row = {"bench": "reconcile", "count": args.count, **result}
+    print(json.dumps(row))
+    record("reconcile", row, results_dir=args.results_dir)
     return 0
 
 

@@ -2,7 +2,8 @@
 
 The reranker is all-MiniLM-L6-v2's encoder with a (random) single-output head, saved as a
 BertForSequenceClassification: the compute of a real MiniLM cross-encoder (ms-marco-MiniLM-L-6),
-without a hub download. Prints one JSON line with pairs/s for both and their ratio (goal >= 0.9).
+without a hub download. Prints one JSON line with pairs/s for both and their ratio (goal >= 0.9), also
+appended to bench/results/rerank-cpu.jsonl.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from _common import Server, corpus
+from _common import Server, add_results_dir, corpus, record
 from ceiling import packed
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.engines.torch_engine import TorchEngine
@@ -67,6 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--docs", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=2)
+    add_results_dir(p, "rerank-cpu.jsonl")
     a = p.parse_args()
     docs = corpus(a.docs, seed=1)
     query = "which passage answers the question about embeddings"
@@ -74,9 +76,10 @@ def main() -> None:
         path = build_reranker(Path(tmp))
         ceiling_rate = ceiling(path, query, docs, 16384, 32)
         server_rate = served(path, query, docs, a.rounds)
-    print(json.dumps({"figure": "rerank", "documents": a.docs, "ceiling_pairs_per_s": round(ceiling_rate, 1),
-                      "server_pairs_per_s": round(server_rate, 1),
-                      "server_over_ceiling": round(server_rate / ceiling_rate, 3)}))
+    row = {"figure": "rerank", "documents": a.docs, "ceiling_pairs_per_s": round(ceiling_rate, 1),
+           "server_pairs_per_s": round(server_rate, 1), "server_over_ceiling": round(server_rate / ceiling_rate, 3)}
+    print(json.dumps(row))
+    record("rerank", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

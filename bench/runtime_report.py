@@ -4,8 +4,9 @@
 2. our server under load (bench/serve_load.py): backfill embeddings/s, single-query latency;
 3. optionally Infinity (`--infinity PATH_TO_infinity_emb`) serving the same model directory.
 
-Prints one JSON line: server backfill ÷ ceiling (goal >= 0.90) and single-query p50 at concurrency 1
-minus the ceiling's single-query time (goal <= 3 ms), plus Infinity's figures as ratios to ours.
+Prints one JSON line, also appended to bench/results/runtime_report-cpu.jsonl: server backfill ÷ ceiling
+(goal >= 0.90) and single-query p50 at concurrency 1 minus the ceiling's single-query time (goal <= 3 ms),
+plus Infinity's figures as ratios to ours.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import subprocess
 
 import ceiling
 import serve_load
-from _common import free_port, wait_ready
+from _common import add_results_dir, free_port, record, wait_ready
 from embedfleet.runtime.settings import default_model_dir
 
 
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("--inputs-per-request", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--infinity", help="path to the infinity_emb executable (installed in its own venv)")
+    add_results_dir(p, "runtime_report-cpu.jsonl")
     a = p.parse_args()
     ceil = ceiling.measure(a.n, a.dtype, 16384, 32)
     ours = serve_load.measure(None, "all-MiniLM-L6-v2", a.n, a.inputs_per_request, a.concurrency,
@@ -67,6 +69,7 @@ def main() -> None:
         out["infinity_c1"], out["infinity_c16"] = inf["online_c1"], inf["online_c16"]
         out["infinity_p50_c1_over_server"] = round(inf["online_c1"]["p50_ms"] / ours["online_c1"]["p50_ms"], 3)
     print(json.dumps(out))
+    record("runtime_report", out, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 backfill: the corpus in natural order, requests of N inputs, C in flight -> embeddings/s.
 online: single short queries at concurrency 1 and 16 -> p50/p90/p99 latency.
-Prints one JSON line. With no --url it starts `embedfleet serve` itself.
+Prints one JSON line, also appended to bench/results/serve_load-cpu.jsonl (the row names the --url it
+loaded). With no --url it starts `embedfleet serve` itself.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import aiohttp
 import orjson
 
-from _common import Server, corpus, percentiles
+from _common import Server, add_results_dir, corpus, percentiles, record
 
 HEADERS = {"content-type": "application/json"}
 
@@ -96,8 +97,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--path", default="/v1/embeddings", help="embeddings route (Infinity: /embeddings)")
     p.add_argument("--server-flag", action="append", default=[], help="extra flag for `embedfleet serve`")
+    add_results_dir(p, "serve_load-cpu.jsonl")
     a = p.parse_args()
-    print(json.dumps(measure(a.url, a.model, a.n, a.inputs_per_request, a.concurrency, a.server_flag, a.path)))
+    row = measure(a.url, a.model, a.n, a.inputs_per_request, a.concurrency, a.server_flag, a.path)
+    print(json.dumps(row))
+    record("serve_load", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

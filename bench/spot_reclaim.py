@@ -1,5 +1,5 @@
 """Spot reclaim on the real test control plane: half of a deployment's replicas lose their spot node. One JSON
-line.
+line, also appended to bench/results/spot-reclaim-cpu.jsonl.
 
 A fresh control plane (tests/kube: etcd, kube-apiserver with RBAC and audit, controller-manager, scheduler,
 kwok), on-demand kwok nodes and one spot node with room for one runtime pod, the chart installed (role
@@ -28,6 +28,7 @@ Needs root and the control plane built (scripts/kube-tools.sh). Usage: python be
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -46,6 +47,8 @@ from tests.kube.controlplane import ControlPlane, kwok_stages, missing_reason, w
 from tests.kube.kubelet import RUNTIME_PORT, FakeKubelet  # noqa: E402
 from tests.kube.netns import PodNetwork, unavailable_reason  # noqa: E402
 from tests.operator.real import release, small  # noqa: E402
+
+from _common import add_results_dir, record  # noqa: E402
 
 ED = "reclaimed"
 NS = "bench-spot"
@@ -220,6 +223,9 @@ def measure(cluster, net: PodNetwork, workdir: Path) -> dict:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_results_dir(parser, "spot-reclaim-cpu.jsonl")
+    args = parser.parse_args()
     reason = missing_reason() or unavailable_reason()
     if reason:
         print(json.dumps({"bench": "spot_reclaim", "skipped": reason}))
@@ -234,10 +240,10 @@ def main() -> int:
     finally:
         net.delete()
         plane.stop()
-    print(json.dumps({"bench": "spot_reclaim", "replicas": 2, "reclaimed": 1,
-                      "cpus": os.cpu_count(), "loadavg_1m_at_start": load,
-                      "readiness": "a runtime pod is Ready once its real runtime answers /ready on the pod IP",
-                      **result}))
+    row = {"bench": "spot_reclaim", "replicas": 2, "reclaimed": 1, "cpus": os.cpu_count(), "loadavg_1m_at_start": load,
+           "readiness": "a runtime pod is Ready once its real runtime answers /ready on the pod IP", **result}
+    print(json.dumps(row))
+    record("spot-reclaim", row, results_dir=args.results_dir)
     return 0
 
 

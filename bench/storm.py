@@ -6,9 +6,9 @@ passages (25%, still urgent: --urgent-max-inputs is 4) or a bulk batch of 32 pas
 a client gives up after 60 s. Before admission by expected wait, this storm got no 429s, 191 client
 time-outs and a p99 of 59 s.
 
-Prints one JSON line: counts of 200/429/504/time-outs/other, accepted p50/p99 per kind (`single`: the
-lone queries; `query`: two to four inputs; `bulk`), the mean engine batch time from /metrics, and
-p99 / (bound + one batch) per kind (1.0 is the admission
+Prints one JSON line, also appended to bench/results/storm-cpu.jsonl: counts of 200/429/504/time-outs/other,
+accepted p50/p99 per kind (`single`: the lone queries; `query`: two to four inputs; `bulk`), the mean engine
+batch time from /metrics, and p99 / (bound + one batch) per kind (1.0 is the admission
 promise met exactly; it is a behaviour figure, not a speed figure). Each kind is measured twice: as
 the client saw it, and as the server timed it (`server-timing`, from the gate's accepting the request
 to its answer). On one small machine the 256 clients share the cores with the server, so the
@@ -38,7 +38,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from _common import Server, corpus, pinned_to
+from _common import Server, add_results_dir, corpus, pinned_to, record
 from embedfleet.gateway.upstreams import server_timing
 
 
@@ -101,8 +101,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--hog", action="store_true", help="another process spins on one core for the whole storm")
-    p.add_argument("--note", help="a note added to the JSON line (machine, commit)")
+    p.add_argument("--note", help="a note added to the JSON line (its run_meta already names the commit and machine)")
     p.add_argument("--raw", help="also write every request (kind, status, client s, server s, start, inputs) here")
+    add_results_dir(p, "storm-cpu.jsonl")
     a = p.parse_args()
     from embedfleet.runtime.settings import RuntimeSettings
 
@@ -151,6 +152,7 @@ def main() -> None:
     if a.note:
         figure["note"] = a.note
     print(json.dumps(figure))
+    record("storm", figure, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ server's latency. Its tokens/s come from the server's `embedfleet_tenant_tokens_
 one at a time over one keep-alive connection (http.client, the leanest client), with the server's own
 time for each (`server-timing`), split into the wait for the engine and the query's own forward pass.
 
-Prints one JSON line: the query p50/p99 idle and under the backfill as the client saw them and as the
-server timed them, the ratios (the issue's goal: p99 under backfill <= 2x idle p99), the backfill's
-tokens/s during phase 2 and its 429s.
+Prints one JSON line, also appended to bench/results/tenants-cpu.jsonl: the query p50/p99 idle and under the
+backfill as the client saw them and as the server timed them, the ratios (the goal: p99 under backfill
+<= 2x idle p99), the backfill's tokens/s during phase 2 and its 429s.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from _common import Server, corpus, percentiles
+from _common import Server, add_results_dir, corpus, percentiles, record
 from embedfleet.gateway.upstreams import server_timing
 
 SEARCH_KEY = "sk-bench-search-000000000001"
@@ -136,6 +136,7 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=300)
     p.add_argument("--backfill-concurrency", type=int, default=4)
     p.add_argument("--server-flag", action="append", default=[], help="extra flag for `embedfleet serve`")
+    add_results_dir(p, "tenants-cpu.jsonl")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.yaml"
@@ -148,9 +149,11 @@ def main() -> None:
             srv.stop()
     ratio = result["loaded"]["p99_ms"] / result["idle"]["p99_ms"]
     server_ratio = result["loaded_server"]["p99_ms"] / result["idle_server"]["p99_ms"]
-    print(json.dumps({"figure": "tenants", "queries": a.queries, "backfill_concurrency": a.backfill_concurrency,
-                      "server_flags": a.server_flag, **result, "p99_loaded_over_idle": round(ratio, 2),
-                      "server_p99_loaded_over_idle": round(server_ratio, 2), "goal": "<= 2.0"}))
+    row = {"figure": "tenants", "queries": a.queries, "backfill_concurrency": a.backfill_concurrency,
+           "server_flags": a.server_flag, **result, "p99_loaded_over_idle": round(ratio, 2),
+           "server_p99_loaded_over_idle": round(server_ratio, 2), "goal": "<= 2.0"}
+    print(json.dumps(row))
+    record("tenants", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ POST /v1/embeddings {"input": <one short query>} one at a time, the two measured
 one run, so that a neighbour's load shifts both alike. Also times the hooks as they run with tracing
 off (the checks the gate, the tokenizer, the queue and the answer make per request), in this process.
 
-Prints one JSON line: p50/p99 off and on (ms), the ratio on/off of the p50s, and the off hooks' time per
-request in microseconds and as a fraction of the off p50.
+Prints one JSON line, also appended to bench/results/tracing-cpu.jsonl: p50/p99 off and on (ms), the ratio
+on/off of the p50s, and the off hooks' time per request in microseconds and as a fraction of the off p50.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 import timeit
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from _common import Server
+from _common import Server, add_results_dir, record
 from fastpath import QUERY, percentile, server_times
 
 
@@ -94,8 +94,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=300, help="timed queries per side, over all rounds")
     p.add_argument("--rounds", type=int, default=4, help="alternate off and on this many times")
     p.add_argument("--warmup", type=int, default=20, help="untimed queries per side at the start of each round")
+    add_results_dir(p, "tracing-cpu.jsonl")
     a = p.parse_args()
-    print(json.dumps(measure(a.reps, a.rounds, a.warmup)))
+    row = measure(a.reps, a.rounds, a.warmup)
+    print(json.dumps(row))
+    record("tracing", row, results_dir=a.results_dir)
 
 
 if __name__ == "__main__":
