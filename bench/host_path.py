@@ -63,7 +63,7 @@ from pathlib import Path
 
 import httpx
 
-from _common import RESULTS, ROOT, corpus, free_port, pinned_to, record, wait_ready
+from _common import ROOT, add_results_dir, corpus, free_port, pinned_to, record, wait_ready
 
 LAUNCHER = """
 import sys, time
@@ -170,8 +170,7 @@ def main() -> None:
                     help="the slow engine's time per padded token (microseconds)")
     ap.add_argument("--per-request", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--results-dir", type=Path, default=RESULTS,
-                    help="the row is appended to host-path-cpu.jsonl there")
+    add_results_dir(ap, "host-path-cpu.jsonl")
     args = ap.parse_args()
     if not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
         sys.exit(f"{args.baseline_tree} is not a checkout of this repository: "

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from _common import RESULTS, SOURCE_PATHS, free_port, record
+from _common import SOURCE_PATHS, add_results_dir, free_port, record
 from embedfleet.operator.cache.digest import MANIFEST_NAME, manifest_lines, render_manifest, tree_digest
 from embedfleet.operator.cache.pull import pull
 from embedfleet.operator.crd import naming
@@ -100,8 +100,7 @@ def measure(base: str | None, megabytes: int, env: dict[str, str]) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="megabytes of weights (default 256)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS,
-                        help="the row is appended to peer_fetch-cpu.jsonl there")
+    add_results_dir(parser, "peer_fetch-cpu.jsonl")
     args = parser.parse_args()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(SOURCE_PATHS))
     result: dict[str, object] = {

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "runtime"))
 
-from _common import RESULTS, record  # noqa: E402
+from _common import add_results_dir, record  # noqa: E402
 from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch  # noqa: E402
 
 
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--queues", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--round-s", type=float, default=0.4)
-    ap.add_argument("--results-dir", type=Path, default=RESULTS, help="the row is appended to planner-cpu.jsonl there")
+    add_results_dir(ap, "planner-cpu.jsonl")
     args = ap.parse_args()
     queues = [natural_queue(args.items, seed) for seed in range(args.queues)]
     cases = {}
