@@ -1,6 +1,8 @@
 """bench/results is a log the docs quote from: one JSON object per line, every row saying which tree, machine,
 date and command produced it, and rows only ever appended (bench/_common.py's record()), never a snapshot a
-later run overwrites. Nothing here runs a benchmark.
+later run overwrites. Every bench a user runs appends its row so (into --results-dir's folder, bench/results
+unless a trial run goes elsewhere); NOT_RECORDING lists the exceptions, each with its reason. Nothing here
+runs a benchmark.
 
 Two marks excuse a row from carrying commit, date and command, and both are for rows that were in the
 repository before record() existed; they precede every row record() appends:
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.docfiles import ROOT
+from tests.docs.docfiles import ROOT, doc_files
 
 RESULTS = ROOT / "bench" / "results"
 # Files in bench/results that are not JSON lines (a profile table, say); none today. Name each one here.
@@ -167,3 +169,80 @@ def test_no_bench_script_writes_into_bench_results_but_record() -> None:
             if re.search(r">\s*\S*bench/results", line):
                 found.append(f"{path.name}:{number}: redirects into bench/results: {line.strip()[:100]}")
     assert not found, "write through bench/_common.record() instead:\n" + "\n".join(found)
+
+
+# Runnable files in bench/ that append no row themselves, each with the reason. Everything else there that a
+# user runs appends its row through record().
+NOT_RECORDING = {
+    "gpu_session.sh": "shell: runs bench/gpu.py on a GPU machine in phases; gpu.py's record() appends the rows",
+    "prose.py": "a retrieval set other benches import (int8_server.py); run alone it prints a look at the set, "
+                "no figure",
+}
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators))
+
+
+def _runnable() -> list[Path]:
+    """bench/'s scripts a user runs: every shell script, and every .py with an `if __name__ == "__main__"`
+    (not _common.py, which only the others import)."""
+    bench = ROOT / "bench"
+    scripts = [p for p in bench.glob("*.py") if p.name != "_common.py"
+               and any(_is_main_guard(node) for node in ast.parse(p.read_text()).body)]
+    return sorted([*scripts, *bench.glob("*.sh")])
+
+
+def _calls(tree: ast.AST, name: str) -> list[ast.Call]:
+    """Calls of the bare name `name` (as imported from _common), not of methods that share it."""
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            and n.func.id == name]
+
+
+@pytest.mark.parametrize("path", [p for p in _runnable() if p.name not in NOT_RECORDING], ids=lambda p: p.name)
+def test_every_bench_appends_its_row(path: Path) -> None:
+    """A run is a row: the script appends what it prints through record(), into the folder --results-dir
+    names (add_results_dir(): bench/results unless a trial run goes elsewhere), and the file its help names
+    is the one record() writes."""
+    tree = ast.parse(path.read_text())
+    records = _calls(tree, "record")
+    assert records, (f"{path.name} prints a row but appends none: call _common.record(), or list it in "
+                     "NOT_RECORDING with the reason")
+    bad = [f"line {c.lineno}: record() without results_dir=" for c in records
+           if not any(k.arg == "results_dir" for k in c.keywords)]
+    options = _calls(tree, "add_results_dir")
+    if not options:
+        bad.append("no --results-dir: call _common.add_results_dir(parser, <the log's file name>)")
+    named = [c.args[1].value for c in options
+             if len(c.args) > 1 and isinstance(c.args[1], ast.Constant) and isinstance(c.args[1].value, str)]
+    for call in records:
+        stem = call.args[0].value if call.args and isinstance(call.args[0], ast.Constant) else None
+        if stem is not None and not any(log.startswith(f"{stem}-") for log in named):
+            bad.append(f"line {call.lineno}: record({stem!r}, ...) writes {stem}-<device>.jsonl; "
+                       f"--results-dir's help names {named}")
+    assert not bad, f"{path.name}:\n" + "\n".join(bad)
+
+
+def test_the_exemptions_are_current() -> None:
+    runnable = {p.name: p for p in _runnable()}
+    stale = [name for name in NOT_RECORDING if name not in runnable]
+    assert not stale, f"NOT_RECORDING names files that are not runnable benches (any more): {stale}"
+    recording = [name for name in NOT_RECORDING if name.endswith(".py")
+                 and _calls(ast.parse(runnable[name].read_text()), "record")]
+    assert not recording, f"NOT_RECORDING lists scripts that call record() now: {recording}"
+    assert all(reason.strip() for reason in NOT_RECORDING.values())
+
+
+REDIRECT = re.compile(r"(?<!-)>>?\s*\S*bench/results")  # not an arrow: "figures -> bench/results/..."
+
+
+def test_no_doc_tells_to_redirect_into_bench_results() -> None:
+    """The docs and the scripts' own usage say to run a bench, not to redirect its output into bench/results:
+    the bench appends its row itself, and a `>` would overwrite the log."""
+    texts = [*doc_files(), *sorted((ROOT / "bench").glob("*.py")), *sorted((ROOT / "scripts").glob("*.sh"))]
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}"
+             for path in texts for number, line in enumerate(path.read_text().splitlines(), 1)
+             if REDIRECT.search(line)]
+    assert not found, "redirects into bench/results (the bench appends its row itself):\n" + "\n".join(found)
