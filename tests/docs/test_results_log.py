@@ -105,6 +105,19 @@ def test_record_appends_one_line_and_never_rewrites(tmp_path: Path) -> None:
                                              "command": "gpu.py"}
 
 
+def test_results_dir_and_device_name(tmp_path: Path) -> None:
+    import argparse
+
+    common = _common()
+    parser = argparse.ArgumentParser()
+    common.add_results_dir(parser, "demo-cpu.jsonl")
+    assert parser.parse_args([]).results_dir == common.RESULTS == RESULTS
+    assert parser.parse_args(["--results-dir", str(tmp_path)]).results_dir == tmp_path
+    assert common.device_name("cpu") == "cpu"
+    assert common.gpu_log_name("NVIDIA H200") == "NVIDIA-H200"
+    assert common.gpu_log_name("NVIDIA GeForce RTX 4090 (laptop)") == "NVIDIA-GeForce-RTX-4090-laptop"
+
+
 def test_read_rows_reads_a_log_and_a_one_object_file(tmp_path: Path) -> None:
     common = _common()
     log = tmp_path / "a.jsonl"
