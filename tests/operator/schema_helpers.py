@@ -23,6 +23,8 @@ MODELS = {
     "ConfigMap": client.V1ConfigMap,
     "PodDisruptionBudget": client.V1PodDisruptionBudget,
     "ClusterRoleBinding": client.V1ClusterRoleBinding,
+    "PersistentVolume": client.V1PersistentVolume,
+    "PersistentVolumeClaim": client.V1PersistentVolumeClaim,
 }
 
 

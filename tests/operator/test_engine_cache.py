@@ -38,6 +38,7 @@ from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
 from embedfleet.operator.crd.prepull import shares_engine_builds
 from embedfleet.operator.platform import PlatformPolicy
 from embedfleet.operator.render import render
+from embedfleet.operator.render.cache_volumes import volume_manifest, wanted_claims
 
 DIGEST = "sha256:" + "5e" * 32
 ROOT = "/var/lib/embedfleet/cache"
@@ -166,7 +167,8 @@ def test_a_builds_files_are_plain_files_inside_it(tmp_path: Path) -> None:
 def test_engines_folder_for_pre_pulled_models_whose_runtime_builds(raw: dict[str, Any], shares: bool) -> None:
     parsed = EmbeddingDeploymentSpec.model_validate(raw)
     assert shares_engine_builds(parsed) is shares
-    manifests = {m["kind"]: m for m in render("m", "team-a", "uid", parsed, cache_root=ROOT)}
+    rendered = render("m", "team-a", "uid", parsed)
+    manifests = {m["kind"]: m for m in rendered}
     pod = manifests["Deployment"]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     runtime = pod["containers"][0]
@@ -174,7 +176,9 @@ def test_engines_folder_for_pre_pulled_models_whose_runtime_builds(raw: dict[str
     if not shares:
         assert "node-engines" not in volumes and "EMBEDFLEET_ENGINE_CACHE_DIR" not in env
         return
-    assert volumes["node-engines"]["hostPath"] == {
+    assert volumes["node-engines"]["persistentVolumeClaim"] == {"claimName": naming.engines_claim(DIGEST)}
+    engines = next(c for c in wanted_claims("team-a", rendered) if c.engines)  # the volume behind the claim
+    assert volume_manifest(engines, ROOT, "u")["spec"]["hostPath"] == {
         "path": f"{ROOT}/{naming.engines_entry('team-a', DIGEST)}", "type": "DirectoryOrCreate"}
     (mount,) = [m for m in runtime["volumeMounts"] if m["name"] == "node-engines"]
     assert mount == {"name": "node-engines", "mountPath": ENGINES_MOUNT}  # writable: the runtime builds there

@@ -14,8 +14,15 @@ from schema_helpers import k8s_model_problems
 from embedfleet.operator import platform
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
-from embedfleet.operator.render import effective_replicas
-from embedfleet.operator.render import render as render_with_root
+from embedfleet.operator.render import effective_replicas, render
+from embedfleet.operator.render.cache_volumes import (
+    CacheClaim,
+    claim_manifest,
+    claim_owner,
+    stale_volume,
+    volume_manifest,
+    wanted_claims,
+)
 
 DIGEST = "sha256:" + "5e" * 32
 ROOT = "/var/lib/embedfleet/cache"
@@ -49,11 +56,6 @@ CONTRACT_ENV = {
     "EMBEDFLEET_PROBE_INTERVAL",
     "EMBEDFLEET_PROBE_MIN_COSINE",
 }
-
-
-def render(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
-    """render() with the platform's default cache root."""
-    return render_with_root(*args, cache_root=ROOT, **kwargs)
 
 
 def spec_of(**sections: Any) -> EmbeddingDeploymentSpec:
@@ -183,7 +185,7 @@ def test_download_without_prepull_uses_an_init_container() -> None:
     # The only affinity is the platform's: never on a control-plane node.
     assert pod["affinity"] == {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": NO_CONTROL_PLANE}]}}}
-    allowed = render_with_root("minilm", "ml", "uid-1", spec_of(), cache_root=ROOT, allow_control_plane=True)
+    allowed = render("minilm", "ml", "uid-1", spec_of(), allow_control_plane=True)
     assert "affinity" not in by_kind(allowed)["Deployment"]["spec"]["template"]["spec"]
 
 
@@ -224,7 +226,8 @@ def test_a_new_default_rolls_only_deployments_that_name_no_image() -> None:
 @pytest.mark.parametrize("required", [False, True])
 def test_prepull_mounts_the_tenants_node_entry_and_prefers_labelled_nodes(required: bool) -> None:
     """Pre-pull renders no DaemonSet, ServiceAccount or binding in the tenant namespace: only the
-    runtime pod, which mounts its own tenant's entry of the platform's cache root read-only."""
+    runtime pod, which mounts its own tenant's entry read-only through a claim in its namespace (no host
+    path in the pod: render/cache_volumes.py makes the claim and its volume)."""
     spec = spec_of(
         cache={
             "prePull": True,
@@ -243,7 +246,9 @@ def test_prepull_mounts_the_tenants_node_entry_and_prefers_labelled_nodes(requir
     pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
     node_volume = next(v for v in pod["volumes"] if v["name"] == "node-cache")
-    assert node_volume["hostPath"] == {"path": f"{ROOT}/ml_sha256-{'5e' * 32}", "type": "DirectoryOrCreate"}
+    assert node_volume["persistentVolumeClaim"] == {"claimName": f"embedfleet-sha256-{'5e' * 32}", "readOnly": True}
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+    assert wanted_claims("ml", manifests) == [CacheClaim("ml", naming.cache_claim(DIGEST))]
     assert naming.cache_entry("ml", DIGEST) == f"ml_sha256-{'5e' * 32}"
     mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
     assert mounts["node-cache"] == {"name": "node-cache", "mountPath": "/var/cache/embedfleet/node",
@@ -282,8 +287,10 @@ def test_two_tenants_with_one_digest_get_separate_entries_and_labels() -> None:
     spec = spec_of(cache={"prePull": True})
 
     def entry(namespace: str) -> tuple[str, str]:
-        pod = by_kind(render("m", namespace, "u", spec))["Deployment"]["spec"]["template"]["spec"]
-        path = next(v for v in pod["volumes"] if v["name"] == "node-cache")["hostPath"]["path"]
+        manifests = render("m", namespace, "u", spec)
+        pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
+        (claim,) = wanted_claims(namespace, manifests)
+        path = volume_manifest(claim, ROOT, "claim-uid")["spec"]["hostPath"]["path"]
         label = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
         return path, label["preference"]["matchExpressions"][0]["key"]
 
@@ -390,3 +397,44 @@ def test_unset_batching_is_left_to_the_runtime() -> None:
     its start-up sizing (docs/gpu.md) instead of CPU numbers."""
     config = next(o for o in render("m", "ml", "u", spec_of(runtime={"gpu": {"count": 1}})) if o["kind"] == "ConfigMap")
     assert "EMBEDFLEET_MAX_BATCH_TOKENS" not in config["data"] and "EMBEDFLEET_MAX_BATCH_REQUESTS" not in config["data"]
+
+
+def test_a_cache_claim_and_its_volume_name_one_tenants_entry_and_only_that_claim() -> None:
+    """The objects behind a pre-pulling pod's claims: the volume is a hostPath at the tenant's entry, Retain,
+    pre-bound by name and uid to the claim, read-only many for weights and read-write many for engine builds;
+    the claim names that volume and is owned (not controlled) by the deployment, so others can share it."""
+    weights = CacheClaim("team-a", naming.cache_claim(DIGEST))
+    engines = CacheClaim("team-a", naming.engines_claim(DIGEST))
+    assert (weights.engines, engines.engines) == (False, True) and weights.digest == engines.digest == DIGEST
+    for claim, entry, modes in ((weights, naming.cache_entry("team-a", DIGEST), ["ReadOnlyMany"]),
+                                (engines, naming.engines_entry("team-a", DIGEST), ["ReadWriteMany"])):
+        volume = volume_manifest(claim, ROOT + "/", "uid-c")
+        assert k8s_model_problems(volume) == []
+        assert volume["metadata"]["name"] == f"embedfleet.team-a.{claim.claim}" == naming.cache_volume(
+            "team-a", claim.claim)
+        spec = volume["spec"]
+        assert spec["hostPath"] == {"path": f"{ROOT}/{entry}", "type": "DirectoryOrCreate"}
+        assert spec["claimRef"] == {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "namespace": "team-a",
+                                    "name": claim.claim, "uid": "uid-c"}
+        assert spec["persistentVolumeReclaimPolicy"] == "Retain" and spec["storageClassName"] == ""
+        assert spec["accessModes"] == modes
+        made = claim_manifest(claim, [claim_owner("m", "uid-m")])
+        assert k8s_model_problems(made) == []
+        assert made["metadata"]["namespace"] == "team-a"
+        assert made["spec"]["volumeName"] == volume["metadata"]["name"] and made["spec"]["accessModes"] == modes
+        assert made["spec"]["storageClassName"] == ""
+        assert made["metadata"]["ownerReferences"][0]["controller"] is False
+        labels = volume["metadata"]["labels"]
+        assert labels["embedfleet.dev/namespace"] == "team-a" and labels["embedfleet.dev/digest"] == "5e" * 8
+        assert volume["metadata"]["annotations"]["embedfleet.dev/digest"] == DIGEST
+
+
+def test_a_volume_is_stale_once_its_claim_is_gone_released_or_another() -> None:
+    claim = CacheClaim("team-a", naming.cache_claim(DIGEST))
+    volume = volume_manifest(claim, ROOT, "uid-c")
+    live = {"metadata": {"name": claim.claim, "uid": "uid-c"}}
+    assert not stale_volume({**volume, "status": {"phase": "Bound"}}, live)
+    assert not stale_volume({**volume, "status": {"phase": "Available"}}, live)
+    assert stale_volume({**volume, "status": {"phase": "Released"}}, live)
+    assert stale_volume(volume, None)
+    assert stale_volume(volume, {"metadata": {"name": claim.claim, "uid": "uid-newer"}})

@@ -210,8 +210,8 @@ def test_a_deployment_from_before_revisions_keeps_running_as_r1() -> None:
     """An existing deployment (no revisions in status) renders what it did, plus the revision labels."""
     spec = spec_of()
     plan, _ = step(spec, {"conditions": []}, T0)
-    default = render(NAME, "ns", "u", spec, cache_root="/c")
-    planned = render(NAME, "ns", "u", spec, cache_root="/c", runs=plan.runs,
+    default = render(NAME, "ns", "u", spec)
+    planned = render(NAME, "ns", "u", spec, runs=plan.runs,
                      query_vector_space=plan.query_vector_space)
     assert default == planned
     assert recorded_runs(spec, apply({}, plan)) == (plan.runs, "r1")
@@ -221,7 +221,7 @@ def test_render_of_a_side_by_side_revision() -> None:
     status = serving_r1()
     new = spec_of(source=SOURCES[1], dtype="bfloat16", compatibility="breaking")
     plan, _ = step(new, status, T0, ready={"r1": 1}, primary="r1")
-    manifests = render(NAME, "ns", "u", new, cache_root="/c", runs=plan.runs,
+    manifests = render(NAME, "ns", "u", new, runs=plan.runs,
                        query_vector_space=plan.query_vector_space)
     objects = {(m["kind"], m["metadata"]["name"]): m for m in manifests}
     assert set(objects) == {("ConfigMap", "emb-config"), ("Deployment", "emb"), ("Service", "emb"),

@@ -76,6 +76,8 @@ KINDS: dict[str, Kind] = {
     "Event": Kind("v1", "events", True),
     "Secret": Kind("v1", "secrets", True),
     "Pod": Kind("v1", "pods", True),
+    "PersistentVolumeClaim": Kind("v1", "persistentvolumeclaims", True),
+    "PersistentVolume": Kind("v1", "persistentvolumes", False),
     "Node": Kind("v1", "nodes", False),
     "Namespace": Kind("v1", "namespaces", False),
     "Lease": Kind("coordination.k8s.io/v1", "leases", True),

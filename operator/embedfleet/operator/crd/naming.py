@@ -106,3 +106,32 @@ def cache_entry(namespace: str, digest: str) -> str:
     in a namespace name, so the name splits back unambiguously.
     """
     return f"{namespace}_{cache_subdir(digest)}"
+
+
+#: Runtime pods reach their tenant's node-cache entries through claims in the tenant's namespace, each
+#: pre-bound to one cluster-scoped PersistentVolume the operator creates (render/cache_volumes.py).
+CACHE_CLAIM_PREFIX = "embedfleet-"
+CACHE_VOLUME_PREFIX = "embedfleet."
+
+
+def cache_claim(digest: str) -> str:
+    """The claim, in the tenant's namespace, for its weights entry: ``embedfleet-sha256-<64 hex>``."""
+    return CACHE_CLAIM_PREFIX + cache_subdir(digest)
+
+
+def engines_claim(digest: str) -> str:
+    """The claim for the tenant's engine builds of one model: ``embedfleet-engines-sha256-<64 hex>``."""
+    return f"{CACHE_CLAIM_PREFIX}engines-{cache_subdir(digest)}"
+
+
+def claim_entry(namespace: str, claim: str) -> str:
+    """The cache entry a claim gives, relative to the cache root: ``<namespace>_`` and the claim's name
+    without its prefix (`cache_entry`, `engines_entry`). The chart's policy checks the same relation."""
+    return f"{namespace}_{claim.removeprefix(CACHE_CLAIM_PREFIX)}"
+
+
+def cache_volume(namespace: str, claim: str) -> str:
+    """The PersistentVolume pre-bound to ``claim`` in ``namespace``: ``embedfleet.<namespace>.<claim>``.
+    Namespaces hold no dots, so the name says which claim alone may bind it (the chart's policy holds the
+    operator to it, and refuses a claim elsewhere that names it)."""
+    return f"{CACHE_VOLUME_PREFIX}{namespace}.{claim}"

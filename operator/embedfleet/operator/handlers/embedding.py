@@ -37,10 +37,12 @@ from embedfleet.operator import status as st
 from embedfleet.operator.autoscale_target import DEPRECATION_REASON, of_parsed
 from embedfleet.operator.crd import naming
 from embedfleet.operator.crd.models import EmbeddingDeploymentSpec
+from embedfleet.operator.handlers import cache_volumes
 from embedfleet.operator.handlers.common import cache_nodes, reject
 from embedfleet.operator.handlers.common import now as _now
 from embedfleet.operator.kube import OWNED_KINDS, Kube, KubeError, NotOwned, up_to_date
 from embedfleet.operator.render import effective_replicas, render, runtime_name, selector_string
+from embedfleet.operator.render.cache_volumes import wanted_claims
 from embedfleet.operator.rollout import probe_client
 from embedfleet.operator.rollout.revisions import (
     Observed,
@@ -70,6 +72,7 @@ OWNED_WATCHES = (
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
     ("policy", "v1", "poddisruptionbudgets"),
+    ("", "v1", "persistentvolumeclaims"),  # the node cache's claims (handlers/cache_volumes.py)
 )
 MANAGED = {naming.MANAGED_BY_LABEL: naming.MANAGED_BY}
 #: Everything namespaced an EmbeddingDeployment may own, today's objects and the pre-pull DaemonSet and
@@ -224,7 +227,7 @@ def _render(obj: Mapping[str, Any], parsed: EmbeddingDeploymentSpec,
     autoscaler_desired = _autoscaler_desired(obj.get("status"))
     runs, query_space = revisions or recorded_runs(parsed, obj.get("status")) or (None, None)
     manifests = render(meta["name"], meta["namespace"], meta["uid"], parsed,
-                       cache_root=POLICY.cache_root, allow_control_plane=POLICY.allow_control_plane,
+                       allow_control_plane=POLICY.allow_control_plane,
                        autoscaler_desired=autoscaler_desired, service_monitor_available=service_monitor,
                        platform_env=RUNTIME_TRACING, runs=runs, query_vector_space=query_space,
                        default_image=POLICY.runtime_image, spot_status=spot.recorded(obj.get("status")),
@@ -313,10 +316,15 @@ def converge(
         transition = any(status.get(k) != v for k, v in plan.status_fields().items())
         desired, manifests = _render({**obj, "status": status}, parsed,
                                      (plan.runs, plan.query_vector_space))
+        claims = wanted_claims(namespace, manifests)
         try:
-            results = {f"{m['kind']}/{m['metadata']['name']}": KUBE.apply(m) for m in manifests}
+            # The node cache's claims and volumes first: the pods that mount them can start at once.
+            results = cache_volumes.ensure(KUBE, name, uid, claims, POLICY.cache_root)
+            results.update({f"{m['kind']}/{m['metadata']['name']}": KUBE.apply(m) for m in manifests})
             kinds = PRUNED_KINDS if prune else REVISION_KINDS if transition else ()
             pruned = KUBE.prune(KIND, name, uid, namespace, manifests, kinds=kinds) if kinds else []
+            if prune or transition:
+                pruned += cache_volumes.release(KUBE, namespace, uid, claims)
         except NotOwned as exc:
             _report_conflict(obj, status, generation, str(exc))
             return
@@ -514,8 +522,16 @@ def cleanup(meta: kopf.Meta, name: str, namespace: str, logger: kopf.Logger, **_
     objects go before the EmbeddingDeployment does (its finalizer), not some time after."""
     with LOCKS(namespace, name):
         deleted = KUBE.prune(KIND, name, meta.get("uid"), namespace, keep=[], kinds=PRUNED_KINDS)
+        deleted += cache_volumes.release(KUBE, namespace, meta.get("uid"), keep=[])
     LOCKS.forget(namespace, name)
     LAST_CONVERGED.pop((namespace, name), None)
     LAST_ROLLOUT.pop((namespace, name), None)
     if deleted:
         logger.info("deleted %s", ", ".join(deleted))
+
+
+@kopf.on.event("", "v1", "persistentvolumes", labels=cache_volumes.SELECTOR)
+def cache_volume_changed(body: kopf.Body, event: Mapping[str, Any], logger: kopf.Logger, **_: Any) -> None:
+    """One of the node cache's volumes changed (or is listed at start-up): deleted once its claim is gone."""
+    if event.get("type") != "DELETED" and cache_volumes.sweep(KUBE, body, POLICY.cache_root):
+        logger.info("deleted PersistentVolume %s: its claim is gone", body["metadata"]["name"])

@@ -119,7 +119,6 @@ def render(
     uid: str,
     spec: EmbeddingDeploymentSpec,
     *,
-    cache_root: str,
     allow_control_plane: bool = False,
     autoscaler_desired: int | None = None,
     service_monitor_available: bool = False,
@@ -132,8 +131,7 @@ def render(
 ) -> list[Manifest]:
     """Every object one EmbeddingDeployment needs, in apply order (config before its consumers).
 
-    ``cache_root`` is the platform's node cache root (chart value platform.cacheRoot), never the
-    tenant's; ``allow_control_plane`` lifts the rule that keeps runtime pods off control-plane nodes;
+    ``allow_control_plane`` lifts the rule that keeps runtime pods off control-plane nodes;
     ``platform_env`` is added to every runtime's configuration (the platform's tracing settings);
     ``default_image`` is the platform's runtime image for a spec that names none.
     ``runs`` are the revisions to run (rollout.revisions.decide; default: the spec as r1), the primary
@@ -147,7 +145,7 @@ def render(
     config = render_config_map(name, namespace, uid, spec, platform_env, primary)
     replicas = effective_replicas(spec, autoscaler_desired)
     deployments = [render_deployment(name, namespace, uid, spec, replicas, content_hash(config["data"]),
-                                     cache_root=cache_root, allow_control_plane=allow_control_plane, run=primary,
+                                     allow_control_plane=allow_control_plane, run=primary,
                                      default_image=default_image)]
     if spec.spot is not None:
         rules = spot_rules or SpotRules()
@@ -165,7 +163,7 @@ def render(
         side_config = render_config_map(name, namespace, uid, spec, platform_env, run)
         out += [side_config,
                 render_deployment(name, namespace, uid, spec, run.replicas or 1, content_hash(side_config["data"]),
-                                  cache_root=cache_root, allow_control_plane=allow_control_plane, run=run,
+                                  allow_control_plane=allow_control_plane, run=run,
                                   default_image=default_image)]
         if run.revision != primary.revision:
             out.append(render_service(name, namespace, uid, spec, run=run))

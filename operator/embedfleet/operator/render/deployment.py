@@ -142,7 +142,6 @@ def render_deployment(
     replicas: int,
     config_hash: str,
     *,
-    cache_root: str,
     allow_control_plane: bool = False,
     run: Run | None = None,
     default_image: str | None = None,
@@ -161,7 +160,7 @@ def render_deployment(
         selector = {**selector_labels(name, component), naming.REVISION_LABEL: run.revision}
     rt = spec.runtime
     image = runtime_image(rt.image, default_image)
-    volumes, mounts, init_containers = _model_volumes(spec, namespace, cache_root, image)
+    volumes, mounts, init_containers = _model_volumes(spec, image)
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},

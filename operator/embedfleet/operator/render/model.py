@@ -7,12 +7,15 @@ and the Deployment (the volumes).
   mounted at ``/var/cache/embedfleet/local``; ``EMBEDFLEET_MODEL`` is ``local/sha256-<hex>`` and
   ``EMBEDFLEET_MODEL_DIGEST`` the digest the runtime re-verifies before loading. With pre-pull on, the
   pod also mounts its tenant's node cache entry ``<platform cache root>/<namespace>_sha256-<hex>``
-  read-only at ``/var/cache/embedfleet/node``: when the agent has filled it, the init container only
-  links ``local/sha256-<hex>`` to it (no download);
+  read-only at ``/var/cache/embedfleet/node``, through the claim ``embedfleet-sha256-<hex>`` in its own
+  namespace (bound to a PersistentVolume the operator creates: render/cache_volumes.py), so the pod itself
+  names no host path: when the agent has filled it, the init container only links ``local/sha256-<hex>``
+  to it (no download);
 * with pre-pull, a deployment whose runtime builds an engine (`prepull.shares_engine_builds`: int8,
   TensorRT-LLM) also mounts its tenant's engines folder ``<cache root>/<namespace>_engines-sha256-<hex>``
-  writable at ``ENGINES_MOUNT`` (``EMBEDFLEET_ENGINE_CACHE_DIR``): the first pod on a node builds there, the
-  next ones (and the node agent, for other nodes) reuse it (operator/cache/engines.py);
+  (claim ``embedfleet-engines-sha256-<hex>``) writable at ``ENGINES_MOUNT`` (``EMBEDFLEET_ENGINE_CACHE_DIR``):
+  the first pod on a node builds there, the next ones (and the node agent, for other nodes) reuse it
+  (operator/cache/engines.py);
 * ``file://`` (a path inside the image) and ``pvc://claim/path`` (mounted read-only) are used in place.
 """
 
@@ -66,7 +69,7 @@ def _pull_args(model: ModelSource, cache_dir: str) -> list[str]:
 
 
 def _model_volumes(
-    spec: EmbeddingDeploymentSpec, namespace: str, cache_root: str, image: str
+    spec: EmbeddingDeploymentSpec, image: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, runtime volumeMounts, init containers) that put the model where model_dir() says."""
     parsed = urllib.parse.urlsplit(spec.model.source)
@@ -84,10 +87,10 @@ def _model_volumes(
     init_mounts = [{"name": "model-cache", "mountPath": LOCAL_CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
     command = _pull_args(spec.model, LOCAL_CACHE_DIR)
     if spec.cache.pre_pull:
-        # The tenant's own entry, never the root: DirectoryOrCreate makes the kubelet create it (empty,
-        # root-owned) when the pod lands before the agent; the agent replaces it with the weights.
-        entry = cache_root.rstrip("/") + "/" + naming.cache_entry(namespace, spec.model.digest)
-        volumes.append({"name": "node-cache", "hostPath": {"path": entry, "type": "DirectoryOrCreate"}})
+        # The tenant's own entry, never the root, through its claim (the volume is DirectoryOrCreate: the
+        # kubelet creates it, empty and root-owned, when the pod lands before the agent, which replaces it).
+        claim = {"claimName": naming.cache_claim(spec.model.digest), "readOnly": True}
+        volumes.append({"name": "node-cache", "persistentVolumeClaim": claim})
         node_mount = {"name": "node-cache", "mountPath": NODE_CACHE_DIR, "readOnly": True}
         runtime_mounts.append(node_mount)
         init_mounts.append(node_mount)
@@ -96,8 +99,8 @@ def _model_volumes(
         # Writable, and only by the runtime container: the tenant's builds of this model on this node. The
         # agent creates it owned by the runtime's uid; where the pod came first, the kubelet made it root-owned
         # and the runtime builds in its own /tmp until the agent has replaced it (the next pod uses it).
-        engines = cache_root.rstrip("/") + "/" + naming.engines_entry(namespace, spec.model.digest)
-        volumes.append({"name": "node-engines", "hostPath": {"path": engines, "type": "DirectoryOrCreate"}})
+        engines = {"claimName": naming.engines_claim(spec.model.digest)}
+        volumes.append({"name": "node-engines", "persistentVolumeClaim": engines})
         runtime_mounts.append({"name": "node-engines", "mountPath": ENGINES_MOUNT})
     init = {
         "name": "fetch-model",
