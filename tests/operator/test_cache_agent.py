@@ -467,7 +467,11 @@ def test_node_agents_cache_label_and_retire_on_a_real_cluster(kube_cluster: Clus
         pod = wait_until(lambda: _runtime_pod(cluster, "pre", team_a), 90, "team-a's runtime pod scheduled")
         assert pod["spec"]["nodeName"] in ("gpu-1", "gpu-2")
         volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "node-cache")
-        assert volume["hostPath"]["path"].endswith("/" + naming.cache_entry(team_a, digest))
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        bound = cluster.get_json("pvc", claim, "-n", team_a)  # the pod was scheduled: its claim is bound
+        assert bound["status"]["phase"] == "Bound"
+        path = cluster.get_json("pv", bound["spec"]["volumeName"])["spec"]["hostPath"]["path"]
+        assert path.endswith("/" + naming.cache_entry(team_a, digest))
         # team-b asks for the same digest: no node holds it *for team-b*, so its pod goes anywhere.
         cluster.apply(small("pre", team_b, model=model, autoscaling={"enabled": False}, replicas=1,
                             cache={"prePull": True, "nodePools": [{"name": "none",

@@ -275,8 +275,9 @@ def test_invalid_spec_is_rejected_creates_nothing_then_fixed(standalone) -> None
 
 def test_prepull_creates_nothing_with_node_rights_and_counts_cached_nodes(standalone) -> None:
     """Pre-pull is the node agent's job: the operator renders only the runtime pod (with its tenant's
-    node-cache entry and a preference for nodes labelled ready for that tenant) and counts cachedNodes from
-    the Nodes' labels. Nothing is created in the tenant namespace with a ServiceAccount or a node right."""
+    node-cache entry, through a claim bound to the operator's volume, and a preference for nodes labelled
+    ready for that tenant) and counts cachedNodes from the Nodes' labels. Nothing is created in the tenant
+    namespace with a ServiceAccount or a node right."""
     from embedfleet.operator.crd import naming
 
     cluster, proc, ns = standalone
@@ -294,7 +295,10 @@ def test_prepull_creates_nothing_with_node_rights_and_counts_cached_nodes(standa
         preferred = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
         assert preferred[0]["preference"]["matchExpressions"][0]["key"] == key
         (node_cache,) = [v for v in pod["volumes"] if v["name"] == "node-cache"]
-        assert node_cache["hostPath"]["path"] == f"/var/lib/embedfleet/cache/{naming.cache_entry(ns, digest)}"
+        assert node_cache["persistentVolumeClaim"]["claimName"] == naming.cache_claim(digest)
+        volume = wait_until(lambda: cluster.get_json("pv", naming.cache_volume(ns, naming.cache_claim(digest))),
+                            60, "the node cache's volume")
+        assert volume["spec"]["hostPath"]["path"] == f"/var/lib/embedfleet/cache/{naming.cache_entry(ns, digest)}"
         for kind in ("daemonsets", "serviceaccounts", "rolebindings"):
             items = cluster.get_json(kind, "-n", ns)["items"]
             assert [i["metadata"]["name"] for i in items] == (["default"] if kind == "serviceaccounts" else [])
