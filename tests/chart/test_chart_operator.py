@@ -111,7 +111,7 @@ WORKLOAD_RIGHTS = (
     | _crud("embeddingdeployments.embedfleet.dev/finalizers", "update")
     | _crud("modelcaches.embedfleet.dev/finalizers", "update")
     | {r for kind in ("configmaps", "services", "serviceaccounts", "deployments.apps", "daemonsets.apps",
-                      "poddisruptionbudgets.policy")
+                      "poddisruptionbudgets.policy", "persistentvolumeclaims")
        for r in _crud(kind, "get list watch create patch delete")}
     | _crud("servicemonitors.monitoring.coreos.com", "get list create patch delete")
     | _crud("pods", "list watch")
@@ -125,6 +125,8 @@ KOPF_RIGHTS = _crud("customresourcedefinitions.apiextensions.k8s.io", "get list 
 #: Cache status: cachedNodes/totalNodes are counted from the node agents' labels; spec.spot watches which
 #: nodes are spot and being reclaimed (read only).
 NODE_READ = _crud("nodes", "list watch")
+#: The node cache's volumes (cluster-scoped; the chart's policy holds them to the tenants' entries). No patch.
+CACHE_VOLUMES = _crud("persistentvolumes", "get list watch create delete")
 #: The node agent's identity (its own ServiceAccount in the release namespace), and nobody else's.
 NODE_AGENT_RIGHTS = (_crud("nodes", "get patch") | _crud("embeddingdeployments.embedfleet.dev", "list watch")
                      | _crud("modelcaches.embedfleet.dev", "list watch"))
@@ -168,11 +170,13 @@ def test_standalone_operator_needs_exactly_the_chart_rbac(strict_cluster: Cluste
     assert {"configmaps", "deployments", "services", "events", "leases"} <= created(proc)
     # Pre-pull creates nothing with a node right in the tenant's namespace, and nothing cluster-scoped.
     assert not {"daemonsets", "serviceaccounts", "clusterrolebindings"} & created(proc)
+    # ... but the claim its pods mount the weights through, and the volume behind it.
+    assert {"persistentvolumeclaims", "persistentvolumes"} <= created(proc)
     assert cluster.get_json("serviceaccounts", "-n", apps)["items"][0]["metadata"]["name"] == "default"
     assert rights(cluster, f"system:serviceaccount:{apps}:default", apps) == set()
 
     user = proc.user
-    assert rights(cluster, user, namespace) == (WORKLOAD_RIGHTS | KOPF_RIGHTS | NODE_READ
+    assert rights(cluster, user, namespace) == (WORKLOAD_RIGHTS | KOPF_RIGHTS | NODE_READ | CACHE_VOLUMES
                                                 | lease_rights("std-embedfleet-operator"))
     agent = f"system:serviceaccount:{namespace}:{fullname(release)}-node-agent"
     assert rights(cluster, agent, namespace) == NODE_AGENT_RIGHTS
@@ -202,7 +206,7 @@ def test_spoke_operator_needs_exactly_the_chart_rbac(strict_cluster: Cluster, tm
     assert not {"daemonsets", "clusterrolebindings"} & created(proc)
 
     user = proc.user
-    cluster_wide = KOPF_RIGHTS | _crud("namespaces", "list watch") | NODE_READ
+    cluster_wide = KOPF_RIGHTS | _crud("namespaces", "list watch") | NODE_READ | CACHE_VOLUMES
     leases = lease_rights("spk-embedfleet-operator", "embedfleet-spoke")
     gateway_pods = _crud("pods", "list")  # the heartbeat's gateway load, in the release namespace
     assert rights(cluster, user, namespace) == cluster_wide | leases | gateway_pods

@@ -162,7 +162,8 @@ def test_the_charts_defaults_are_the_operators_defaults() -> None:
 
 def test_the_example_values_reach_the_operator_as_its_policy() -> None:
     """examples/platform-values.yaml through `helm template`: the operator's EMBEDFLEET_PLATFORM_POLICY
-    is that file's platform block, and both allow-list policies and the three node-cache ones are rendered."""
+    is that file's platform block, and both allow-list policies and the node cache's volume and claim ones
+    are rendered."""
     import yaml
     from tests.chart.helm import by_kind, operator_container, template
     from tests.kube.controlplane import ROOT
@@ -178,9 +179,8 @@ def test_the_example_values_reach_the_operator_as_its_policy() -> None:
     assert policy.cache_root == "/mnt/nvme/embedfleet-cache"
     names = sorted(o["metadata"]["name"].rsplit("embedfleet-", 1)[-1]
                    for o in by_kind(objects, "ValidatingAdmissionPolicy"))
-    assert names == ["embeddingdeployments", "modelcaches", "node-cache-cronjobs", "node-cache-pods",
-                     "node-cache-workloads"], names
-    assert len(by_kind(objects, "ValidatingAdmissionPolicyBinding")) == 5
+    assert names == ["cache-claims", "cache-volumes", "embeddingdeployments", "modelcaches"], names
+    assert len(by_kind(objects, "ValidatingAdmissionPolicyBinding")) == 4
     off = template([path], sets={"admissionPolicy.enabled": "false"})
     assert by_kind(off, "ValidatingAdmissionPolicy") == []
 
