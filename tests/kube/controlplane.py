@@ -42,7 +42,7 @@ KUBE_VERSION = "v1.37.2"
 TOOLS_DIRNAME = "kube-v1.37.2-helm-v4.3.1-kwok-v0.8.0"
 ADMIN_TOKEN = "embedfleet-test-admin-token"
 # The controller-manager's own identity, as in a real cluster (where admission rules may name it: the chart's
-# node-cache policy admits the ReplicaSets and Pods it makes); in system:masters here because it runs with
+# node-cache volume policy names only the operator); in system:masters here because it runs with
 # --use-service-account-credentials=false, so one identity does every controller's work.
 CONTROLLERS_TOKEN = "embedfleet-test-controller-manager-token"
 SERVICE_CIDR = "10.96.0.0/16"  # cluster IPs are only allocated, never sent traffic

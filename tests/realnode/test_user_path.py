@@ -243,11 +243,12 @@ def hostpath_pod(name: str, path: str) -> str:
 
 
 def test_a_labelled_tenant_namespace_refuses_a_pod_on_the_cache_root(release: RealNode) -> None:
-    """The tenant namespace is labelled as docs/security.md tells a platform team; from then on a namespace
-    editor's raw Pod that mounts the node cache root, or another tenant's entry, is refused at apply, naming
-    the rule. The label stays: the node-cache steps below run the operator's pre-pulling pods under it."""
+    """The tenant namespace enforces Pod Security Admission's baseline, as docs/security.md tells a platform
+    team; from then on a namespace editor's raw Pod that mounts the node cache root, or another tenant's entry,
+    is refused at apply, naming hostPath. The label stays: the node-cache steps below run the operator's
+    pre-pulling pods under it (they reach their entries through claims bound to the operator's volumes)."""
     root = str(release.home / "nodecache")
-    release.kubectl("label", "namespace", "default", "embedfleet.dev/pod-security=baseline", "--overwrite")
+    release.kubectl("label", "namespace", "default", "pod-security.kubernetes.io/enforce=baseline", "--overwrite")
     other = root + "/" + naming.cache_entry("team-b", "sha256:" + "a" * 64)
     for name, path in (("steal-root", root), ("steal-root-slash", root + "/"), ("steal-other", other),
                        ("steal-parent", root + "/default_x/..")):
@@ -294,7 +295,7 @@ def test_node_cache_serves_the_second_cold_start_and_the_gateway_wakes_from_zero
 
 
 def test_an_int8_build_is_made_once_on_the_node_and_loaded_by_the_next_pod(release: RealNode, tmp_path: Path) -> None:
-    """`dtype: int8` with pre-pull on the real kubelet: the agent makes the tenant's engines folder (hostPath)
+    """`dtype: int8` with pre-pull on the real kubelet: the agent makes the tenant's engines folder (a claim)
     before the node is labelled, the first pod builds into it as the runtime's uid, and a replacement pod
     loads that build instead of quantising again."""
     served = ModelServer(tmp_path)
