@@ -14,7 +14,10 @@ One module per kind of object, this package's ``render`` composes them in apply 
   ``EMBEDFLEET_MODEL`` names);
 * ``config``: the runtime's ConfigMap (its ``EMBEDFLEET_*`` contract);
 * ``deployment``: the runtime Deployment (pod template, placement, rollout strategy, replicas);
-* ``service``: the Services, the PodDisruptionBudget and the ServiceMonitor.
+* ``service``: the Services, the PodDisruptionBudget and the ServiceMonitor;
+* ``cache_volumes``: the node cache's claims and PersistentVolumes behind the pods' cache volumes. Not part
+  of `render`'s list: a claim is shared by the deployments of a namespace that want the same entry, and a
+  volume is cluster-scoped (handlers/cache_volumes.py creates them from `wanted_claims` of that list).
 
 Every name other code uses is re-exported here: import from ``embedfleet.operator.render``.
 """
