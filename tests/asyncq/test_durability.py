@@ -27,7 +27,7 @@ def tiny_jobs(n: int) -> list[dict]:
 
 def test_worker_killed_mid_batch_every_job_succeeds_exactly_once(redis_server, runtime_factory, worker_factory):
     api = runtime_factory("--redis-url", redis_server.url, "--no-async-worker")
-    n = 2000
+    n = 600  # enough that the kill lands with jobs claimed and unacknowledged (asserted below) and most still queued
     responses = asyncio.run(submit_many(api.url, tiny_jobs(n)))
     assert [r.status_code for r in responses] == [202] * n
     ids = [r.json()["id"] for r in responses]
@@ -36,7 +36,7 @@ def test_worker_killed_mid_batch_every_job_succeeds_exactly_once(redis_server, r
 
     first = worker_factory(redis_server.url, "--name", "first", "--async-visibility-timeout", "3",
                            "--async-worker-concurrency", "16")
-    wait_for(lambda: int(r.hget(KEYS.stats, "succeeded") or 0) >= 300, 180, "the first worker to finish 300 jobs")
+    wait_for(lambda: int(r.hget(KEYS.stats, "succeeded") or 0) >= 150, 180, "the first worker to finish 150 jobs")
     first.kill()  # SIGKILL: no chance to acknowledge or clean up
     pending = r.xpending(KEYS.jobs, JOB_GROUP)
     assert pending["pending"] > 0 and {c["name"] for c in pending["consumers"]} == {b"first"}

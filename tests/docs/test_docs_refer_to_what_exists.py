@@ -20,6 +20,7 @@ OTHER_TOOLS = frozenset({
     "find-links", "no-index", "build-arg", "tag", "file", "platform", "format", "address", "target", "follow",
     "tail", "previous", "for", "watch", "image", "rm", "restart", "port", "name", "help",
     "etcd-prefix",  # kube-apiserver
+    "durations",  # pytest
     "cluster-name", "login", "server-id",  # the clouds' exec credential plugins (aws, kubelogin)
 })
 CODE_TOKEN = re.compile(r"`([A-Za-z][A-Za-z0-9]*(?:\.[A-Za-z][A-Za-z0-9]*)+)`")
