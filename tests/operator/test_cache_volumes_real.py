@@ -6,7 +6,8 @@ namespace enforces Pod Security Admission itself. Checked here: in a namespace w
 the ReplicaSet's pods are admitted and scheduled onto kwok nodes with their claims Bound to the operator's
 volumes (path and claimRef as documented), and the same pod passes ``restricted``; a raw Pod with a hostPath
 is refused by PSA; the binder never binds a claim elsewhere to a pre-bound volume, and the chart's policy
-refuses such a claim at apply and holds the operator's identity to its own volumes; deleting the deployment
+refuses such a claim at apply, a Pod that mounts a weights claim writable, and holds the operator's identity
+to its own volumes; deleting the deployment
 takes its claims and volumes; the operator's audit log shows no refusal.
 """
 
@@ -120,6 +121,14 @@ def test_a_baseline_namespace_runs_pre_pulling_pods_through_the_operators_volume
                     "spec": template}
             done = _dry_run(cluster, copy)
             assert done.returncode == 0, done.stderr
+            # An editor's Pod may mount the weights claim, but only read-only: the agent trusts that folder.
+            for writable in ({"claimName": weights}, {"claimName": weights, "readOnly": False}):
+                grab = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "grab-rw", "namespace": ns},
+                        "spec": {"containers": [{"name": "c", "image": IMAGE, "securityContext": {
+                            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
+                                 "volumes": [{"name": "w", "persistentVolumeClaim": writable}]}}
+                done = _dry_run(cluster, grab)
+                assert done.returncode != 0 and "mounted read-only" in done.stderr, (writable, done.stderr)
 
             # Another namespace cannot have tenant A's volume: refused at apply by the chart's policy ...
             thief = _namespace(cluster, f"team-thief-{unique}")

@@ -179,8 +179,8 @@ def test_the_example_values_reach_the_operator_as_its_policy() -> None:
     assert policy.cache_root == "/mnt/nvme/embedfleet-cache"
     names = sorted(o["metadata"]["name"].rsplit("embedfleet-", 1)[-1]
                    for o in by_kind(objects, "ValidatingAdmissionPolicy"))
-    assert names == ["cache-claims", "cache-volumes", "embeddingdeployments", "modelcaches"], names
-    assert len(by_kind(objects, "ValidatingAdmissionPolicyBinding")) == 4
+    assert names == ["cache-claims", "cache-volumes", "cache-weights", "embeddingdeployments", "modelcaches"], names
+    assert len(by_kind(objects, "ValidatingAdmissionPolicyBinding")) == 5
     off = template([path], sets={"admissionPolicy.enabled": "false"})
     assert by_kind(off, "ValidatingAdmissionPolicy") == []
 
