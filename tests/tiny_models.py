@@ -156,3 +156,19 @@ def bert_reranker(path: Path, seed: int = 0, initializer_range: float = 0.1) -> 
         max_position_embeddings=128, num_labels=1, initializer_range=initializer_range)).save_pretrained(path)
     bert_tokenizer(path)
     return path
+
+
+def bert_classifier(path: Path, seed: int = 0, initializer_range: float = 0.02) -> Path:
+    """A tiny random BERT sequence classifier (labels negative, neutral, positive) whose weights follow from
+    ``seed``: two seeds give two builds of one graph that label the same texts differently."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    path.mkdir()
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    BertForSequenceClassification(BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=128, num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()},
+        initializer_range=initializer_range)).save_pretrained(path)
+    bert_tokenizer(path)
+    return path

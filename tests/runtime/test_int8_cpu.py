@@ -65,7 +65,8 @@ def test_a_second_start_reuses_the_cached_build(spec: ModelSpec, built: tuple[Pa
     monkeypatch.setattr(int8_cpu, "quantize", forbidden)
     with caplog.at_level(logging.INFO, logger="embedfleet.runtime.engines.int8_cpu"):
         again = build_int8_engine(spec, num_threads=THREADS, cache_root=root)
-    assert isinstance(again, Int8CpuEngine) and again.int8_gate == first.int8_gate
+    assert isinstance(again, Int8CpuEngine) and again.int8_gate.passed and first.int8_gate.measured_on == "judge"
+    assert again.int8_gate.measured_on == "probe", "the verdict is the probe this start measured, not the stored one"
     assert any("passed its re-judgement" in r.getMessage() for r in caplog.records)
     batch = [[101, 7592, 2088, 102], [101, 2023, 2003, 1037, 3231, 102]]
     np.testing.assert_allclose(again.embed(batch), first.embed(batch), rtol=0, atol=1e-6)
@@ -103,11 +104,14 @@ def test_models_int8_cannot_judge_are_refused_by_name(spec: ModelSpec, change: d
 def test_a_real_server_reports_int8_and_its_measured_cosine(built: tuple[Path, Int8CpuEngine], runtime_factory,
                                                             spec: ModelSpec) -> None:
     root, engine = built
+    # the build is cached: the server judges it again on the probe texts and reports what it measured there
+    probed = build_int8_engine(spec, num_threads=THREADS, cache_root=root).int8_gate
+    assert probed is not None and probed.measured_on == "probe"
     srv = runtime_factory("--dtype", "int8", "--engine-cache-dir", str(root))
     with srv.client() as c:
         card = c.get("/v1/models").raise_for_status().json()["data"][0]
-        assert card["dtype"] == "int8" and card["requested_dtype"] is None
-        assert card["int8_min_cosine"] == pytest.approx(engine.int8_gate.min_cosine)
+        assert card["dtype"] == "int8" and card["requested_dtype"] is None and card["int8_measured_on"] == "probe"
+        assert card["int8_min_cosine"] == pytest.approx(probed.min_cosine, abs=1e-5)
         assert card["int8_min_cosine"] >= 0.99
         body = c.post("/v1/embeddings", json={"input": TEXTS[:4]}).raise_for_status().json()
         ((name, startup),) = c.get("/load").raise_for_status().json()["startup"]["models"].items()

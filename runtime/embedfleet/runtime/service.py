@@ -176,9 +176,11 @@ class ModelService:
 
     @property
     def int8_min_cosine(self) -> float | None:
-        """The int8 gate's lowest calibration cosine (served or refused); None when int8 was not asked for."""
+        """The int8 gate's lowest cosine as this process measured it (served or refused): on the judged set of a
+        build it made, on the probe of a cached one. None when int8 was not asked for, or when a cached build's
+        stored refusal was taken as it is (its file's figures are forgeable and measured by no one here)."""
         gate = self.engine.int8_gate if self.engine is not None else None
-        return gate.min_cosine if gate is not None else None
+        return gate.min_cosine if gate is not None and gate.measured_on in ("judge", "probe") else None
 
     @property
     def input_limit(self) -> int:

@@ -19,7 +19,7 @@ from embedfleet.runtime.api.schemas import ModelCard, ModelList, ProbeAnswer, Si
 from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.probe import fingerprint, probe_body
 from embedfleet.runtime.core.tokenize import TooManyTokens
-from embedfleet.runtime.engines.int8_scoring import card_fields
+from embedfleet.runtime.engines.int8_scoring_gate import card_fields
 from embedfleet.runtime.service import Models, ModelService
 
 

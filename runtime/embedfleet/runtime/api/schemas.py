@@ -108,8 +108,12 @@ class ModelCard(BaseModel):
     # correlation), and the bound that figure had to reach, the threshold less its margin (engines/quality_gate.py)
     fp8_min_cosine: float | None = None
     fp8_required_cosine: float | None = None
-    int8_min_cosine: float | None = None  # the int8 gate's measurement (engines/int8_cpu.py), for int8 requests
-    # int8 rerankers and classifiers: what the scoring gate measured (engines/int8_scoring.py)
+    # int8 requests: what this process measured (never a cached build's stored figures), and on what: "judge"
+    # (it built the int8 model and judged it on the judged set) or "probe" (it judged a cached build again on the
+    # probe); all None for a cached refusal taken as stored (engines/int8_cpu.py, engines/int8_scoring_gate.py)
+    int8_measured_on: str | None = None
+    int8_min_cosine: float | None = None  # embedders: the lowest cosine with float32
+    # int8 rerankers and classifiers: what the scoring gate measured (engines/int8_scoring_gate.py)
     int8_min_spearman: float | None = None
     int8_mean_spearman: float | None = None
     int8_top1_agreement: float | None = None

@@ -20,7 +20,9 @@ of unrelated and of rare vocabulary words): every judged embedding's cosine with
 figures) is cached by model digest under --engine-cache-dir, so the second start does not quantise; it judges
 the cached build again on a few probe texts against the float32 model before serving it, because the
 folder is writable by the tenant's pod and a stored verdict proves nothing. A build that fails its probe is
-built again (and judged in full). Builds are kept per CPU class
+built again (and judged in full). The gate result an engine carries, and /v1/models reports, is always what
+this process measured (GateResult.measured_on: the judged set of a build it made, the probe of a cached one).
+Builds are kept per CPU class
 (``<engine cache dir>/<cpu class>/sha256-<digest>/int8-cpu-<hash>``, engines/cache_dir.py `engine_root`): a
 verdict holds on the class of processor it was measured on.
 Rerankers and sequence classifiers are built the same way and judged on scores, rankings and labels
@@ -41,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MIN_COSINE = 0.985  # with INT8_MARGIN_FACTOR the judged set must reach 0.99 (engines/int8_gate.py)
 RECIPE = "ov-nncf-v2"  # bump when the quantisation recipe changes: old cache entries are then ignored
 MANIFEST = "int8.json"
+# said after a verdict taken from a cached build's file (a refusal: taken as it is, but measured by no one here)
+STORED_NOTE = "; figures as stored with the cached build, not measured by this process"
 INSTALL_HINT = ("--dtype int8 needs the `openvino` and `nncf` packages (the runtime extra: "
                 "pip install 'embedfleet[runtime]'); or serve --dtype float32")
 
@@ -178,10 +182,13 @@ def read_cached(path: Path, key: CacheKey) -> dict[str, Any] | None:
     return manifest if manifest.get("key") == asdict(key) and (path / "model.xml").exists() else None
 
 
-Built = tuple[dict[str, Any], BuildSource, "TorchEngine | None"]
+#: (its manifest, where it came from, the float32 engine when the call loaded one, the re-judgement of a cached
+#: build: None for a build made by this call or a cached refusal taken as stored)
+Built = tuple[dict[str, Any], BuildSource, "TorchEngine | None", "GateResult | None"]
 #: Judges a cached build again before it is trusted: (its manifest, its folder, a loader of the float32 engine)
-#: -> why it fails, or None.
-Check = Callable[[dict[str, Any], Path, Callable[[], TorchEngine]], "str | None"]
+#: -> the verdict this process measured (passed: the build serves; failed: it is built again), or None when the
+#: stored figures refuse int8 and are taken as they are (a refusal serves no int8).
+Check = Callable[[dict[str, Any], Path, Callable[[], TorchEngine]], "GateResult | None"]
 
 
 def build_once(spec: ModelSpec, key: CacheKey, cache_root: Path | None, num_threads: int,
@@ -190,9 +197,11 @@ def build_once(spec: ModelSpec, key: CacheKey, cache_root: Path | None, num_thre
     in this CPU class's folder: replicas starting together on one node take the build lock, so one builds and
     the others wait and read its result. A cached build is judged again by `check` (when given) before it is
     returned; one that fails is built again, in its place, with a warning saying why. Returns (its manifest,
-    where it came from and its folder, the float32 engine when this call loaded one)."""
+    where it came from and its folder, the float32 engine when this call loaded one, the cached build's
+    re-judgement)."""
     path = cache_path(engine_root(cache_root, spec.path, cpu_accelerator()), key)
     fp32: TorchEngine | None = None
+    probed: GateResult | None = None
 
     def load_fp32() -> TorchEngine:
         nonlocal fp32
@@ -200,13 +209,15 @@ def build_once(spec: ModelSpec, key: CacheKey, cache_root: Path | None, num_thre
         return fp32
 
     def trusted(found: dict[str, Any] | None) -> dict[str, Any] | None:
+        nonlocal probed
         if found is None or check is None:
             return found
-        why = check(found, path, load_fp32)
-        if why is None:
+        probed = check(found, path, load_fp32)
+        if probed is None or probed.passed:
             return found
         log.warning("%s: the cached int8 build at %s fails its re-judgement (%s); building it again",
-                    spec.name, path, why)
+                    spec.name, path, probed.reason)
+        probed = None
         return None
 
     found = read_cached(path, key)
@@ -220,7 +231,21 @@ def build_once(spec: ModelSpec, key: CacheKey, cache_root: Path | None, num_thre
             if manifest is None:
                 manifest = build(load_fp32(), path)
                 built = True
-    return manifest, build_source(path, built), fp32
+    return manifest, build_source(path, built), fp32, probed
+
+
+def stored_verdict(manifest: dict[str, Any], judge: Callable[[dict[str, Any]], GateResult]) -> GateResult | None:
+    """`judge` of a cached manifest's stored figures, or None when they cannot be read (missing or mistyped
+    fields: a file nobody here wrote, judged like a build that fails its re-judgement)."""
+    try:
+        return judge(manifest)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def unreadable(task: str) -> GateResult:
+    """The failed re-judgement of a cached build whose stored figures cannot be read: it is built again."""
+    return GateResult(False, task, 0.0, 0.0, 0.0, "its stored figures cannot be read", measured_on="probe")
 
 
 class _Pooled(torch.nn.Module):
@@ -367,11 +392,14 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
 
     sets = sets or int8_sets(spec.path / "tokenizer.json", spec.max_length)
     key = CacheKey(spec.digest, RECIPE, ov.__version__, nncf.__version__, calibration_digest(sets))
-    manifest, source, fp32 = build_once(
+    manifest, source, fp32, probed = build_once(
         spec, key, cache_root, num_threads, lambda fp32, path: _build(fp32, spec, key, path, sets, num_threads),
         check=lambda found, path, load_fp32: _probe(found, path, load_fp32, spec, sets.probe, min_cosine, num_threads))
-    gate = verdict(manifest, min_cosine)
-    summary = gate.summary().replace("fp8", "int8", 1)
+    # what decides and what /v1/models reports is what this process measured: the judged set of a build it made,
+    # the probe of a cached one; a cached refusal is taken as stored, and marked so (its figures are not reported)
+    gate = probed if probed is not None else \
+        replace(verdict(manifest, min_cosine), measured_on="judge" if source.source == "built" else "stored")
+    summary = gate.summary().replace("fp8", "int8", 1) + STORED_NOTE * (gate.measured_on == "stored")
     if gate.passed:
         log.info("%s: %s", spec.name, summary)
         served = Int8CpuEngine(spec, source.path / "model.xml", gate, num_threads)
@@ -388,12 +416,15 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
 
 
 def _probe(manifest: dict[str, Any], path: Path, load_fp32: Callable[[], TorchEngine], spec: ModelSpec,
-           probe: list[str], min_cosine: float, num_threads: int) -> str | None:
-    """A cached build judged again on the probe texts against float32 before it may serve: why it fails, or
-    None. Its stored figures decide nothing here: the folder is writable by the tenant's pod, so figures
-    that pass prove nothing. Figures that refuse are taken as they are (no probe): a refusal serves no
-    int8, so a forged one can only keep int8 from serving, never let a bad build serve."""
-    if not verdict(manifest, min_cosine).passed:
+           probe: list[str], min_cosine: float, num_threads: int) -> GateResult | None:
+    """A cached build judged again on the probe texts against float32 before it may serve: the verdict this
+    process measured. Its stored figures decide nothing here: the folder is writable by the tenant's pod, so
+    figures that pass prove nothing. Figures that refuse are taken as they are (None: no probe): a refusal
+    serves no int8, so a forged one can only keep int8 from serving, never let a bad build serve."""
+    stored = stored_verdict(manifest, lambda m: verdict(m, min_cosine))
+    if stored is None:
+        return unreadable("embed")
+    if not stored.passed:
         return None
     fp32 = load_fp32()
     started = time.perf_counter()
@@ -401,12 +432,12 @@ def _probe(manifest: dict[str, Any], path: Path, load_fp32: Callable[[], TorchEn
     try:
         candidate = run_calibration(Int8CpuEngine(spec, path / "model.xml", unjudged(), num_threads).embed, batches)
     except Exception as exc:  # a build that does not load or run is a failed build, not a failed start
-        return f"it does not run ({type(exc).__name__}: {str(exc)[:200]})"
-    why = probe_verdict(run_calibration(fp32.embed, batches), candidate, min_cosine)
-    if why is None:
-        log.info("%s: the cached int8 build passed its re-judgement on %d probe texts in %.2fs", spec.name,
-                 len(probe), time.perf_counter() - started)
-    return why
+        return replace(unreadable("embed"), reason=f"it does not run ({type(exc).__name__}: {str(exc)[:200]})")
+    gate = probe_verdict(run_calibration(fp32.embed, batches), candidate, min_cosine)
+    if gate.passed:
+        log.info("%s: the cached int8 build passed its re-judgement on %d probe texts in %.2fs (min cosine %.6f)",
+                 spec.name, len(probe), time.perf_counter() - started, gate.min_cosine)
+    return gate
 
 
 def _build(fp32: TorchEngine, spec: ModelSpec, key: CacheKey, path: Path, sets: Int8Sets,

@@ -16,7 +16,8 @@ INT8_MARGIN_FACTOR): served inputs reach further than any judged set, as for FP8
 A build found on disk (made earlier, or copied in by the node agent) is never trusted on its stored verdict:
 its folder is writable by the tenant's pod, so its figures may be forged. Before it serves, it is judged
 again on PROBE texts (a few of the judged set: short, natural, degenerate and at the model's maximum length)
-against the float32 model: every probe cosine must reach the configured minimum (`probe_verdict`).
+against the float32 model: every probe cosine must reach the configured minimum (`probe_verdict`). What that
+probe measured, not the stored figures, is what /v1/models then reports (GateResult.measured_on "probe").
 """
 
 from __future__ import annotations
@@ -166,13 +167,20 @@ def verdict(figures: dict[str, Any], threshold: float, margin_factor: float = IN
     return GateResult(passed, "embed", lo, mean, threshold, reason, required=required, margin_factor=margin_factor)
 
 
-def probe_verdict(reference: np.ndarray, candidate: np.ndarray, threshold: float) -> str | None:
-    """Why a cached build fails its probe (some probe embedding's cosine with float32 below `threshold`, or
-    not finite), else None."""
+def probe_verdict(reference: np.ndarray, candidate: np.ndarray, threshold: float) -> GateResult:
+    """A cached build's verdict on its probe texts, measured by this process: every probe embedding finite and
+    its cosine with float32 at least `threshold` (no margin: the build met the margin on the judged set it was
+    built with; the probe shows the weights on disk are still that build). Its figures are what /v1/models
+    reports for a cached build (measured_on "probe")."""
     cos = row_cosines(reference, candidate)
-    if not np.isfinite(candidate).all():
-        return "it produced non-finite embeddings on the probe texts"
-    if cos.min() < threshold:
-        return (f"probe text {int(np.argmin(cos))} of {len(cos)} has cosine {cos.min():.6f} with float32 "
-                f"< {threshold}")
-    return None
+    finite = bool(np.isfinite(candidate).all())
+    passed = finite and bool(cos.min() >= threshold)
+    if passed:
+        reason = f"every probe text within threshold (no margin) on {len(cos)} probe texts"
+    elif not finite:
+        reason = "it produced non-finite embeddings on the probe texts"
+    else:
+        reason = (f"probe text {int(np.argmin(cos))} of {len(cos)} has cosine {cos.min():.6f} with float32 "
+                  f"< {threshold}")
+    return GateResult(passed, "embed", float(cos.min()), float(cos.mean()), threshold, reason, required=threshold,
+                      measured_on="probe")

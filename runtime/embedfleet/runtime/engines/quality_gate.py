@@ -66,6 +66,10 @@ class GateResult:
     # the verdict is not a cosine bound (rerankers) or a caller built the result without one
     required: float | None = None
     margin_factor: float = 1.0
+    # what the figures were measured on: "calibration" (FP8, measured at every start); for int8 "judge" (this
+    # process built the int8 model and judged it on the judged set), "probe" (it judged a cached build again on
+    # the probe) or "stored" (a cached build's refusal, read from its file: measured by no one here)
+    measured_on: str = "calibration"
 
     def summary(self) -> str:
         verdict = "accepted" if self.passed else "refused"
