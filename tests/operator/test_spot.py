@@ -121,7 +121,7 @@ def _terms(deployment: dict) -> list[list[dict]]:
 
 
 def test_spot_renders_two_deployments_that_never_share_a_node_pool() -> None:
-    manifests = render("emb", "team", "uid", _spec(), cache_root="/var/cache/embedfleet",
+    manifests = render("emb", "team", "uid", _spec(),
                        spot_status={"total": 4, "spot": 2, "onDemand": 2, "fallback": 0})
     deps = _deployments(manifests)
     on_demand, on_spot = deps["emb"], deps["emb-spot"]
@@ -165,7 +165,7 @@ def test_without_a_record_a_new_deployment_starts_without_stand_ins() -> None:
 def test_without_spot_nothing_changes() -> None:
     spec = EmbeddingDeploymentSpec.model_validate({"model": {"source": "hf://org/model", "digest": DIGEST},
                                                    "replicas": 4, "autoscaling": {"enabled": False}})
-    deps = _deployments(render("emb", "team", "uid", spec, cache_root="/var/cache/embedfleet"))
+    deps = _deployments(render("emb", "team", "uid", spec))
     assert list(deps) == ["emb"] and deps["emb"]["spec"]["replicas"] == 4
     assert all(e["operator"] != "NotIn" for t in _terms(deps["emb"]) for e in t)
 
@@ -196,7 +196,7 @@ def test_the_platform_names_its_own_spot_pools_and_reclaim_signals() -> None:
         "nodeLabels": {"pool.example.com/class": "cheap"}, "taints": [{"key": "pool.example.com/cheap"}],
         "reclaimTaints": ["pool.example.com/going"]}})})
     assert "spot" not in json.loads(policy.model_dump_json(by_alias=True))  # not published to a hub
-    deps = _deployments(render("emb", "team", "uid", _spec(), cache_root="/var/cache/embedfleet",
+    deps = _deployments(render("emb", "team", "uid", _spec(),
                                spot_rules=policy.spot))
     assert {(e["key"], e["values"][0]) for t in _terms(deps["emb-spot"]) for e in t if e["operator"] == "In"} \
         == {("pool.example.com/class", "cheap")}
