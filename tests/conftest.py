@@ -11,6 +11,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from tests import parallel
 from tests.procs import RuntimeServer, start_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,3 +60,13 @@ def cpu_bf16() -> None:
     decision = ensure_cpu_bf16()
     if not decision.bf16:
         pytest.skip(decision.message)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if parallel.under_xdist():
+        parallel.longest_first(items)
+
+
+if importlib.util.find_spec("xdist"):
+    def pytest_xdist_make_scheduler(config: pytest.Config, log):
+        return parallel.make_scheduler(config, log)

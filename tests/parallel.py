@@ -1,0 +1,56 @@
+"""How the suite runs on two workers (README's test command: ``pytest -n 2``, pytest-xdist).
+
+Most of the suite's time is waiting (processes starting, controllers driven through their real periods),
+so two workers on two cores nearly halve it. The rules that keep that safe:
+
+- **One file, one worker** (xdist's file scheduling): a module's fixtures (a fleet of clusters, a built
+  model) are built once, and the tests of one file never race each other. Each worker has its own session
+  control plane and its own pod range (tests/kube/netns.py: a /24 per process); the real-node tier is one
+  file, so one kubelet.
+- **The longest files first**: a file that takes many minutes, started last, would leave one worker
+  running it alone at the end. ``LONGEST`` lists them, longest first, from CI's ``--durations``; every
+  other file keeps collection order after them. Scopes are handed out in this order (xdist's reordering by
+  test count is turned off).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+#: Files that take minutes, longest first (CONTRIBUTING.md, "The slowest tests").
+LONGEST = (
+    "tests/realnode/test_user_path.py",
+    "tests/operator/test_operator_real.py",
+    "tests/asyncq/test_durability.py",
+    "tests/chart/test_chart_install.py",
+    "tests/gateway/test_wake_twice.py",
+    "tests/gpu/test_fp8_server.py",
+    "tests/hub/test_fleet_real.py",
+    "tests/chart/test_chart_operator.py",
+    "tests/operator/test_cache_agent.py",
+    "tests/operator/test_user_path.py",
+    "tests/hub/test_hub_watch_real.py",
+    "tests/fuzz/test_fuzz_runtime.py",
+    "tests/gpu/test_quality_gate.py",
+    "tests/hub/test_spill_real.py",
+    "tests/hub/test_waves_gate_real.py",
+)
+
+
+def under_xdist() -> bool:
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+def longest_first(items: list[pytest.Item]) -> None:
+    """Stable reorder in place: LONGEST's files first, in its order; the rest as collected."""
+    rank = {path: i for i, path in enumerate(LONGEST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # hand out files in collection order (LONGEST first)
+    return LoadFileScheduling(config, log)
