@@ -138,22 +138,37 @@ def test_a_deadline_that_cannot_be_met_is_504_at_once(runtime_factory):
     assert query.status_code == 200, "a small request with a generous deadline still goes ahead"
 
 
+#: One bulk request of 32 x 250 token ids (8,000 tokens): a batch of seconds on two CPU cores.
+LONG = [[101] + [2000 + (i * 37 + k) % 5000 for k in range(248)] + [102] for i in range(32)]
+POLLS = 10_000  # at 1 ms apart: only so that a broken hand-over fails instead of hanging
+
+
+async def _poll_load(http: httpx.AsyncClient, ready, waiting: asyncio.Task, what: str) -> dict:
+    """GET /load until `ready(load, model)`; fails if `waiting` was answered first."""
+    for _ in range(POLLS):
+        load = (await http.get("/load")).json()
+        (model,) = load["models"].values()
+        if ready(load, model):
+            return model
+        assert not waiting.done(), (f"answered before {what}", waiting.result().text[:300])
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never saw {what}: {load}")
+
+
 def test_queued_work_past_its_deadline_is_dropped_unrun(runtime_factory):
     """A bulk request admitted in time, then starved by a steady stream of queries (which go first),
     is answered 504 when its deadline passes, and none of its inputs ever reaches the engine.
 
-    The stream must never leave the queue without a query, or the bulk request runs in the gap: 32
-    closed-loop clients against batches of 2 keep about 30 queued, so a gap needs every one of them in
-    flight at once (a client process stalled for some 15 batches), not just a fast engine."""
-    # The bulk bound far out, and the bulk request's deadline taken from the server's own expected wait
-    # (GET /load) with a margin: admission must take it on however slow a loaded machine measures the
-    # engine (a fixed 6 s was once refused up front at 49.7 s expected), so what is tested is its deadline
-    # passing in the queue. The stream runs until the bulk request is answered, so it never gets a gap.
-    srv = runtime_factory("--max-batch-requests", "2", "--max-queue-seconds-bulk", "3600")
+    It is admitted behind one long bulk batch already on the engine and before any query arrives, so
+    admission judges it by that batch alone; its deadline is the server's own expected wait (GET /load)
+    with a margin, so a loaded machine cannot make admission refuse it up front. Then the stream starts
+    and runs until the bulk request is answered: 32 closed-loop clients against batches of 2 keep about
+    30 queries queued, so the queue never lacks one (the long batch pauses for them too)."""
+    srv = runtime_factory("--max-batch-requests", "2", "--max-queue-seconds-bulk", "3600",
+                          "--bulk-batch-seconds", "0", "--max-batch-tokens", "8192")
     passage = " ".join(f"item{i}" for i in range(40))  # 128 tokens, the model's truncation length
     answers: list[int] = []
     done = asyncio.Event()
-    allowed: list[float] = []
 
     async def queries(http: httpx.AsyncClient, i: int) -> None:
         n = 0
@@ -161,26 +176,33 @@ def test_queued_work_past_its_deadline_is_dropped_unrun(runtime_factory):
             n += 1
             answers.append((await http.post("/v1/embeddings", json={"input": f"{passage} {i} {n}"})).status_code)
 
-    async def scenario() -> httpx.Response:
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=srv.url, timeout=600) as http:
+            long = asyncio.create_task(http.post("/v1/embeddings", json={"input": LONG},
+                                                 headers={"x-priority": "bulk"}))
+            on_engine = await _poll_load(http, lambda load, m: load["in_flight"] == 1 and m["queue_tokens"] == 0,
+                                         long, "the long batch on the engine")
+            allowed = max(6.0, math.ceil(3 * on_engine["expected_wait_s"]))
+            bulk = asyncio.create_task(http.post(
+                "/v1/embeddings", json={"input": [f"bulk {k}" for k in range(7)]},
+                headers={"x-priority": "bulk", "x-request-timeout": f"{allowed:g}"}))
+            await _poll_load(http, lambda _load, m: m["queue_tokens"] > 0, bulk, "the bulk request queued")
             load = [asyncio.create_task(queries(http, i)) for i in range(32)]
             try:
-                await asyncio.sleep(1.5)  # the query stream is steady: the queue always holds urgent work
-                expected = max(r["expected_wait_s"] for r in (await http.get("/load")).json()["models"].values())
-                allowed.append(max(6.0, math.ceil(3 * expected)))
-                return await http.post("/v1/embeddings", json={"input": [f"bulk {k}" for k in range(7)]},
-                                       headers={"x-priority": "bulk", "x-request-timeout": f"{allowed[0]:g}"})
+                answer = await bulk
             finally:
                 done.set()
                 await asyncio.gather(*load)
+            return answer, await long
 
-    bulk = asyncio.run(scenario())
+    bulk, long = asyncio.run(scenario())
     assert bulk.status_code == 504, bulk.text
     assert "passed while the request waited" in bulk.json()["error"]["message"]
     assert srv.metric("embedfleet_deadline_expired_total") == 1
+    assert long.status_code == 200, long.text[:300]
     assert 200 in answers and set(answers) <= {200, 429}, "queries answered (or shed on a loaded machine)"
-    # every input the engine ran was one of the answered queries: the bulk request's 7 inputs never ran
-    assert srv.metric("embedfleet_inputs_total") == answers.count(200)
+    # every input the engine ran was the long batch's or an answered query's: the bulk request's 7 never ran
+    assert srv.metric("embedfleet_inputs_total") == len(LONG) + answers.count(200)
 
 
 def test_over_long_input_list_is_refused_before_validation(server):
