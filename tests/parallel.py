@@ -30,12 +30,14 @@ LONGEST = (
     "tests/hub/test_fleet_real.py",
     "tests/chart/test_chart_operator.py",
     "tests/operator/test_cache_agent.py",
+    "tests/packaging/test_extras.py",
     "tests/operator/test_user_path.py",
     "tests/hub/test_hub_watch_real.py",
     "tests/fuzz/test_fuzz_runtime.py",
     "tests/gpu/test_quality_gate.py",
     "tests/hub/test_spill_real.py",
     "tests/hub/test_waves_gate_real.py",
+    "tests/operator/test_rollout_real.py",
 )
 
 
