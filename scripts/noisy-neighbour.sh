@@ -13,9 +13,10 @@ runs=10
 if [ "${1:-}" = "--runs" ]; then runs=$2; shift 2; fi
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  # Bounds that hold on timing: admission's promise, the storm beside a hog, overload refusals, preemption.
+  # Bounds that hold on timing: admission's promise, the storm beside a hog, overload refusals, preemption,
+  # and the autoscaler's scale-down window on the real control plane.
   targets=(tests/runtime/test_admission.py tests/runtime/test_storm_contention.py tests/runtime/test_overload.py
-           tests/runtime/test_preemption.py)
+           tests/runtime/test_preemption.py tests/operator/test_schedule_real.py)
 fi
 python=${PYTHON:-.venv/bin/python}
 core=$(( $(nproc) - 1 ))

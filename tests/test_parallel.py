@@ -1,0 +1,27 @@
+"""The two-worker schedule (tests/parallel.py): its list names files that exist, and the reorder keeps
+each file's tests together and in order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from tests.parallel import LONGEST, longest_first
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_longest_file_exists() -> None:
+    """A renamed file would drop out of the schedule silently and might start last."""
+    assert [p for p in LONGEST if not (ROOT / p).is_file()] == []
+    assert len(set(LONGEST)) == len(LONGEST)
+
+
+def test_longest_files_come_first_and_the_rest_keep_their_order() -> None:
+    ids = ["tests/a/test_x.py::one", "tests/a/test_x.py::two", f"{LONGEST[1]}::b1", "tests/b/test_y.py::one",
+           f"{LONGEST[0]}::a1", f"{LONGEST[1]}::b2", f"{LONGEST[0]}::a2"]
+    items = [SimpleNamespace(nodeid=i) for i in ids]
+    longest_first(items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == [f"{LONGEST[0]}::a1", f"{LONGEST[0]}::a2", f"{LONGEST[1]}::b1",
+                                         f"{LONGEST[1]}::b2", "tests/a/test_x.py::one", "tests/a/test_x.py::two",
+                                         "tests/b/test_y.py::one"]
