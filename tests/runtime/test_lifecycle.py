@@ -105,8 +105,10 @@ def test_ready_is_false_while_loading(runtime_factory):
 
 
 def test_sigterm_drains_accepted_requests(runtime_factory):
-    srv = runtime_factory("--drain-timeout", "60")
-    texts = [f"request {{}} passage {i} " + "words " * 60 for i in range(64)]
+    # Admission's bound out of the way (this checks the drain, not admission): on a loaded machine the later
+    # requests would otherwise be refused (429) as the engine slows, leaving too few in flight to drain.
+    srv = runtime_factory("--drain-timeout", "60", "--max-queue-seconds-bulk", "3600")
+    texts = [f"request {{}} passage {i} " + "words " * 60 for i in range(32)]
 
     async def load() -> list[httpx.Response | Exception]:
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
@@ -116,7 +118,7 @@ def test_sigterm_drains_accepted_requests(runtime_factory):
                 except httpx.HTTPError as exc:
                     return exc
 
-            tasks = [asyncio.create_task(one(k)) for k in range(12)]
+            tasks = [asyncio.create_task(one(k)) for k in range(8)]
             while srv.metric("embedfleet_requests_in_flight") < 6:
                 await asyncio.sleep(0.01)
             srv.proc.send_signal(signal.SIGTERM)
@@ -137,7 +139,7 @@ def test_sigterm_drains_accepted_requests(runtime_factory):
     ok = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 200]
     # every request the server accepted got its full answer; none was cut off
     assert not [r for r in results if isinstance(r, Exception)], results
-    assert all(len(r.json()["data"]) == 64 for r in ok)
+    assert all(len(r.json()["data"]) == 32 for r in ok)
     assert len(ok) >= 6, [(r.status_code, r.text[:120]) for r in results if isinstance(r, httpx.Response)]
 
 

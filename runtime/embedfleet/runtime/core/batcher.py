@@ -21,9 +21,9 @@ next batch plan skips them, so dropping is O(1) too.
 
 A request is admitted on the rate of that moment; if the engine then slows (another process takes
 a core), work still queued may no longer finish within its bound. Every plan checks the queue
-against the rate it has just measured (`core/lateness.py`), and a request with work ahead of it that
-would now finish past its bound is refused (429 with Retry-After) at once, instead of being answered
-late.
+against the rate it has just measured (`core/lateness.py`): a request that would now finish past its
+bound, or whose inputs are still queued once its bound has passed, is refused (429 with Retry-After) at
+once, instead of being answered late.
 """
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ class BatchManager:
 
     def _refuse_late(self, now: float) -> None:
         """Refuse (429) the bounded queued jobs that `late_jobs` finds would be answered later than their
-        bound plus one batch (admitted on a rate the engine no longer keeps: it slowed since). It is given
+        bound plus the batch they run in (admitted on a rate the engine no longer keeps: it slowed since). It is given
         one item per job, the jobs in queue order: all it reads of an item is its job."""
         urgent_ahead = self.ahead_of(urgent=True) - self._urgent_tokens
         bulk_ahead = self.ahead_of(urgent=False) - self._queued_tokens  # of the batches in the engine

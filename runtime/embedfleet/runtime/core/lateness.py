@@ -14,16 +14,23 @@ from embedfleet.runtime.core.jobs import Item, Job
 
 def late_jobs(live: list[Item], now: float, urgent_ahead: int, bulk_ahead: int, urgent_queued: int,
               last_batch_s: float, rates: Callable[[], tuple[float, float]]) -> list[tuple[Job, int, float]]:
-    """The bounded jobs of `live` (queue order) that would be answered later than their bound plus one
-    batch, each with the tokens ahead of it and the rate it was judged by.
+    """The bounded jobs of `live` (queue order) that would be answered later than their bound plus the
+    batch they run in, each with the tokens ahead of it and the rate it was judged by. It is asked at every
+    batch plan, i.e. when a batch is about to start.
 
-    Three rules: a job with work still ahead of it whose promise passed more than one batch (`last_batch_s`)
-    ago; an urgent job not started that, at the rate measured now (`rates()`: urgent, bulk), would finish
-    past its promise; a job not started with nothing ahead whose promise has already passed (the batches
-    ahead of it overran the rate it was judged by: run now, it would end a whole batch past its promise).
-    Bulk work is never refused by the second rule (promotion keeps its bound), nor a job whose deadline
-    comes before its bound (it expires instead), nor one admitted with nothing ahead (an empty queue admits
-    a request whatever its bound, so its promise may have passed before any batch ran). Work ahead is
+    Two rules. A job with inputs still queued once its promise has passed: its next batch would start after
+    the promise, and end past it by that whole batch (whether it has started, and whether work is still
+    ahead of it). An urgent job not started that, at the rate measured now (`rates()`: urgent, bulk), would
+    finish past its promise, whether work is still ahead of it or it is next (its own inputs, split over
+    batches at the pace the engine keeps now, would end past it; started, it would be answered late).
+    So the last batch of an accepted job starts before its promise, and the job is answered within its
+    bound plus that batch.
+
+    Bulk work waiting as bulk is never refused by the second rule (promotion keeps its bound; promoted, it
+    is urgent and judged), nor a job whose deadline comes before its bound (it expires instead). A job
+    admitted with nothing ahead (`alone`: an empty queue admits a request whatever its bound, so its promise
+    may pass before any batch ran) is refused only with work ahead of it one batch (`last_batch_s`) past
+    its promise (queries that arrived after it and go first). Work ahead is
     counted as the planner serves it: `urgent_ahead` and `bulk_ahead` are what each class waits for of the
     batches in the engine, and queued urgent work (`urgent_queued` tokens) goes before any bulk job.
     `rates` is called only when some job is judged. Cost: O(len(live)).
@@ -40,8 +47,8 @@ def late_jobs(live: list[Item], now: float, urgent_ahead: int, bulk_ahead: int, 
         promised = job.promised
         if promised is not None and (job.deadline is None or job.deadline > promised):
             unstarted = job.queued_items == len(job.inputs)
-            passed = now > promised + last_batch_s if ahead else unstarted and not job.alone and now > promised
-            judged = bool(ahead) and job.urgent and unstarted
+            passed = bool(ahead) and now > promised + last_batch_s if job.alone else now > promised
+            judged = job.urgent and unstarted and (bool(ahead) or not job.alone)
             if passed or judged:
                 if judged_rates is None:
                     judged_rates = rates()
