@@ -62,6 +62,39 @@ def cpu_bf16() -> None:
         pytest.skip(decision.message)
 
 
+_PHASES: list[tuple[str, float, float]] = []  # (nodeid, wall s, CPU s) of every test phase, for the summary
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """Each phase's report carries its CPU seconds (from `pytest_runtest_protocol`'s marks) to the
+    controller, so the summary can name the files that cost the most CPU, whichever worker ran them."""
+    outcome = yield
+    report = outcome.get_result()
+    now = parallel.cpu_seconds()
+    report.user_properties.append(("cpu_s", now - getattr(item, "_cpu_mark", now)))
+    item._cpu_mark = now  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    item._cpu_mark = parallel.cpu_seconds()  # type: ignore[attr-defined]
+    yield
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    cpu = dict(report.user_properties).get("cpu_s", 0.0)
+    _PHASES.append((report.nodeid, report.duration, float(cpu)))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if parallel.under_xdist() or not _PHASES:
+        return  # a worker's summary is not shown; the controller has every worker's reports
+    terminalreporter.section("slowest files")
+    for line in parallel.summary_lines(parallel.slowest_files(_PHASES), sum(c for _, _, c in _PHASES)):
+        terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if parallel.under_xdist():
         parallel.longest_first(items)

@@ -11,11 +11,19 @@ so two workers on two cores nearly halve it. The rules that keep that safe:
   running it alone at the end. ``LONGEST`` lists them, longest first, from CI's ``--durations``; every
   other file keeps collection order after them. Scopes are handed out in this order (xdist's reordering by
   test count is turned off).
+
+At the end of a run the terminal summary lists the files that took longest (`slowest_files`): wall seconds
+(setup, call and teardown of their tests) and CPU seconds (the worker's own, plus the processes it started
+and reaped meanwhile: servers, controllers, `helm`). CI keeps only its log, and this is what decides
+``LONGEST`` and where the suite's time is worth cutting.
 """
 
 from __future__ import annotations
 
 import os
+import resource
+from collections import defaultdict
+from collections.abc import Iterable
 
 import pytest
 
@@ -56,3 +64,26 @@ def make_scheduler(config: pytest.Config, log):
 
     config.option.loadscopereorder = False  # hand out files in collection order (LONGEST first)
     return LoadFileScheduling(config, log)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of the children it has reaped, user and system."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def slowest_files(reports: Iterable[tuple[str, float, float]], top: int = 25) -> list[tuple[str, float, float]]:
+    """(nodeid, wall s, CPU s) per test phase -> per file (path, wall s, CPU s), most wall time first."""
+    wall: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
+    for nodeid, seconds, cpu_s in reports:
+        path = nodeid.split("::", 1)[0]
+        wall[path] += seconds
+        cpu[path] += cpu_s
+    return sorted(((p, wall[p], cpu[p]) for p in wall), key=lambda row: (-row[1], row[0]))[:top]
+
+
+def summary_lines(rows: list[tuple[str, float, float]], total_cpu: float) -> list[str]:
+    lines = [f"{wall:8.1f} {cpu:8.1f}  {path}" for path, wall, cpu in rows]
+    return ["    wall      CPU  file (seconds; CPU: the worker and the processes it reaped)", *lines,
+            f"CPU seconds of all files: {total_cpu:.0f}"]

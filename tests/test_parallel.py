@@ -3,10 +3,12 @@ each file's tests together and in order."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.parallel import LONGEST, longest_first
+from tests.parallel import LONGEST, cpu_seconds, longest_first, slowest_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,3 +27,15 @@ def test_longest_files_come_first_and_the_rest_keep_their_order() -> None:
     assert [i.nodeid for i in items] == [f"{LONGEST[0]}::a1", f"{LONGEST[0]}::a2", f"{LONGEST[1]}::b1",
                                          f"{LONGEST[1]}::b2", "tests/a/test_x.py::one", "tests/a/test_x.py::two",
                                          "tests/b/test_y.py::one"]
+
+
+def test_slowest_files_sums_each_files_phases_and_ranks_by_wall_time() -> None:
+    phases = [("tests/a.py::one", 2.0, 1.0), ("tests/b.py::x", 5.0, 0.5), ("tests/a.py::two", 4.0, 3.0),
+              ("tests/c.py::y", 0.1, 0.1)]
+    assert slowest_files(phases, top=2) == [("tests/a.py", 6.0, 4.0), ("tests/b.py", 5.0, 0.5)]
+
+
+def test_cpu_seconds_counts_a_reaped_child() -> None:
+    before = cpu_seconds()
+    subprocess.run([sys.executable, "-c", "sum(range(3_000_000))"], check=True)
+    assert cpu_seconds() > before
