@@ -251,13 +251,14 @@ def test_the_recent_figures_forget_old_batches_and_the_seed_is_long_run_only():
 
 def test_a_request_admitted_before_the_engine_slowed_is_refused_not_answered_late():
     """Queued on a fast rate, then the engine is measured slow: at the next plan, a query that would
-    now finish past its bound is refused (429, Retry-After) instead of run; the one at the head runs."""
+    now finish past its bound is refused (429, Retry-After) instead of run; the one at the head, whose own
+    work still fits its bound at the new rate, runs."""
 
     async def scenario() -> None:
         with ThreadPoolExecutor(1) as pool:
             bm = BatchManager(lambda batch: batch, 16384, 1, 10**6, RuntimeMetrics().for_model("m"), pool)
             bm.seed_rate(10_000, 1.0)  # 10,000 tokens/s: 3,000 tokens ahead are 0.3 s
-            first = bm.submit([[1] * 1000], urgent=True, max_wait=1.0)
+            first = bm.submit([[1] * 1000], urgent=True, max_wait=2.0)  # 1 s of its own at the slowed rate
             jobs = [bm.submit([[1] * 1000], urgent=True, max_wait=1.0) for _ in range(3)]
             bm._observe(time.perf_counter(), 1000, 1.0)  # a batch of 1,000 tokens took 1 s
             assert bm.drain_rate() == pytest.approx(1000, rel=0.01)
@@ -267,5 +268,24 @@ def test_a_request_admitted_before_the_engine_slowed_is_refused_not_answered_lat
                 assert job.future.done() and isinstance(job.future.exception(), QueueFull)
                 assert job.future.exception().retry_after >= 1
             assert bm.queued_tokens == 0 and bm._queued_jobs == 0
+
+    asyncio.run(scenario())
+
+
+def test_only_a_request_admitted_past_its_bound_on_an_empty_queue_is_exempt_from_its_promise():
+    """An empty queue admits a request whatever its bound; only one that alone is expected to take longer than
+    its bound is `alone` (promised nothing it could keep). One that fits keeps a promise the lateness check
+    holds it to, like any other."""
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            bm = BatchManager(lambda batch: batch, 16384, 64, 10**6, RuntimeMetrics().for_model("m"), pool)
+            bm.seed_rate(1000, 1.0)  # 1000 tokens/s
+            fits = bm.submit([[1] * 2000], urgent=False, max_wait=6.0)  # 2 s of work, nothing ahead
+            assert not fits.alone and fits.promised is not None
+            bm._drop(fits)
+            assert bm.queued_tokens == 0
+            over = bm.submit([[1] * 8000], urgent=False, max_wait=6.0)  # 8 s alone: admitted by the empty queue
+            assert over.alone
 
     asyncio.run(scenario())

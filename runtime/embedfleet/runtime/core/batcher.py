@@ -231,7 +231,8 @@ class BatchManager:
                   deadline=deadline, queued_tokens=tokens,
                   queued_items=len(inputs), promote_at=None if urgent or max_wait is None else
                   now + self._promote_after(max_wait, tokens, self.drain_rate()), tenant=tenant, admitted_at=now,
-                  trace=trace, bound=bound, promised=None if max_wait is None else now + max_wait, alone=not ahead)
+                  trace=trace, bound=bound, promised=None if max_wait is None else now + max_wait,
+                  alone=not ahead and max_wait is not None and decision.expected_s > max_wait)
         items = [Item(job, i, self._seq + i) for i in range(len(inputs))]
         self._seq += len(items)
         self._queue += items

@@ -42,7 +42,7 @@ class Job:
     promote_at: float | None = None  # bulk work waiting past its bound (time.monotonic()) is served as urgent
     bound: float | None = None  # the expected-wait bound it was admitted under (seconds)
     promised: float | None = None  # time.monotonic() by which it was promised to finish (from its arrival)
-    alone: bool = False  # admitted with nothing ahead of it (an empty queue admits whatever its bound)
+    alone: bool = False  # admitted past its bound, only because nothing was ahead of it (an empty queue admits)
     queued_tokens: int = 0  # of this job's inputs still waiting (not yet taken into a batch)
     queued_items: int = 0
     dropped: bool = False  # its remaining queue items are skipped by the planner

@@ -28,9 +28,10 @@ def late_jobs(live: list[Item], now: float, urgent_ahead: int, bulk_ahead: int, 
 
     Bulk work waiting as bulk is never refused by the second rule (promotion keeps its bound; promoted, it
     is urgent and judged), nor a job whose deadline comes before its bound (it expires instead). A job
-    admitted with nothing ahead (`alone`: an empty queue admits a request whatever its bound, so its promise
-    may pass before any batch ran) is refused only with work ahead of it one batch (`last_batch_s`) past
-    its promise (queries that arrived after it and go first). Work ahead is
+    that alone was expected to take longer than its bound (`alone`: admitted only because nothing was ahead
+    of it, as an empty queue admits a request whatever its bound) was promised nothing it could keep: it is
+    refused only with work ahead of it one batch (`last_batch_s`) past its promise (queries that arrived
+    after it and go first). Work ahead is
     counted as the planner serves it: `urgent_ahead` and `bulk_ahead` are what each class waits for of the
     batches in the engine, and queued urgent work (`urgent_queued` tokens) goes before any bulk job.
     `rates` is called only when some job is judged. Cost: O(len(live)).
