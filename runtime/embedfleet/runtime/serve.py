@@ -19,16 +19,15 @@ import signal
 import sys
 import time
 from collections.abc import Coroutine
+from typing import TYPE_CHECKING
 
-from embedfleet.httpserver import Limits, bound_port, server
-from embedfleet.otel import TracingConfigError, exporters, provider_from_env
-from embedfleet.runtime.api.app import create_app
-from embedfleet.runtime.api.gate import GateState
-from embedfleet.runtime.lifespan import Lifespan
-from embedfleet.runtime.metrics import RuntimeMetrics
-from embedfleet.runtime.service import Models
+# Only what parsing and checking the flags needs is imported here: a refused configuration exits in a fraction
+# of a second instead of after torch, the engines and the web stack (imported in `run`, once the settings hold).
 from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments, settings_or_exit_code
-from embedfleet.runtime.tracing import RuntimeTracing
+
+if TYPE_CHECKING:
+    from embedfleet.runtime.api.gate import GateState
+    from embedfleet.runtime.metrics import RuntimeMetrics
 
 log = logging.getLogger("embedfleet.serve")
 
@@ -70,6 +69,9 @@ class Server:
         self.stop.set()
 
     async def serve(self) -> None:
+        from embedfleet.httpserver import Limits, bound_port, server
+        from embedfleet.runtime.lifespan import Lifespan
+
         s = self.settings
         lifespan = Lifespan(self.app)
         await lifespan.startup()
@@ -135,6 +137,13 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"embedfleet serve: refusing to load the model: {problem}", file=sys.stderr)
         return 1
+    from embedfleet.otel import TracingConfigError, exporters, provider_from_env
+    from embedfleet.runtime.api.app import create_app
+    from embedfleet.runtime.api.gate import GateState
+    from embedfleet.runtime.metrics import RuntimeMetrics
+    from embedfleet.runtime.service import Models
+    from embedfleet.runtime.tracing import RuntimeTracing
+
     try:
         names = exporters(settings.otel, os.environ)
     except TracingConfigError as exc:
