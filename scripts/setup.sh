@@ -42,7 +42,7 @@ if [ "${EMBEDFLEET_PIP:-0}" = 1 ]; then
   PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 else
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.9"
-  PIP=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
+  PIP=("$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python")
 fi
 "${PIP[@]}" "torch==2.13.0"
 if [ "$want_tests" = 1 ]; then
