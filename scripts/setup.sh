@@ -37,9 +37,9 @@ fi
 # The packages go in with uv (astral-sh/uv, from PyPI into the venv): it resolves like pip, installs torch's
 # 2.7 GB in seconds where pip spends a minute of CPU unpacking it, and keeps a cache of unpacked wheels
 # (~/.cache/uv) that a second set-up on the same machine links from. Set EMBEDFLEET_PIP=1 to use pip alone.
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
 if [ "${EMBEDFLEET_PIP:-0}" = 1 ]; then
   PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  "${PIP[@]}" --upgrade pip
 else
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.9"
   PIP=("$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python")

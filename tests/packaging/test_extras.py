@@ -142,7 +142,7 @@ def test_a_venv_with_only_the_extra_runs_its_commands(
     env_dir, install = venvs[extra]
     returncode = install.wait(timeout=840)
     output = (env_dir / "pip.log").read_text()
-    if returncode != 0 and ("Could not find a version" in output or "not found in the package registry" in output):
+    if returncode != 0 and "not found in the package registry" in output:  # uv's words
         pytest.skip(f"PyPI is not reachable here: {output[-300:]}")
     assert returncode == 0, output[-2000:]
     py = env_dir / "bin" / "python"
