@@ -34,7 +34,8 @@ def _batch(rng: np.random.Generator, lengths, cls: int = 101, sep: int = 102) ->
 
 @pytest.fixture(scope="module")
 def minilm() -> TorchEngine:
-    return TorchEngine(load_spec(default_model_dir()))
+    # transformers' modules, as the packed path runs them on CUDA (on CPU the engine would serve its own)
+    return TorchEngine(load_spec(default_model_dir()), native=False)
 
 
 def test_packed_forward_matches_padded_transformers_on_minilm(minilm):

@@ -104,7 +104,7 @@ def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
                        fp8_min_cosine=settings.fp8_min_cosine,
                        fp8_strict=settings.fp8_strict, fp8_activation_scaling=settings.fp8_activation_scaling,
                        cuda_graphs=settings.cuda_graphs, max_batch_requests=settings.max_batch_requests,
-                       packed=settings.packed, compile=settings.compile)
+                       packed=settings.packed, compile=settings.compile, native=settings.model_impl == "auto")
 
 
 def gpu_batching(settings: RuntimeSettings, engine: Engine, run: Callable[[list], object]) -> sizing.Batching | None:

@@ -71,6 +71,10 @@ class RuntimeSettings(BaseSettings):
         "at start-up, and float32 is served where bf16 crashes the CPU; int8: CPU only, an OpenVINO int8 build "
         "of an encoder embedder, quality-gated, cached by model digest)")
     engine: EngineName = Field("torch", description="inference engine")
+    model_impl: Literal["auto", "transformers"] = Field(
+        "auto", description="torch engine: auto serves BERT checkpoints on CPU (float32, bfloat16) with the "
+        "runtime's own modules (engines/bert_native.py: the same outputs, a start without importing "
+        "transformers' model code) and everything else with transformers; transformers: always transformers")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = all cores")
     max_batch_tokens: int = Field(
         16384, ge=1, description="token budget of one engine batch (padded: longest x count)")

@@ -205,7 +205,8 @@ def build_once(spec: ModelSpec, key: CacheKey, cache_root: Path | None, num_thre
 
     def load_fp32() -> TorchEngine:
         nonlocal fp32
-        fp32 = fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads)
+        # transformers' modules: the int8 build is exported from them, and judged against them
+        fp32 = fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads, native=False)
         return fp32
 
     def trusted(found: dict[str, Any] | None) -> dict[str, Any] | None:

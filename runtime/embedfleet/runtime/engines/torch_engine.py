@@ -107,6 +107,14 @@ def _load(loader: Any, path: Path, dtype: torch.dtype) -> torch.nn.Module:
         return loader.from_pretrained(str(path), dtype=dtype, attn_implementation="eager", local_files_only=True)
 
 
+def _loader(task: str) -> Any:
+    """transformers' Auto class for a task (imported here: it is the slow part of a start)."""
+    from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+    return {"embed": AutoModel, "multivector": AutoModel, "sparse": AutoModelForMaskedLM}.get(
+        task, AutoModelForSequenceClassification)
+
+
 class TorchEngine:
     int8_gate: GateResult | None = None  # set by engines/int8_cpu.py when int8 was refused and float32 serves
 
@@ -114,9 +122,8 @@ class TorchEngine:
                  num_threads: int = 0, *, max_batch_tokens: int | None = None,
                  fp8_min_cosine: float = DEFAULT_MIN_COSINE, fp8_strict: bool = False,
                  fp8_activation_scaling: str = "token", cuda_graphs: bool | None = False,
-                 max_batch_requests: int = 32, packed: bool = True, compile: bool = False) -> None:
-        from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
-
+                 max_batch_requests: int = 32, packed: bool = True, compile: bool = False,
+                 native: bool = True) -> None:
         if dtype not in ENGINE_DTYPES:
             raise EngineError(f"dtype {dtype!r} is not supported by the torch engine on {device}")
         if device == "cuda" and not torch.cuda.is_available():
@@ -136,9 +143,10 @@ class TorchEngine:
         self.dtype = DTYPES[base_dtype]
         self.effective_dtype = base_dtype  # what actually runs; "fp8" once the gate accepts it
         self.fp8_gate: GateResult | None = None
-        loader = {"embed": AutoModel, "multivector": AutoModel, "sparse": AutoModelForMaskedLM}.get(
-            spec.task, AutoModelForSequenceClassification)
-        self.model = _load(loader, spec.path, self.dtype).to(self.device).eval()
+        model = self._native(spec, device, native and dtype != "fp8")
+        if model is None:
+            model = _load(_loader(spec.task), spec.path, self.dtype).to(self.device).eval()
+        self.model = model
         if spec.task not in ENCODER_TASKS and self.model.config.pad_token_id is None:
             # decoder classifiers find each row's last token through the pad id
             self.model.config.pad_token_id = spec.pad_token_id
@@ -161,6 +169,27 @@ class TorchEngine:
         self._packed_graphs = bool(self.packed is not None and cuda_graphs is not False)
         if self.device.type == "cuda":
             self._setup_cuda(max_batch_tokens, bool(cuda_graphs) and self.packed is None)
+
+    def _native(self, spec: ModelSpec, device: str, allowed: bool) -> torch.nn.Module | None:
+        """The model from engines/bert_native.py where it serves this checkpoint, else None (transformers
+        loads it). `implementation` says which, and a fallback is logged with its reason."""
+        from embedfleet.runtime.engines import bert_native
+
+        self.implementation = "transformers"
+        if not allowed:
+            return None
+        why = bert_native.unsupported(spec, device, self.dtype)
+        if why is None:
+            try:
+                model = bert_native.load(spec, self.dtype)
+            except bert_native.NativeLoadError as exc:
+                why = str(exc)
+            else:
+                self.implementation = "native"
+                return model.to(self.device)
+        if spec.model_type == "bert":
+            log.info("%s loads through transformers: %s", spec.name, why)
+        return None
 
     def _setup_packed(self, compile: bool) -> None:
         why = packed_unsupported(self.model, self.spec.model_type, self.spec.task, self.device, self.dtype)

@@ -1,0 +1,264 @@
+"""BERT encoders built from torch modules alone: the CPU start-up path of the most common embedders.
+
+Why: importing transformers' model classes (its lazy-module scan, and torch._dynamo and torch.distributed
+pulled in by its loading code) was most of a CPU start's time, for a model whose forward pass is a dozen
+torch calls (docs/performance.md, "Start-up", measured by bench/serve_start.py). TEI does the same for its
+models (its own implementations, no transformers).
+
+What it covers: `model_type == "bert"` checkpoints with absolute positions and a GELU/ReLU activation in
+one `model.safetensors`, as an encoder (embed) or `BertForSequenceClassification` (rerank, classify), in
+float32 or bfloat16 on CPU. Everything else (other families, FP8, int8 builds, CUDA's packed path, .bin
+weights) keeps transformers (engines/torch_engine.py falls back and logs why).
+
+The modules and their attribute names mirror transformers' (`embeddings.word_embeddings`,
+`encoder.layer[i].attention.self.query`, ...), so the checkpoint loads by name with no mapping, the
+layer stack is found by `repeated_layers` (preemption between layers), engines/packed.py can run them, and
+the maths is the same: the tests compare outputs with transformers' on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from embedfleet.runtime.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+ACTIVATIONS = {
+    "gelu": lambda x: functional.gelu(x),
+    "gelu_new": lambda x: functional.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: functional.gelu(x, approximate="tanh"),
+    "relu": functional.relu,
+}
+WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class BertShape:
+    """The config.json fields the forward pass reads."""
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str
+    layer_norm_eps: float
+    max_position_embeddings: int
+    type_vocab_size: int
+    num_labels: int
+    pad_token_id: int | None
+
+    @classmethod
+    def from_config(cls, config: dict) -> BertShape:
+        id2label = config.get("id2label") or {}
+        return cls(vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+                   num_hidden_layers=int(config["num_hidden_layers"]),
+                   num_attention_heads=int(config["num_attention_heads"]),
+                   intermediate_size=int(config["intermediate_size"]), hidden_act=str(config.get("hidden_act", "gelu")),
+                   layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+                   max_position_embeddings=int(config.get("max_position_embeddings", 512)),
+                   type_vocab_size=int(config.get("type_vocab_size", 2)),
+                   num_labels=int(config.get("num_labels") or len(id2label) or 2),
+                   pad_token_id=config.get("pad_token_id"))
+
+
+def unsupported(spec: ModelSpec, device: str, dtype: torch.dtype) -> str | None:
+    """Why this model keeps transformers here (None: the native modules serve it)."""
+    if device != "cpu":
+        return f"device {device} (the native modules serve CPU)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype}"
+    if spec.model_type != "bert":
+        return f"model type {spec.model_type!r}"
+    if spec.task not in ("embed", "rerank", "classify"):
+        return f"task {spec.task}"
+    if not (spec.path / WEIGHTS).is_file():
+        return f"no {WEIGHTS}"
+    try:
+        config = json.loads((spec.path / "config.json").read_text())
+        shape = BertShape.from_config(config)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"config.json: {type(exc).__name__}: {exc}"
+    if str(config.get("position_embedding_type", "absolute")) != "absolute":
+        return "relative position embeddings"
+    if shape.hidden_act not in ACTIVATIONS:
+        return f"activation {shape.hidden_act!r}"
+    if shape.hidden_size % shape.num_attention_heads:
+        return "hidden size not a multiple of the heads"
+    if config.get("is_decoder") or config.get("add_cross_attention"):
+        return "a decoder configuration"
+    architectures = tuple(config.get("architectures") or ())
+    if spec.task != "embed" and architectures != ("BertForSequenceClassification",):
+        return f"architectures {architectures} for {spec.task}"
+    return None
+
+
+class Embeddings(nn.Module):
+    def __init__(self, s: BertShape) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.position_embeddings = nn.Embedding(s.max_position_embeddings, s.hidden_size)
+        self.token_type_embeddings = nn.Embedding(s.type_vocab_size, s.hidden_size)
+        self.LayerNorm = nn.LayerNorm(s.hidden_size, eps=s.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids)
+        x = x + (self.token_type_embeddings(token_type_ids) if token_type_ids is not None
+                 else self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.position_embeddings(positions))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, s: BertShape) -> None:
+        super().__init__()
+        self.num_attention_heads = s.num_attention_heads  # transformers' names: engines/packed.py reads them
+        self.attention_head_size = s.hidden_size // s.num_attention_heads
+        self.query = nn.Linear(s.hidden_size, s.hidden_size)
+        self.key = nn.Linear(s.hidden_size, s.hidden_size)
+        self.value = nn.Linear(s.hidden_size, s.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, t, h = x.shape
+        split = (b, t, self.num_attention_heads, self.attention_head_size)
+        q, k, v = (m(x).view(split).transpose(1, 2) for m in (self.query, self.key, self.value))
+        out = functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, t, h)
+
+
+class DenseNorm(nn.Module):
+    """dense, then LayerNorm over the residual: transformers' BertSelfOutput and BertOutput."""
+
+    def __init__(self, into: int, s: BertShape) -> None:
+        super().__init__()
+        self.dense = nn.Linear(into, s.hidden_size)
+        self.LayerNorm = nn.LayerNorm(s.hidden_size, eps=s.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: BertShape) -> None:
+        super().__init__()
+        self.add_module("self", SelfAttention(s))  # transformers' name, so the checkpoint loads as it is
+        self.output = DenseNorm(s.hidden_size, s)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.output(self._modules["self"](x, mask), x)
+
+
+class Intermediate(nn.Module):
+    def __init__(self, s: BertShape) -> None:
+        super().__init__()
+        self.dense = nn.Linear(s.hidden_size, s.intermediate_size)
+        self.intermediate_act_fn = ACTIVATIONS[s.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.intermediate_act_fn(self.dense(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, s: BertShape) -> None:
+        super().__init__()
+        self.attention = Attention(s)
+        self.intermediate = Intermediate(s)
+        self.output = DenseNorm(s.intermediate_size, s)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class Encoder(nn.Module):
+    def __init__(self, s: BertShape) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(Layer(s) for _ in range(s.num_hidden_layers))
+
+
+class Pooler(nn.Module):
+    def __init__(self, s: BertShape) -> None:
+        super().__init__()
+        self.dense = nn.Linear(s.hidden_size, s.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+class BertEncoder(nn.Module):
+    """transformers' BertModel forward for inference: `.last_hidden_state` of the token states."""
+
+    def __init__(self, s: BertShape, pooler: bool = False) -> None:
+        super().__init__()
+        self.shape = s
+        self.config = SimpleNamespace(pad_token_id=s.pad_token_id, position_embedding_type="absolute")
+        self.embeddings = Embeddings(s)
+        self.encoder = Encoder(s)
+        self.pooler = Pooler(s) if pooler else None
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        x = self.embeddings(input_ids, token_type_ids)
+        # a key mask over every query ([batch, 1, 1, keys], True = attend); none where no row is padded
+        mask = None if attention_mask is None or bool(attention_mask.all()) else \
+            attention_mask[:, None, None, :].bool()
+        for layer in self.encoder.layer:
+            x = layer(x, mask)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> SimpleNamespace:
+        return SimpleNamespace(last_hidden_state=self.hidden(input_ids, attention_mask, token_type_ids))
+
+
+class BertClassifier(nn.Module):
+    """transformers' BertForSequenceClassification for inference: `.logits` from the pooled [CLS] state."""
+
+    def __init__(self, s: BertShape) -> None:
+        super().__init__()
+        self.bert = BertEncoder(s, pooler=True)
+        self.config = self.bert.config
+        self.classifier = nn.Linear(s.hidden_size, s.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> SimpleNamespace:
+        hidden = self.bert.hidden(input_ids, attention_mask, token_type_ids)
+        assert self.bert.pooler is not None
+        return SimpleNamespace(logits=self.classifier(self.bert.pooler(hidden)))
+
+
+class NativeLoadError(ValueError):
+    """The checkpoint's tensors do not fit the native modules (the engine falls back to transformers)."""
+
+
+def load(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
+    """The model from `model.safetensors`, every parameter from the file (a missing or misshapen tensor
+    raises NativeLoadError rather than serving random weights)."""
+    from safetensors.torch import load_file
+
+    shape = BertShape.from_config(json.loads((spec.path / "config.json").read_text()))
+    model: nn.Module = BertEncoder(shape) if spec.task == "embed" else BertClassifier(shape)
+    tensors = load_file(str(Path(spec.path) / WEIGHTS))
+    if spec.task == "embed":  # a BertForX checkpoint served as an encoder keeps its weights under `bert.`
+        prefixed = any(k.startswith("bert.") for k in tensors) and not any(k.startswith("embeddings.") for k in tensors)
+        tensors = {k.removeprefix("bert."): v for k, v in tensors.items()} if prefixed else tensors
+    elif not any(k.startswith("bert.") for k in tensors):
+        tensors = {f"bert.{k}" if not k.startswith("classifier.") else k: v for k, v in tensors.items()}
+    wanted = model.state_dict()
+    missing = sorted(set(wanted) - set(tensors))
+    if missing:
+        raise NativeLoadError(f"{WEIGHTS} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    for name, param in wanted.items():
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise NativeLoadError(f"{name} is {tuple(tensors[name].shape)} in {WEIGHTS}, the config says "
+                                  f"{tuple(param.shape)}")
+    model.load_state_dict({name: tensors[name] for name in wanted}, strict=True, assign=True)
+    return model.to(dtype).eval()
