@@ -123,6 +123,24 @@ def test_a_checkpoint_that_does_not_fit_is_never_served_with_random_weights(tiny
     with pytest.raises(bert_native.NativeLoadError, match=re.escape("intermediate.dense.weight")):
         bert_native.load(load_spec(reshaped), torch.float32)
 
+    integers = copy_model(src, tmp_path / "integers")
+    tensors = load_file(str(integers / "model.safetensors"))
+    tensors["embeddings.LayerNorm.weight"] = tensors["embeddings.LayerNorm.weight"].to(torch.int64)
+    save_file(tensors, str(integers / "model.safetensors"))
+    with pytest.raises(bert_native.NativeLoadError, match="not a floating-point tensor"):
+        bert_native.load(load_spec(integers), torch.float32)
+
+
+def test_a_config_naming_enormous_sizes_allocates_nothing(tiny, tmp_path):
+    """config.json is as writable as the weights: sizes far beyond the file's tensors are refused on the
+    shapes (the modules are built on the meta device), not allocated first (this one would be ~4 TB)."""
+    huge = copy_model(tiny["bert-embed"], tmp_path / "huge")
+    config = json.loads((huge / "config.json").read_text())
+    config.update(vocab_size=1_000_000, hidden_size=1_000_000, num_attention_heads=1)
+    (huge / "config.json").write_text(json.dumps(config))
+    with pytest.raises(bert_native.NativeLoadError, match="the config says"):
+        bert_native.load(load_spec(huge), torch.float32)
+
 
 def test_a_cpu_start_never_imports_transformers_model_code():
     """What the native modules are for: the engine built as `embedfleet serve` builds it, in a fresh

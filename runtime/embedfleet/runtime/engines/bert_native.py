@@ -245,7 +245,10 @@ def load(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
     from safetensors.torch import load_file
 
     shape = BertShape.from_config(json.loads((spec.path / "config.json").read_text()))
-    model: nn.Module = BertEncoder(shape) if spec.task == "embed" else BertClassifier(shape)
+    # built on the meta device: no memory is taken until the file's tensors are checked and assigned, so a
+    # config.json that names enormous sizes fails on the shapes below instead of allocating them
+    with torch.device("meta"):
+        model: nn.Module = BertEncoder(shape) if spec.task == "embed" else BertClassifier(shape)
     tensors = load_file(str(Path(spec.path) / WEIGHTS))
     if spec.task == "embed":  # a BertForX checkpoint served as an encoder keeps its weights under `bert.`
         prefixed = any(k.startswith("bert.") for k in tensors) and not any(k.startswith("embeddings.") for k in tensors)
@@ -260,5 +263,7 @@ def load(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
         if tuple(tensors[name].shape) != tuple(param.shape):
             raise NativeLoadError(f"{name} is {tuple(tensors[name].shape)} in {WEIGHTS}, the config says "
                                   f"{tuple(param.shape)}")
+        if not tensors[name].is_floating_point():
+            raise NativeLoadError(f"{name} is {tensors[name].dtype} in {WEIGHTS}, not a floating-point tensor")
     model.load_state_dict({name: tensors[name] for name in wanted}, strict=True, assign=True)
     return model.to(dtype).eval()
