@@ -1,7 +1,8 @@
-"""How the suite runs on two workers (README's test command: ``pytest -n 2``, pytest-xdist).
+"""How the suite runs on three workers over two cores (README's test command: ``pytest -n 3``, pytest-xdist).
 
-Most of the suite's time is waiting (processes starting, controllers driven through their real periods),
-so two workers on two cores nearly halve it. The rules that keep that safe:
+Part of the suite's time is waiting (images imported into containerd, controllers driven through their
+real periods, time-outs run out): with a worker per core, a core idles while its worker waits, so a
+third worker fills those gaps. The rules that keep that safe:
 
 - **One file, one worker** (xdist's file scheduling): a module's fixtures (a fleet of clusters, a built
   model) are built once, and the tests of one file never race each other. Each worker has its own session
@@ -31,21 +32,23 @@ import pytest
 LONGEST = (
     "tests/realnode/test_user_path.py",
     "tests/operator/test_operator_real.py",
-    "tests/asyncq/test_durability.py",
+    "tests/runtime/test_int8_scoring_gate.py",
     "tests/chart/test_chart_install.py",
-    "tests/gateway/test_wake_twice.py",
-    "tests/gpu/test_fp8_server.py",
     "tests/hub/test_fleet_real.py",
+    "tests/gateway/test_wake_twice.py",
     "tests/chart/test_chart_operator.py",
-    "tests/operator/test_cache_agent.py",
-    "tests/packaging/test_extras.py",
-    "tests/operator/test_user_path.py",
-    "tests/hub/test_hub_watch_real.py",
-    "tests/fuzz/test_fuzz_runtime.py",
-    "tests/gpu/test_quality_gate.py",
-    "tests/hub/test_spill_real.py",
-    "tests/hub/test_waves_gate_real.py",
     "tests/operator/test_rollout_real.py",
+    "tests/runtime/test_lifecycle.py",
+    "tests/operator/test_cache_agent.py",
+    "tests/runtime/test_probe.py",
+    "tests/hub/test_spill_real.py",
+    "tests/gpu/test_fp8_server.py",
+    "tests/runtime/test_int8_scoring.py",
+    "tests/hub/test_hub_watch_real.py",
+    "tests/runtime/test_int8_cpu.py",
+    "tests/fuzz/test_fuzz_runtime.py",
+    "tests/operator/test_operator_faults.py",
+    "tests/abuse/test_timeouts.py",
 )
 
 
