@@ -141,6 +141,13 @@ def test_a_config_naming_enormous_sizes_allocates_nothing(tiny, tmp_path):
     with pytest.raises(bert_native.NativeLoadError, match="the config says"):
         bert_native.load(load_spec(huge), torch.float32)
 
+    deep = copy_model(tiny["bert-embed"], tmp_path / "deep")
+    config = json.loads((deep / "config.json").read_text())
+    config["num_hidden_layers"] = 10**9  # a billion layers' modules would exhaust memory before any shape check
+    (deep / "config.json").write_text(json.dumps(config))
+    with pytest.raises(bert_native.NativeLoadError, match="says 1000000000 layers"):
+        bert_native.load(load_spec(deep), torch.float32)
+
 
 def test_a_cpu_start_never_imports_transformers_model_code():
     """What the native modules are for: the engine built as `embedfleet serve` builds it, in a fresh

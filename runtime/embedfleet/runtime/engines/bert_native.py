@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +40,7 @@ ACTIVATIONS = {
     "relu": functional.relu,
 }
 WEIGHTS = "model.safetensors"
+LAYER_KEY = re.compile(r"(?:bert\.)?encoder\.layer\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -242,9 +244,16 @@ class NativeLoadError(ValueError):
 def load(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
     """The model from `model.safetensors`, every parameter from the file (a missing or misshapen tensor
     raises NativeLoadError rather than serving random weights)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     shape = BertShape.from_config(json.loads((spec.path / "config.json").read_text()))
+    with safe_open(str(Path(spec.path) / WEIGHTS), "pt") as f:  # the header alone: names, no tensor data
+        stored = {int(m.group(1)) for k in f.keys() if (m := LAYER_KEY.match(k))}
+    # checked before a module is built (a config's count is unbounded), by length first (so is a set of it)
+    if len(stored) != shape.num_hidden_layers or stored != set(range(len(stored))):
+        raise NativeLoadError(f"config.json says {shape.num_hidden_layers} layers; {WEIGHTS} holds "
+                              f"{len(stored)} (numbered {min(stored, default=0)}..{max(stored, default=-1)})")
     # built on the meta device: no memory is taken until the file's tensors are checked and assigned, so a
     # config.json that names enormous sizes fails on the shapes below instead of allocating them
     with torch.device("meta"):
