@@ -170,18 +170,22 @@ class Server:
         return httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]
 
 
-def wait_ready(url: str, proc: subprocess.Popen | None = None, path: str = "/ready", timeout: float = 300) -> None:
+def wait_ready(url: str, proc: subprocess.Popen | None = None, path: str = "/ready", timeout: float = 300,
+               interval: float = 0.25) -> None:
+    """Poll `url + path` every `interval` seconds until it answers 200 (one connection, kept: a start-up
+    bench polls every 10 ms, and a new connection per poll would cost the server it measures)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} not ready")
+    with httpx.Client(timeout=2) as client:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                if client.get(url + path).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(interval)
+    raise TimeoutError(f"{url} not ready in {timeout:g} s")
 
 
 def thread_cpu_seconds(pid: int) -> tuple[float, float]:

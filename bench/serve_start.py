@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-from _common import ROOT, SOURCE_PATHS, add_results_dir, free_port, record, thread_cpu_seconds
+from _common import ROOT, SOURCE_PATHS, add_results_dir, free_port, record, thread_cpu_seconds, wait_ready
 
 WAYS = {"native": "auto", "transformers": "transformers"}
 
@@ -44,20 +44,10 @@ def one_start(impl: str) -> dict[str, float]:
                              "--port", str(port), "--log-level", "warning", "--model-impl", impl],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        wait_ready(url, proc, timeout=300, interval=0.01)
+        ready = time.monotonic() - started
+        cpu = sum(thread_cpu_seconds(proc.pid))
         with httpx.Client(timeout=5) as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"serve --model-impl {impl} exited with {proc.returncode}")
-                try:
-                    if client.get(f"{url}/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() - started > 300:
-                    raise TimeoutError(f"serve --model-impl {impl} not ready in 300 s")
-                time.sleep(0.01)
-            ready = time.monotonic() - started
-            cpu = sum(thread_cpu_seconds(proc.pid))
             client.post(f"{url}/v1/embeddings", json={"input": "first"}).raise_for_status()
             answered = time.monotonic() - started
         found = phases(url)

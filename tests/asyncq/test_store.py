@@ -48,9 +48,9 @@ def test_depth_limit_and_webhook_retry_schedule(redis_server) -> None:
         assert count == 3 and oldest >= 0
         await store.redis.xadd(store.keys.webhooks, {"id": ids[0], "attempt": 1})
         entry = (await store.read(store.keys.webhooks, WEBHOOK_GROUP, "s", 1, 100))[0]
-        await store.retry_later(entry, delay=0.5, error="HTTP 500")
+        await store.retry_later(entry, delay=2.0, error="HTTP 500")
         assert await store.release_due() == 0  # not due yet
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(2.1)
         assert await store.release_due() == 1
         again = await store.read(store.keys.webhooks, WEBHOOK_GROUP, "s", 1, 100)
         assert [(e.job_id, e.attempt) for e in again] == [(ids[0], 2)]

@@ -206,7 +206,11 @@ def test_the_per_replica_limit_holds_and_waiters_get_the_released_connection():
 
         async with serving(respond, limit_per_host=2) as (replica, url, client):
             tasks = [asyncio.create_task(fetch(client, url)) for _ in range(5)]
-            await asyncio.sleep(0.3)
+            for _ in range(1000):  # until both allowed connections are open (10 s at most)
+                if replica.connections >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # time for a third, were the limit not held
             assert replica.connections == 2  # the other three wait for one of these
             gate.set()
             results = await asyncio.gather(*tasks)

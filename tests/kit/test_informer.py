@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from itertools import pairwise
 from typing import Any
 
 from hypothesis import given
@@ -30,12 +31,15 @@ class ScriptedAPI:
         self.objects = objects
         self.version = 100
         self.lists: list[tuple[int | None, str | None]] = []
+        self.list_times: list[float] = []
         self.expire_continue = False
         self.watch_ok = threading.Event()
+        self.watches_opened = 0  # watches that delivered (each ends after one bookmark; the informer rewatches)
 
     def list_page(self, path: str, *, label_selector: str | None = None, field_selector: str | None = None,
                   limit: int | None = None, continue_token: str | None = None) -> tuple[list, str, str]:
         self.lists.append((limit, continue_token))
+        self.list_times.append(time.monotonic())
         if continue_token and self.expire_continue:
             raise KubeError(410, "Gone", "The provided continue parameter is too old", f"GET {path}")
         start = int(continue_token or 0)
@@ -49,6 +53,7 @@ class ScriptedAPI:
             return
         if on_open is not None:
             on_open(None)
+        self.watches_opened += 1
         yield {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": resource_version}}}
         time.sleep(0.05)
 
@@ -70,28 +75,44 @@ def test_jitter_spreads_informers_hit_by_the_same_410() -> None:
 
 
 def test_a_server_that_keeps_answering_410_is_not_listed_in_a_tight_loop() -> None:
+    """Each relist in a row waits at least the shortest delay ``relist_delay`` allows for its place in the
+    row (half its step: 0, 0.1, 0.2, 0.4, 0.5 s here), measured between the lists themselves, so a loaded
+    machine (which only lengthens the gaps) cannot fail it; without a back-off the gaps are microseconds."""
     api = ScriptedAPI([cm("a", "1")])
-    inf = Informer(api, "/api/v1/namespaces/w/configmaps", name="gone", relist_backoff=(0.2, 1.0)).start()
+    backoff = (0.2, 1.0)
+    inf = Informer(api, "/api/v1/namespaces/w/configmaps", name="gone", relist_backoff=backoff).start()
     try:
-        time.sleep(2.0)
-        lists = len(api.lists)
+        deadline = time.monotonic() + 30
+        while len(api.list_times) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        times = list(api.list_times)
     finally:
         inf.stop()
-    # delays 0, then 0.1-0.2, 0.2-0.4, 0.4-0.8, 0.5-1.0 ...: at most 6 lists in 2 s (without a back-off:
-    # thousands).
-    assert 2 <= lists <= 6, lists
-    assert inf.stats.relists >= lists - 1
+    assert len(times) >= 6, f"the informer stopped relisting: {len(times)} lists in 30 s"
+    for k, (before, after) in enumerate(pairwise(times), start=1):
+        shortest = relist_delay(k, backoff, 1.0)
+        assert after - before >= shortest - 0.001, (k, after - before, shortest)
+    assert inf.stats.relists >= len(times) - 1
 
 
 def test_a_watch_that_delivers_resets_the_back_off() -> None:
+    """Once watches deliver, the informer rewatches from its version instead of listing: counted in watches
+    opened (each ends after one bookmark here), not in seconds, so a slow machine cannot blur the two."""
     api = ScriptedAPI([cm("a", "1")])
     inf = Informer(api, "/api/v1/namespaces/w/configmaps", name="reset", relist_backoff=(0.4, 0.4)).start()
     try:
         assert inf.wait_synced(5)
         api.watch_ok.set()  # the watch works from now on: events/bookmarks arrive, no more relists
-        time.sleep(0.6)
+
+        def opened(n: int) -> bool:
+            deadline = time.monotonic() + 30
+            while api.watches_opened < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return api.watches_opened >= n
+
+        assert opened(1), "no watch opened once the server allowed it"
         before = len(api.lists)
-        time.sleep(0.5)
+        assert opened(api.watches_opened + 5), "the informer stopped watching"
         assert len(api.lists) == before, "a working watch must not list"
     finally:
         inf.stop()

@@ -61,10 +61,10 @@ def test_the_queue_matches_a_model_of_dedupe_and_requeue(steps: list[tuple[str, 
 
 
 def test_a_failing_key_backs_off_and_a_success_forgets() -> None:
-    queue = WorkQueue("backoff", base_delay=0.05, max_delay=0.2)
+    queue = WorkQueue("backoff", base_delay=0.5, max_delay=2.0)
     queue.add_rate_limited("k")
     assert queue.get(timeout=0) is None, "not before its back-off"
-    assert queue.get(timeout=1) == "k"
+    assert queue.get(timeout=5) == "k"
     queue.done("k")
     queue.add_rate_limited("k")
     queue.add_rate_limited("k")
@@ -76,7 +76,7 @@ def test_a_failing_key_backs_off_and_a_success_forgets() -> None:
 
 def test_delayed_keys_come_in_due_order_and_shutdown_ends_get() -> None:
     queue = WorkQueue("delays")
-    queue.add_after("late", 0.3)
+    queue.add_after("late", 1.0)  # apart by far more than a loaded machine delays the second add
     queue.add_after("soon", 0.05)
     assert queue.get(timeout=2) == "soon"
     assert queue.get(timeout=2) == "late"

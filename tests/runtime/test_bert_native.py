@@ -149,6 +149,22 @@ def test_a_config_naming_enormous_sizes_allocates_nothing(tiny, tmp_path):
         bert_native.load(load_spec(deep), torch.float32)
 
 
+@pytest.mark.parametrize("field,value,why", [
+    ("num_attention_heads", 0, "num_attention_heads under 1"),
+    ("intermediate_size", -4, "intermediate_size under 1"),
+    ("layer_norm_eps", float("nan"), "layer_norm_eps nan"),
+])
+def test_a_config_with_impossible_values_falls_back_with_its_reason(tiny, tmp_path, field, value, why):
+    """Zero heads would divide by zero and a negative size fail deep in torch: the native check names the
+    field instead, and the engine loads the model through transformers (which judges the file itself)."""
+    bad = copy_model(tiny["bert-embed"], tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config[field] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    shape, reason = bert_native.check(load_spec(bad), "cpu", torch.float32)
+    assert shape is None and reason is not None and why in reason, reason
+
+
 def test_a_cpu_start_never_imports_transformers_model_code():
     """What the native modules are for: the engine built as `embedfleet serve` builds it, in a fresh
     interpreter, with no transformers module imported (its model code was most of a start's CPU)."""

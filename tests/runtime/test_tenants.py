@@ -120,7 +120,9 @@ def test_batch_tenant_backfill_yields_to_queries_and_shares_with_other_batch_ten
         async with httpx.AsyncClient(base_url=srv.url, timeout=300) as http:
             backfill = [asyncio.create_task(send(http, "backfill", [f"{PASSAGE} {i} {k}" for k in range(48)]))
                         for i in range(6)]
+            deadline = time.monotonic() + 120
             while srv.metric("embedfleet_queue_tokens") < 15_000:  # the backlog is queued
+                assert time.monotonic() < deadline and not all(t.done() for t in backfill), "the backlog never queued"
                 await asyncio.sleep(0.05)
             await send(http, "reports", [f"{PASSAGE} report {k}" for k in range(16)])
             await send(http, "search", "a query while the backfill runs")

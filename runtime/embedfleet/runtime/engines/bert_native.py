@@ -43,6 +43,11 @@ WEIGHTS = "model.safetensors"
 LAYER_KEY = re.compile(r"(?:bert\.)?encoder\.layer\.(\d+)\.")
 
 
+#: BertShape's sizes: each at least 1 (a zero of heads divides by zero; a negative size fails deep in torch)
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+         "max_position_embeddings", "type_vocab_size", "num_labels")
+
+
 @dataclass(frozen=True)
 class BertShape:
     """The config.json fields the forward pass reads."""
@@ -60,47 +65,63 @@ class BertShape:
 
     @classmethod
     def from_config(cls, config: dict) -> BertShape:
+        """The shape config.json describes; ValueError (the engine falls back to transformers, which
+        judges the file itself) where a size is under 1 or the norm's epsilon is not in (0, 1)."""
         id2label = config.get("id2label") or {}
-        return cls(vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-                   num_hidden_layers=int(config["num_hidden_layers"]),
-                   num_attention_heads=int(config["num_attention_heads"]),
-                   intermediate_size=int(config["intermediate_size"]), hidden_act=str(config.get("hidden_act", "gelu")),
-                   layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
-                   max_position_embeddings=int(config.get("max_position_embeddings", 512)),
-                   type_vocab_size=int(config.get("type_vocab_size", 2)),
-                   num_labels=int(config.get("num_labels") or len(id2label) or 2),
-                   pad_token_id=config.get("pad_token_id"))
+        pad = config.get("pad_token_id")
+        shape = cls(vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+                    num_hidden_layers=int(config["num_hidden_layers"]),
+                    num_attention_heads=int(config["num_attention_heads"]),
+                    intermediate_size=int(config["intermediate_size"]),
+                    hidden_act=str(config.get("hidden_act", "gelu")),
+                    layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+                    max_position_embeddings=int(config.get("max_position_embeddings", 512)),
+                    type_vocab_size=int(config.get("type_vocab_size", 2)),
+                    num_labels=int(config.get("num_labels") or len(id2label) or 2),
+                    pad_token_id=None if pad is None else int(pad))
+        small = [name for name in SIZES if getattr(shape, name) < 1]
+        if small:
+            raise ValueError(f"{', '.join(small)} under 1")
+        if not 0.0 < shape.layer_norm_eps < 1.0:  # NaN fails this too
+            raise ValueError(f"layer_norm_eps {shape.layer_norm_eps} not in (0, 1)")
+        return shape
 
 
 def unsupported(spec: ModelSpec, device: str, dtype: torch.dtype) -> str | None:
     """Why this model keeps transformers here (None: the native modules serve it)."""
+    return check(spec, device, dtype)[1]
+
+
+def check(spec: ModelSpec, device: str, dtype: torch.dtype) -> tuple[BertShape | None, str | None]:
+    """The model's shape where the native modules serve it, else why not; the shape goes on to `load`
+    (config.json is read once)."""
     if device != "cpu":
-        return f"device {device} (the native modules serve CPU)"
+        return None, f"device {device} (the native modules serve CPU)"
     if dtype not in (torch.float32, torch.bfloat16):
-        return f"dtype {dtype}"
+        return None, f"dtype {dtype}"
     if spec.model_type != "bert":
-        return f"model type {spec.model_type!r}"
+        return None, f"model type {spec.model_type!r}"
     if spec.task not in ("embed", "rerank", "classify"):
-        return f"task {spec.task}"
+        return None, f"task {spec.task}"
     if not (spec.path / WEIGHTS).is_file():
-        return f"no {WEIGHTS}"
+        return None, f"no {WEIGHTS}"
     try:
         config = json.loads((spec.path / "config.json").read_text())
         shape = BertShape.from_config(config)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"config.json: {type(exc).__name__}: {exc}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return None, f"config.json: {type(exc).__name__}: {exc}"
     if str(config.get("position_embedding_type", "absolute")) != "absolute":
-        return "relative position embeddings"
+        return None, "relative position embeddings"
     if shape.hidden_act not in ACTIVATIONS:
-        return f"activation {shape.hidden_act!r}"
+        return None, f"activation {shape.hidden_act!r}"
     if shape.hidden_size % shape.num_attention_heads:
-        return "hidden size not a multiple of the heads"
+        return None, "hidden size not a multiple of the heads"
     if config.get("is_decoder") or config.get("add_cross_attention"):
-        return "a decoder configuration"
+        return None, "a decoder configuration"
     architectures = tuple(config.get("architectures") or ())
     if spec.task != "embed" and architectures != ("BertForSequenceClassification",):
-        return f"architectures {architectures} for {spec.task}"
-    return None
+        return None, f"architectures {architectures} for {spec.task}"
+    return shape, None
 
 
 class Embeddings(nn.Module):
@@ -200,7 +221,6 @@ class BertEncoder(nn.Module):
 
     def __init__(self, s: BertShape, pooler: bool = False) -> None:
         super().__init__()
-        self.shape = s
         self.config = SimpleNamespace(pad_token_id=s.pad_token_id, position_embedding_type="absolute")
         self.embeddings = Embeddings(s)
         self.encoder = Encoder(s)
@@ -241,13 +261,14 @@ class NativeLoadError(ValueError):
     """The checkpoint's tensors do not fit the native modules (the engine falls back to transformers)."""
 
 
-def load(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
+def load(spec: ModelSpec, dtype: torch.dtype, shape: BertShape | None = None) -> nn.Module:
     """The model from `model.safetensors`, every parameter from the file (a missing or misshapen tensor
-    raises NativeLoadError rather than serving random weights)."""
+    raises NativeLoadError rather than serving random weights). `shape`: `check`'s, else config.json's."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    shape = BertShape.from_config(json.loads((spec.path / "config.json").read_text()))
+    if shape is None:
+        shape = BertShape.from_config(json.loads((spec.path / "config.json").read_text()))
     with safe_open(str(Path(spec.path) / WEIGHTS), "pt") as f:  # the header alone: names, no tensor data
         stored = {int(m.group(1)) for k in f.keys() if (m := LAYER_KEY.match(k))}
     # checked before a module is built (a config's count is unbounded), by length first (so is a set of it)

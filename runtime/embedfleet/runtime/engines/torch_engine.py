@@ -178,10 +178,10 @@ class TorchEngine:
         self.implementation = "transformers"
         if not allowed:
             return None
-        why = bert_native.unsupported(spec, device, self.dtype)
-        if why is None:
+        shape, why = bert_native.check(spec, device, self.dtype)
+        if shape is not None:
             try:
-                model = bert_native.load(spec, self.dtype)
+                model = bert_native.load(spec, self.dtype, shape)
             except bert_native.NativeLoadError as exc:
                 why = str(exc)
             else:
