@@ -135,27 +135,36 @@ def test_connections_past_max_connections_do_not_hold_the_server(target) -> None
 
 
 def test_a_new_connection_gets_503_when_every_one_has_a_request_in_flight(target) -> None:
+    """With every allowed connection holding a body under way, one more is answered 503 and closed, before
+    any of those bodies reaches its --body-timeout-seconds (so the server answered it at once rather than
+    waiting for a slot). A loaded machine that takes longer than that to set the scene voids the attempt
+    (the bodies may have been cut, freeing a slot), and the scene is set again."""
     body_head = POST_HEAD + b"Content-Length: 1000\r\n\r\n" + b'{"input": "'
-    socks = []
-    try:
-        for _ in range(MAX_CONNECTIONS):
-            sock = rawhttp.connect(target.port)
-            sock.sendall(body_head)  # a body under way: a request in flight, never closed to make room
-            socks.append(sock)
-        time.sleep(0.3)
-        start = time.monotonic()
-        with rawhttp.connect(target.port) as extra:
-            extra.sendall(rawhttp.request("GET", "/health"))
-            out = rawhttp.drain(extra, 5)
-        print(f"the extra connection: statuses {out.statuses}, closed {out.closed} after "
-              f"{time.monotonic() - start:.3f}s")
-        assert out.statuses == [503] and out.closed, f"answered {out.statuses}: {out.data[:300]!r}"
-        assert time.monotonic() - start < 1.0
-        assert not any(rawhttp.drain(sock, 0).closed for sock in socks), "a body under way was closed"
-    finally:
-        for sock in socks:
-            sock.close()
-    assert wait_until(lambda: rawhttp.get(target.port, "/health").status == 200, within=5)
+    for _attempt in range(3):
+        socks = []
+        started = time.monotonic()  # before the first body: none of them is cut before started + BODY_S
+        try:
+            for _ in range(MAX_CONNECTIONS):
+                sock = rawhttp.connect(target.port)
+                sock.sendall(body_head)  # a body under way: a request in flight, never closed to make room
+                socks.append(sock)
+            time.sleep(0.3)
+            with rawhttp.connect(target.port) as extra:
+                extra.sendall(rawhttp.request("GET", "/health"))
+                out = rawhttp.drain(extra, 5)
+            still_open = not any(rawhttp.drain(sock, 0).closed for sock in socks)
+            in_time = time.monotonic() - started < BODY_S
+        finally:
+            for sock in socks:
+                sock.close()
+        assert wait_until(lambda: rawhttp.get(target.port, "/health").status == 200, within=5)
+        if in_time:
+            break
+    print(f"the extra connection: statuses {out.statuses}, closed {out.closed}")
+    assert in_time, (f"three attempts each took over {BODY_S}s: the server held the extra connection (answered "
+                     f"{out.statuses}), or this machine is too slow to judge it")
+    assert out.statuses == [503] and out.closed, f"answered {out.statuses}: {out.data[:300]!r}"
+    assert still_open, "a body under way was closed"
 
 
 def test_a_body_slower_than_min_body_rate_is_cut(target) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from itertools import pairwise
 
 import pytest
 
@@ -84,16 +85,26 @@ def test_a_head_that_stalls_is_cut_at_head_timeout(target: Target) -> None:
 
 
 def test_a_head_that_keeps_moving_within_head_total_is_answered(target: Target) -> None:
-    """Five pieces 0.5 s apart, 2 s in all: longer than --head-timeout-seconds, shorter than the total."""
+    """Five pieces 0.5 s apart, 2 s in all: longer than --head-timeout-seconds, shorter than the total.
+    The gaps are measured: an attempt in which this process (on a loaded machine) let a gap reach the
+    head timeout, or the whole the total, proves nothing either way and is made again."""
     head = rawhttp.request("GET", "/health")
-    sock = rawhttp.connect(target.port)
     step = -(-len(head) // 5)
-    for i in range(0, len(head), step):
-        if i:
-            time.sleep(STEP_S)
-        sock.sendall(head[i:i + step])
-    answer = rawhttp.read_answer(sock, 10)
-    sock.close()
+    for _attempt in range(3):
+        sock = rawhttp.connect(target.port)
+        sent_at: list[float] = []
+        for i in range(0, len(head), step):
+            if i:
+                time.sleep(STEP_S)
+            sock.sendall(head[i:i + step])
+            sent_at.append(time.monotonic())
+        answer = rawhttp.read_answer(sock, 10)
+        sock.close()
+        gaps = [b - a for a, b in pairwise(sent_at)]
+        if max(gaps) < HEAD_S - 0.1 and sent_at[-1] - sent_at[0] < HEAD_TOTAL_S - 0.1:
+            break
+    else:
+        pytest.fail(f"three attempts each sent with a gap near {HEAD_S}s: this machine cannot judge it")
     assert answer.status == 200, f"answered {answer.status}: {answer.body[:300]!r}"
     target.still_serving()
 

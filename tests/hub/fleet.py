@@ -108,6 +108,8 @@ class Fleet:
     #: used by install *and* start, so the admission policy and the operator enforce the same rules.
     values: dict[str, dict[str, str]] = field(default_factory=dict)
     gateways: dict[str, SpokeGateway] = field(default_factory=dict)
+    #: The hub operator's environment over HUB_ENV's (a module that needs another write timeout).
+    hub_env: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ setting up
 
@@ -158,7 +160,7 @@ class Fleet:
     def start_hub(self) -> OperatorProcess:
         sets = {"role": "hub", **ELECTION, **self.values.get(self.hub.name, {})}
         self.hub_proc = start_operator(self.hub, self.workdir, release="ef-hub", namespace=SYSTEM, sets=sets,
-                                       env=HUB_ENV, name="operator-hub")
+                                       env={**HUB_ENV, **self.hub_env}, name="operator-hub")
         return self.hub_proc
 
     def join(self, name: str) -> None:
@@ -312,14 +314,17 @@ class Fleet:
 
 @contextlib.contextmanager
 def running_fleet(workdir: Path, regions: dict[str, str], values: dict[str, dict[str, str]] | None = None,
-                  prepare: Callable[[Fleet], None] | None = None) -> Iterator[Fleet]:
+                  prepare: Callable[[Fleet], None] | None = None,
+                  hub_env: dict[str, str] | None = None) -> Iterator[Fleet]:
     """A fleet on a control plane of its own (``Fleet.create``), ``prepare`` run before the operators start
-    (namespaces, policies), every process stopped afterwards: a module fixture's whole body."""
+    (namespaces, policies), every process stopped afterwards: a module fixture's whole body. ``hub_env``:
+    the hub operator's environment over HUB_ENV's."""
     require_control_plane()
     plane = ControlPlane.start(workdir / "plane")
     fleet = None
     try:
         fleet = Fleet.create(plane, workdir, regions, values)
+        fleet.hub_env = dict(hub_env or {})
         if prepare is not None:
             prepare(fleet)
         fleet.start()

@@ -190,20 +190,38 @@ def test_a_pass_that_reads_the_cluster_marks_ready_and_alive(tmp_path: Path) -> 
 def test_a_growing_download_beats_and_a_stalled_one_does_not(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
+    """Judged in the watcher's own looks at the folder, not in seconds: a late watcher thread on a loaded
+    machine sees the same growth, only later."""
     beat = agent.Heartbeat(tmp_path / "health", root, every_s=0.2)
     alive = tmp_path / "health" / "alive"
     beat.beat()
     os.utime(alive, (0, 0))
     partial = root / f"{agent.TMP_PREFIX}abc" / "model.safetensors"
     partial.parent.mkdir()
+    looks = [0]
+    pulled = beat._pulled_bytes
+
+    def counted() -> int:
+        looks[0] += 1
+        return pulled()
+
+    beat._pulled_bytes = counted  # type: ignore[method-assign]
+
+    def after_looks(n: int) -> None:
+        target, deadline = looks[0] + n, time.monotonic() + 30
+        while looks[0] < target:
+            assert time.monotonic() < deadline, "the watcher stopped looking"
+            time.sleep(0.01)
+
     with beat.pulling():
         for _ in range(5):
             with open(partial, "ab") as fh:
                 fh.write(b"x" * 1000)
-            time.sleep(0.3)
-        assert alive.stat().st_mtime > time.time() - 5  # growth is progress
+            after_looks(1)
+        after_looks(2)  # the last growth seen, and one look after it
+        assert alive.stat().st_mtime > time.time() - 30  # growth is progress
         os.utime(alive, (0, 0))
-        time.sleep(1)  # nothing written: a stalled download
+        after_looks(5)  # nothing written: a stalled download
         assert alive.stat().st_mtime == 0
 
 

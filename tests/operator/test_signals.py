@@ -297,11 +297,13 @@ def test_one_deadline_bounds_the_whole_scrape(
         Target("refused", f"http://127.0.0.1:{free_port()}/metrics"),
     ]
     started = time.monotonic()
-    reading = asyncio.run(scrape(targets, timeout_s=1.0))
+    # 5 s: the good pod is read well inside it even while the others' servers (threads of this process)
+    # compete for the CPU; the drip alone would take minutes
+    reading = asyncio.run(scrape(targets, timeout_s=5.0))
     elapsed = time.monotonic() - started
     by_pod = {p.pod: p for p in reading.pods}
     assert by_pod["good"] == PodReading("good", 12.0)
-    assert by_pod["drip"].error == "no complete answer within 1s"
+    assert by_pod["drip"].error == "no complete answer within 5s"
     assert by_pod["hang"].in_flight is None and by_pod["hang"].error
     assert "cap" in str(by_pod["huge"].error)
     assert "ConnectError" in str(by_pod["refused"].error)
@@ -477,4 +479,6 @@ def test_a_prometheus_that_accepts_and_hangs_is_a_failure_within_the_bound(hangi
         assert answer, f"{what}: still waiting on a Prometheus that never answers after {bound + 5:g} s"
         elapsed = time.monotonic() - started
         assert answer == [None], (what, answer)
-        assert elapsed < bound + 0.5, f"{what}: {elapsed:.2f} s, bound {bound:g} s"
+        # within the bound, give or take a loaded machine's thread start and timer lateness; a retry would
+        # take a second bound
+        assert elapsed < 2 * bound, f"{what}: {elapsed:.2f} s, bound {bound:g} s"
