@@ -40,14 +40,41 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModelSpec]:
 
 
 @pytest.fixture(scope="module")
-def builds(tiny: dict[str, ModelSpec], tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """One good build of each tiny model, each in its own engine cache; tests spoil copies of them."""
+def seen() -> dict[str, list[tuple[int, ...]]]:
+    """What the seed-0 build (in `builds`) calibrated on and what its gate embedded."""
+    return {"quantised": [], "judged": []}
+
+
+@pytest.fixture(scope="module")
+def builds(tiny: dict[str, ModelSpec], tmp_path_factory: pytest.TempPathFactory,
+           seen: dict[str, list[tuple[int, ...]]]) -> dict[int, Path]:
+    """One good build of each tiny model, each in its own engine cache; tests spoil copies of them. The
+    seed-0 build is spied on (`seen`): one build serves both, a real build being most of this file's time."""
     out = {}
     for seed, spec in tiny.items():
         root = tmp_path_factory.mktemp(f"engines-seed{seed}")
-        assert isinstance(build_int8_engine(spec, num_threads=THREADS, cache_root=root), Int8CpuEngine)
+        with pytest.MonkeyPatch.context() as patch:
+            if seed == 0:
+                spy_on_the_build(patch, seen)
+            engine = build_int8_engine(spec, num_threads=THREADS, cache_root=root)
+        assert isinstance(engine, Int8CpuEngine) and engine.int8_gate.passed
         out[seed] = root
     return out
+
+
+def spy_on_the_build(patch: pytest.MonkeyPatch, seen: dict[str, list[tuple[int, ...]]]) -> None:
+    quantize, embed = int8_cpu.quantize, Int8CpuEngine.embed
+
+    def spy_quantize(fp32, batches, out, *args, **kwargs):
+        seen["quantised"].extend(tuple(x) for b in batches for x in b)
+        return quantize(fp32, batches, out, *args, **kwargs)
+
+    def spy_embed(self, batch):
+        seen["judged"].extend(tuple(x) for x in batch)
+        return embed(self, batch)
+
+    patch.setattr(int8_cpu, "quantize", spy_quantize)
+    patch.setattr(Int8CpuEngine, "embed", spy_embed)
 
 
 def copy_cache(root: Path, to: Path) -> Path:
@@ -94,28 +121,13 @@ def test_a_judged_minimum_exactly_at_the_threshold_is_refused() -> None:
 
 
 # -- real builds ------------------------------------------------------------------------------------------------
-def test_a_build_is_quantised_on_texts_it_is_not_judged_on(tiny: dict[str, ModelSpec], tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Spies on what the quantiser calibrates on and on what the int8 engine embeds while being judged."""
-    quantised: list[tuple[int, ...]] = []
-    judged: list[tuple[int, ...]] = []
-    quantize, embed = int8_cpu.quantize, Int8CpuEngine.embed
-
-    def spy_quantize(fp32, batches, out, *args, **kwargs):
-        quantised.extend(tuple(x) for b in batches for x in b)
-        return quantize(fp32, batches, out, *args, **kwargs)
-
-    def spy_embed(self, batch):
-        judged.extend(tuple(x) for x in batch)
-        return embed(self, batch)
-
-    monkeypatch.setattr(int8_cpu, "quantize", spy_quantize)
-    monkeypatch.setattr(Int8CpuEngine, "embed", spy_embed)
-    engine = build_int8_engine(tiny[0], num_threads=THREADS, cache_root=tmp_path)
-    assert isinstance(engine, Int8CpuEngine) and engine.int8_gate.passed
-    assert quantised and judged
-    both = set(quantised) & set(judged)
-    assert not both, f"{len(both)} of {len(set(judged))} judged inputs were calibrated on"
+def test_a_build_is_quantised_on_texts_it_is_not_judged_on(builds: dict[int, Path],
+                                                           seen: dict[str, list[tuple[int, ...]]]) -> None:
+    """Spied on in a real build (`builds`): what the quantiser calibrates on, what the int8 engine embeds
+    while being judged."""
+    assert builds and seen["quantised"] and seen["judged"]
+    both = set(seen["quantised"]) & set(seen["judged"])
+    assert not both, f"{len(both)} of {len(set(seen['judged']))} judged inputs were calibrated on"
 
 
 def test_a_judged_minimum_at_the_threshold_refuses_the_start(tiny: dict[str, ModelSpec], builds: dict[int, Path],

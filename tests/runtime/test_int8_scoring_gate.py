@@ -58,14 +58,44 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def builds(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One build of each model, each in its own engine cache; tests spoil copies of them."""
+def seen() -> dict[str, dict[str, set[tuple[int, ...]]]]:
+    """What the rerank and classify builds (in `builds`) calibrated on and what their gates scored."""
+    return {name: {"quantised": set(), "judged": set()} for name in ("rerank", "classify")}
+
+
+@pytest.fixture(scope="module")
+def builds(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+           seen: dict[str, dict[str, set[tuple[int, ...]]]]) -> dict[str, Path]:
+    """One build of each model, each in its own engine cache; tests spoil copies of them. The rerank and
+    classify builds are spied on (`seen`): one build serves both, a real build being most of this file's time."""
     out = {}
     for name, path in models.items():
         root = tmp_path_factory.mktemp(f"engines-{name}")
-        build_int8_scoring_engine(load_spec(path), num_threads=THREADS, cache_root=root, strict=False)
+        with pytest.MonkeyPatch.context() as patch:
+            if name in seen:
+                spy_on_the_build(patch, seen[name])
+            engine = build_int8_scoring_engine(load_spec(path), num_threads=THREADS, cache_root=root, strict=False)
+        if name in seen:
+            assert engine.int8_gate is not None and engine.int8_gate.measured_on == "judge"
         out[name] = root
     return out
+
+
+def spy_on_the_build(patch: pytest.MonkeyPatch, seen: dict[str, set[tuple[int, ...]]]) -> None:
+    quantize, classify = int8_scoring.quantize_module, Int8ScoringEngine.classify
+
+    def spy_quantize(module, samples, example, out, *args, **kwargs):
+        for batch in samples:
+            for feed in batch:
+                seen["quantised"].add(key(feed["input_ids"][0][feed["attention_mask"][0] == 1]))
+        return quantize(module, samples, example, out, *args, **kwargs)
+
+    def spy_classify(self, batch):
+        seen["judged"].update(key(x) for x in batch)
+        return classify(self, batch)
+
+    patch.setattr(int8_scoring, "quantize_module", spy_quantize)
+    patch.setattr(Int8ScoringEngine, "classify", spy_classify)
 
 
 def copy_cache(root: Path, to: Path) -> Path:
@@ -119,29 +149,12 @@ def test_figures_at_the_thresholds_are_refused_by_the_margin_and_kept_by_a_probe
 
 # -- real builds ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["rerank", "classify"])
-def test_a_build_is_quantised_on_inputs_it_is_not_judged_on(name: str, models: dict[str, Path], tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Spies on what the quantiser calibrates on and on what the int8 engine scores while being judged."""
-    quantised: set[tuple[int, ...]] = set()
-    judged: set[tuple[int, ...]] = set()
-    quantize, classify = int8_scoring.quantize_module, Int8ScoringEngine.classify
-
-    def spy_quantize(module, samples, example, out, *args, **kwargs):
-        for batch in samples:
-            for feed in batch:
-                quantised.add(key(feed["input_ids"][0][feed["attention_mask"][0] == 1]))
-        return quantize(module, samples, example, out, *args, **kwargs)
-
-    def spy_classify(self, batch):
-        judged.update(key(x) for x in batch)
-        return classify(self, batch)
-
-    monkeypatch.setattr(int8_scoring, "quantize_module", spy_quantize)
-    monkeypatch.setattr(Int8ScoringEngine, "classify", spy_classify)
-    engine = build_int8_scoring_engine(load_spec(models[name]), num_threads=THREADS, cache_root=tmp_path,
-                                       strict=False)
-    assert engine.int8_gate is not None and engine.int8_gate.measured_on == "judge"
-    assert quantised and judged
+def test_a_build_is_quantised_on_inputs_it_is_not_judged_on(
+        name: str, builds: dict[str, Path], seen: dict[str, dict[str, set[tuple[int, ...]]]]) -> None:
+    """Spied on in a real build (`builds`): what the quantiser calibrates on, what the int8 engine scores
+    while being judged."""
+    quantised, judged = seen[name]["quantised"], seen[name]["judged"]
+    assert builds and quantised and judged
     both = quantised & judged
     assert not both, f"{len(both)} of {len(judged)} judged inputs were calibrated on"
 
