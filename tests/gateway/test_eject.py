@@ -90,8 +90,9 @@ def served(gateway, n: int) -> Counter:
 def test_a_replica_answering_500s_is_ejected_then_tried_again(gateway_factory, stub_factory):
     bad = stub_factory("--model", "m", "--name", "bad", "--expected-wait", "0")
     good = stub_factory("--model", "m", "--name", "good", "--expected-wait", "1")  # so `bad` is picked first
+    # ejections of 5 s, then 10: what is sent while one lasts takes a fraction of that even on a loaded machine
     gateway = gateway_factory("--upstream", f"m={bad.url}", "--upstream", f"m={good.url}", "--eject-after", "3",
-                              "--eject-base", "2", "--poll-interval", "60")
+                              "--eject-base", "5", "--poll-interval", "60")
     wait_for(lambda: gateway.load()["m"]["ready_replicas"] == 2, "both replicas ready")
     bad.control(fail_status=500)
     # its own answers pass through (a 500 may have run the request: never sent again), three in a row eject it
@@ -99,11 +100,11 @@ def test_a_replica_answering_500s_is_ejected_then_tried_again(gateway_factory, s
     assert gateway.count("embedfleet_gateway_ejections_total", deployment="m") == 1
     assert served(gateway, 10) == {"good": 10}
     assert gateway.load()["m"]["ready_replicas"] == 2  # ejected is not down: it is tried again later
-    time.sleep(2.1)
+    time.sleep(5.1)
     # back on probation: its first failure ejects it again, for twice as long
     assert served(gateway, 3) == {500: 1, "good": 2}
     assert gateway.count("embedfleet_gateway_ejections_total", deployment="m") == 2
     bad.control(fail_status=0)
-    time.sleep(4.1)
+    time.sleep(10.1)
     assert served(gateway, 1) == {"bad": 1}  # healthy again: picked first again
     assert len(bad.received()) == 5

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,14 @@ def fleet() -> Iterator[Fleet]:
                 codes[code] = codes.get(code, 0) + 1
             if codes.get(429):
                 break
+        # the bursts' aftermath gone (nothing in flight or queued on the runtime, its replica routable in B's
+        # view) before A spills to B: B passes on the runtime's refusals, and a loaded machine drains slowly
+        def idle() -> bool:
+            load = httpx.get(f"{runtime.url}/load", timeout=10).json()
+            return load["in_flight"] == 0 and all(m["queue_tokens"] == 0 for m in load["models"].values())
+
+        wait_for(idle, "the runtime idle after the bursts", timeout=120)
+        wait_for(lambda: gateway_b.load()[MODEL]["ready_replicas"] == 1, "B routing to its replica", timeout=60)
         for i in range(10):  # spilled from A (its own replica is down) to B, in two waves a few scrapes apart
             assert embed(gateway_a.url, MODEL, f"spilled {i}") == 200
             if i == 4:
@@ -162,7 +171,15 @@ def fleet() -> Iterator[Fleet]:
                  "Prometheus to scrape them",
                  timeout=30)
         wait_for(lambda: bool(prometheus.query("embedfleet_probe_cosine")), "a probe re-check scraped", timeout=60)
-        time.sleep(2)  # two more scrapes: rates have a sample after the last event
+        # two more scrapes of every target (counted in Prometheus' own samples of `up`, however late a loaded
+        # machine makes them): rates have a sample after the last event
+        def scrapes() -> dict[str, float]:
+            return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1])
+                    for r in prometheus.query("count_over_time(up[1h])")}
+
+        before = scrapes()
+        wait_for(lambda: all(scrapes().get(k, 0) >= v + 2 for k, v in before.items()),
+                 "two more scrapes of every target", timeout=60)
         yield Fleet(runtime, gateway_a, gateway_b, redis, receiver, prometheus, codes)
     finally:
         for server in reversed(started):
