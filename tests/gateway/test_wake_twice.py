@@ -13,8 +13,8 @@ The cycle, one test per step, in order:
 2. a trickle of requests longer than `scaleToZeroGraceSeconds` keeps it at one replica (the runtime sees
    0 in flight at most ticks; only the gateway's last-request age says it is in use); once traffic stops,
    the operator scales it to zero, and only after the gateway reported no request for the grace period;
-3. a request after that wakes it from zero again and is answered (the scale-to-zero set its scale back to
-   0, so the gateway's wake is a change again);
+3. a request after that wakes it from zero again and is answered (the scale-to-zero left its scale at 0, or
+   unset, so the gateway's wake is a change again);
 4. at zero with `spec.replicas` left at 1 (set while the operator was stopped), the gateway writes nothing
    and the operator wakes it from the held request it reads from the gateway;
 then both identities' requests in the API server's audit log.
@@ -242,9 +242,12 @@ def test_traffic_keeps_one_replica_and_idleness_takes_it_to_zero(scenario: Scena
     idle = re.search(r"idle for (\d+)s >= (\d+)s: scale to zero", reason)
     assert idle is not None and int(idle.group(2)) == GRACE_S and int(idle.group(1)) >= GRACE_S, reason
     assert reason.startswith("scale down 1 -> 0"), reason
-    # Its scale says 0 too, so the gateway's next wake (setting it to 1) is a change the operator sees.
+    # Its scale does not say 1, so the gateway's next wake (setting it to 1) is a change the operator sees:
+    # 0 where the first wake was the gateway's write of 1 (the operator sets it back), unset where the
+    # operator's own tick woke it from the gateway's held requests before the gateway's write (on a loaded
+    # machine it can: the gateway then finds it waking and writes nothing).
     ed = cluster.get_json("embeddingdeployment", ED, "-n", USERS)
-    assert ed["spec"]["replicas"] == 0
+    assert ed["spec"].get("replicas") in (None, 0), ed["spec"]
     # The pod went, its runtime was stopped, and the gateway no longer routes to it.
     wait_until(lambda: not (cluster.get_json("pods", "-n", USERS, "-l", SELECTOR) or {}).get("items")
                and not scenario.kubelet.runtimes, 90, "the runtime pod to go")
