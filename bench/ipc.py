@@ -18,6 +18,9 @@ separately) and reported per 1,000 embeddings. One row per run goes to bench/res
 
     python bench/ipc.py                    # all transports, both workloads
     python bench/ipc.py --seconds 2        # a quick trial (with --results-dir /tmp/x)
+
+pyzmq and msgspec are needed by this bench only (the peer it measures, not dependencies of embedfleet):
+``.venv/bin/uv pip install --python .venv/bin/python pyzmq msgspec``.
 """
 
 from __future__ import annotations
@@ -273,6 +276,12 @@ def main() -> None:
     if args.engine:
         (serve_unix if args.engine == "unix" else serve_zmq)(args.path)
         return
+    try:
+        import msgspec  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        sys.exit("ipc: pyzmq and msgspec are not installed. They are needed by this bench only (not dependencies "
+                 "of embedfleet): .venv/bin/uv pip install --python .venv/bin/python pyzmq msgspec")
     transports = ["inproc", "unix", "zmq"]
     samples: dict[str, dict[str, list[dict]]] = {t: {w: [] for w in WORKLOADS} for t in transports}
     for _ in range(args.rounds):
