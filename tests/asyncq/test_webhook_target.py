@@ -212,7 +212,7 @@ def test_a_receiver_that_drips_bytes_is_cut_off_at_the_deadline() -> None:
     finally:
         receiver.stop()
     assert error is not None and "--webhook-timeout" in error
-    assert 1.4 < took < 10, "one 1.5 s deadline, not the 20 s the receiver would take"
+    assert 1.4 < took < 4
 
 
 def test_an_entry_handed_over_too_often_is_dead_lettered_without_a_delivery(redis_server) -> None:
