@@ -453,15 +453,16 @@ class _Ending:
 
 
 def server(app: Any, host: str, port: int, limits: Limits, *, lifespan: str = "off",
-           graceful_s: float | None = None, backlog: int = 1024) -> uvicorn.Server:
-    """A uvicorn server for `app` with `limits`; `await srv.startup()` listens, `await srv.shutdown()`
-    stops (in the caller's loop; the caller owns its signals)."""
+           graceful_s: float | None = None, backlog: int = 1024, uds: str | None = None) -> uvicorn.Server:
+    """A uvicorn server for `app` with `limits`; `await srv.startup()` listens (on `uds`, a Unix socket, when
+    given; `startup(sockets=...)` on sockets already listening), `await srv.shutdown()` stops (in the
+    caller's loop; the caller owns its signals)."""
     protocol = type("Bounded", (BoundedProtocol,), {"limits": limits})
     config = uvicorn.Config(app, host=host, port=port, http=protocol, loop="none", lifespan=lifespan,
                             log_config=None, access_log=False, server_header=False, date_header=True,
                             timeout_keep_alive=int(max(1, limits.keep_alive_s)), backlog=backlog,
                             proxy_headers=False,  # the client is the socket's peer; no header can say otherwise
-                            timeout_graceful_shutdown=graceful_s, ws="none")
+                            timeout_graceful_shutdown=graceful_s, ws="none", uds=uds)
     config.load()
     srv = uvicorn.Server(config)
     srv.lifespan = config.lifespan_class(config)  # what `serve()` would set up before `startup()`

@@ -10,12 +10,14 @@ from tests.abuse import rawhttp
 from tests.gateway.conftest import MODEL, start_gateway
 from tests.procs import RuntimeServer
 
-IN_FLIGHT = {"runtime": "embedfleet_requests_in_flight", "gateway": "embedfleet_gateway_requests_in_flight"}
+IN_FLIGHT = {"runtime": "embedfleet_requests_in_flight", "gateway": "embedfleet_gateway_requests_in_flight",
+             "split": "embedfleet_requests_in_flight"}
+SPLIT_FRONTS = ("--fronts", "2")  # the runtime as a split server: a supervisor, an engine and two fronts
 
 
 @dataclass
 class Target:
-    """One server under test: `runtime` or `gateway`."""
+    """One server under test: `runtime`, `gateway`, or `split` (the runtime with front processes)."""
 
     kind: str
     srv: RuntimeServer

@@ -184,8 +184,17 @@ def chunk(data: bytes) -> bytes:
 # -- the server's process
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size (VmRSS) of the process."""
+def server_pids(pid: int) -> list[int]:
+    """The server's process and its children: a split server's (`--fronts`) engine and fronts are the
+    supervisor's children, and what they hold is the server's."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [pid, *map(int, f.read().split())]
+    except FileNotFoundError:
+        return [pid]
+
+
+def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -193,9 +202,14 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident set size (VmRSS) of the server: the process and its children."""
+    return sum(_rss(p) for p in server_pids(pid))
+
+
 def fd_count(pid: int) -> int:
-    """Descriptors the process has open."""
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """Descriptors the server has open: the process and its children."""
+    return sum(len(os.listdir(f"/proc/{p}/fd")) for p in server_pids(pid))
 
 
 class RssWatcher(threading.Thread):

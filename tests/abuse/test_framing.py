@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.abuse import rawhttp
-from tests.abuse.conftest import Target, gateway_to, wait_until
+from tests.abuse.conftest import SPLIT_FRONTS, Target, gateway_to, wait_until
 from tests.gateway.conftest import MODEL
 from tests.procs import start_runtime
 
@@ -34,7 +34,14 @@ def gateway(runtime):
     srv.stop()
 
 
-@pytest.fixture(scope="module", params=["runtime", "gateway"])
+@pytest.fixture(scope="module")
+def split():
+    srv = start_runtime(*SPLIT_FRONTS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module", params=["runtime", "gateway", "split"])
 def target(request) -> Target:
     return Target(request.param, request.getfixturevalue(request.param))
 

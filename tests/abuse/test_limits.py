@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.abuse import rawhttp
-from tests.abuse.conftest import Target, gateway_to
+from tests.abuse.conftest import SPLIT_FRONTS, Target, gateway_to
 from tests.abuse.rawhttp import MIB
 from tests.procs import start_runtime
 
@@ -35,7 +35,14 @@ def gateway(runtime):
     srv.stop()
 
 
-@pytest.fixture(scope="module", params=["runtime", "gateway"])
+@pytest.fixture(scope="module")
+def split():
+    srv = start_runtime("--payload-limit", str(LIMIT), *SPLIT_FRONTS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module", params=["runtime", "gateway", "split"])
 def target(request) -> Target:
     return Target(request.param, request.getfixturevalue(request.param))
 

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"embedfleet {name}", description=text)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
+    args.argv = rest  # the command line as given: a split server's supervisor starts its processes with it
     if checking:  # the image's smoke test: the same command line, everything it can load, nothing run
         from embedfleet.runtime.selfcheck import check
 

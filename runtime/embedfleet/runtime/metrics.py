@@ -3,15 +3,23 @@
 The names are a contract with the operator's autoscaler, the gateway and the dashboards
 (docs/metrics.md): keep them stable.
 Each server owns its registry so tests can run several apps in one process.
+
+Split serving (`--fronts`, split/) runs several processes: there PROMETHEUS_MULTIPROC_DIR is set before
+prometheus_client is imported, every process writes its series to files in it, and `exposition()` adds them
+up: counters and histograms summed, gauges as their `multiprocess_mode` says (the engine's gauges from the
+engine, requests in flight summed over the live processes). Gauges read when scraped (`track`) are set
+from their functions just before, in the process that serves /metrics (the engine, whose gauges they are).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Gauge as _Gauge
 
 from embedfleet.runtime import cold_start
 
@@ -22,11 +30,30 @@ SHED_REASONS = ("expected_wait", "queue_tokens", "deadline")
 WEBHOOK_OUTCOMES = ("delivered", "retried", "dead_lettered")
 
 
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+_TRACKED: list[tuple[_Gauge, Callable[[], float]]] = []
+
+
+def Gauge(*args, multiprocess_mode: str = "livemax", **kwargs) -> _Gauge:
+    """A gauge whose value, with several processes, is the largest any live one holds: every gauge here is
+    set by one process (the engine's), the others hold 0 (or the same setting)."""
+    return _Gauge(*args, multiprocess_mode=multiprocess_mode, **kwargs)
+
+
+def track(gauge: _Gauge, read: Callable[[], float]) -> None:
+    """`gauge` reads `read()` when scraped (with several processes: set from it before each exposition)."""
+    if MULTIPROCESS:
+        _TRACKED.append((gauge, read))
+    else:
+        gauge.set_function(read)
+
+
 class RuntimeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests_in_flight = Gauge(
-            "embedfleet_requests_in_flight", "Requests accepted and not yet answered", registry=r)
+            "embedfleet_requests_in_flight", "Requests accepted and not yet answered", registry=r,
+            multiprocess_mode="livesum")
         self.queue_tokens = Gauge("embedfleet_queue_tokens", "Tokens waiting for the engine", ["model"], registry=r)
         self.queue_requests = Gauge(
             "embedfleet_queue_requests", "Requests with inputs waiting for the engine", ["model"], registry=r)
@@ -88,7 +115,8 @@ class RuntimeMetrics:
             "embedfleet_queue_wait_seconds", "Time from a request's admission until its last input entered the "
             "engine, per tenant", ["model", "tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.errors = Counter("embedfleet_errors_total", "Error responses by HTTP status", ["code"], registry=r)
-        self.ready = Gauge("embedfleet_ready", "1 when the server accepts work", registry=r)
+        self.ready = Gauge("embedfleet_ready", "1 when the server accepts work", registry=r,
+                           multiprocess_mode="livemin")
         # async queue and embedding cache (embedfleet.runtime.asyncq)
         self.async_queue_depth = Gauge(
             "embedfleet_async_queue_depth", "Async jobs accepted and not yet finished (whole Redis queue)",
@@ -141,6 +169,18 @@ class RuntimeMetrics:
             registry=r)
         self.cold_start = cold_start.ColdStart(self.cold_start_seconds, self.weights_source,
                                                engine_info=self.engine_source)
+
+    def exposition(self) -> CollectorRegistry:
+        """What /metrics writes out: this registry, or with several processes all of their files."""
+        if not MULTIPROCESS:
+            return self.registry
+        from prometheus_client import multiprocess
+
+        for gauge, read in _TRACKED:
+            gauge.set(read())
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        return merged
 
     def for_model(self, name: str) -> ModelMetrics:
         """The per-model series (label `model`), so each model's queue is visible on its own."""

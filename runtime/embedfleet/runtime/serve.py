@@ -28,6 +28,7 @@ from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments,
 if TYPE_CHECKING:
     from embedfleet.runtime.api.gate import GateState
     from embedfleet.runtime.metrics import RuntimeMetrics
+    from embedfleet.runtime.split.roles import Role
 
 log = logging.getLogger("embedfleet.serve")
 
@@ -35,8 +36,10 @@ log = logging.getLogger("embedfleet.serve")
 class Server:
     """The application on the HTTP server, with a graceful drain on SIGTERM and a clean stop on SIGINT."""
 
-    def __init__(self, app, settings: RuntimeSettings, gate: GateState, metrics: RuntimeMetrics) -> None:
+    def __init__(self, app, settings: RuntimeSettings, gate: GateState, metrics: RuntimeMetrics,
+                 role: Role | None = None) -> None:
         self.app = app
+        self.role = role  # split serving (split/): where this process listens, and the engine's link
         self.settings = settings
         self.gate = gate
         self.metrics = metrics
@@ -79,16 +82,23 @@ class Server:
                         body_timeout_s=s.body_timeout_seconds, keep_alive_s=s.keep_alive_seconds,
                         max_headers=s.max_headers, max_connections=s.max_connections,
                         min_body_rate=s.min_body_rate)
-        http = server(self.app, s.host, s.port, limits, graceful_s=s.drain_timeout)
+        role = self.role
+        http = server(self.app, s.host, s.port, limits, graceful_s=s.drain_timeout,
+                      uds=role.uds if role is not None else None)
         loop = asyncio.get_running_loop()
         try:
-            await http.startup()
-            log.info("listening on http://%s:%d", s.host, bound_port(http))
+            await http.startup(sockets=role.sockets if role is not None else None)
+            if role is None:
+                log.info("listening on http://%s:%d", s.host, bound_port(http))
+            elif role.link is not None:
+                await role.link.start()
             loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
             loop.add_signal_handler(signal.SIGINT, self.stop.set)
             await self.stop.wait()
         finally:
             # Accepted requests finish (bounded by --drain-timeout); new connections are refused from here.
+            if role is not None and role.link is not None:
+                await role.link.stop()
             if http.started:
                 await http.shutdown()
             if self.gate.tracing is not None:  # the spans still buffered go out now
@@ -131,8 +141,18 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_or_exit_code(args, "serve")
     if isinstance(settings, int):
         return settings
+    role_name = os.environ.get("_EMBEDFLEET_SPLIT_ROLE")
+    fronts = settings.front_processes()
+    if fronts and role_name is None:  # split serving: this process supervises the engine and the fronts
+        from embedfleet.runtime.split.supervisor import run as supervise
+
+        return supervise(settings, list(getattr(args, "argv", sys.argv[2:])), fronts)
+    if role_name == "front":  # the engine verified the model; a front reads only its config and tokenizer
+        from embedfleet.runtime.split.roles import front_settings
+
+        settings = front_settings(settings, fronts)
     verifying = time.perf_counter()
-    problem = verify_model(settings)
+    problem = verify_model(settings) if role_name != "front" else None
     verify_s = time.perf_counter() - verifying if settings.model_digest else None
     if problem is not None:
         print(f"embedfleet serve: refusing to load the model: {problem}", file=sys.stderr)
@@ -156,11 +176,30 @@ def run(args: argparse.Namespace) -> int:
     if verify_s is not None:
         metrics.cold_start.weights_verified(verify_s)
     gate = GateState(tracing=tracing)
-    models = Models(settings, metrics)
-    server = Server(None, settings, gate, metrics)
-    server.app = create_app(models, gate, on_load_failed=server.load_failed)
+    if role_name is not None:
+        from embedfleet.runtime.split.roles import build
+
+        models, server = build(role_name, settings, gate, metrics, Server)
+    else:
+        models = Models(settings, metrics)
+        server = Server(None, settings, gate, metrics)
+        server.app = create_app(models, gate, on_load_failed=server.load_failed)
     run_loop(server.serve())
     if server.failed:
         print(f"embedfleet serve: model failed to load: {models.load_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """`python -m embedfleet.runtime.serve FLAGS`: how a split server's supervisor starts its engine and fronts
+    (the same flags as `embedfleet serve`)."""
+    parser = argparse.ArgumentParser(prog="embedfleet serve")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

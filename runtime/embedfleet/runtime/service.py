@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,7 +28,6 @@ from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.quantize import CALIBRATION_TEXTS, Calibration, calibration_file
 from embedfleet.runtime.core.tokenize import Direction, Tokenized, TokenizerPool
 from embedfleet.runtime.drift import DriftMonitor
-from embedfleet.runtime.engines import gpu_batching as sizing
 from embedfleet.runtime.engines.base import Engine
 from embedfleet.runtime.engines.cache_dir import BuildSource
 from embedfleet.runtime.metrics import RuntimeMetrics
@@ -36,6 +36,9 @@ from embedfleet.runtime.settings import ModelEntry, RuntimeSettings
 from embedfleet.runtime.tenants import DEFAULT_TENANT, RequestOverQuota, Tenant
 from embedfleet.runtime.timing import current_timing
 from embedfleet.runtime.tracing import current_trace
+
+if TYPE_CHECKING:  # torch comes with it, and a front process (split/) never needs torch
+    from embedfleet.runtime.engines import gpu_batching as sizing
 
 log = logging.getLogger(__name__)
 WATCH_AFTER_S = 0.05  # work expected to finish sooner is not watched for a client leaving (see ModelService._rows)
@@ -110,6 +113,8 @@ def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
 def gpu_batching(settings: RuntimeSettings, engine: Engine, run: Callable[[list], object]) -> sizing.Batching | None:
     """On the engine thread, for a torch engine on CUDA: the batching sized for the GPU (the values the
     user did not set), with the per-call overhead measured here. None elsewhere (the settings serve)."""
+    from embedfleet.runtime.engines import gpu_batching as sizing
+
     model = getattr(engine, "model", None)
     if settings.device != "cuda" or model is None or not hasattr(engine, "free_memory"):
         return None
@@ -456,11 +461,13 @@ class ModelService:
 class Models:
     """Every served model by name, loaded in the background at start-up."""
 
+    service_class: type[ModelService] = ModelService  # a front process's models run on the engine's (split/)
+
     def __init__(self, settings: RuntimeSettings, metrics: RuntimeMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
         metrics.max_queue_seconds.set(settings.max_queue_seconds)  # the bound the saturation alert compares with
-        self.services = {e.name: ModelService(e, settings, metrics) for e in settings.models()}
+        self.services = {e.name: self.service_class(e, settings, metrics) for e in settings.models()}
         self.tenants = settings.tenants()
         unknown = {m for t in self.tenants.all.values() for m in t.models} - set(self.services) - {"*"}
         if unknown:  # one keys Secret may serve several deployments: a warning, not a refusal

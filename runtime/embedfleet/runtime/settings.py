@@ -111,6 +111,10 @@ class RuntimeSettings(BaseSettings):
         4, ge=0, description="requests with at most this many inputs jump ahead of bulk work (more: bulk, "
         "bounded by --max-queue-seconds-bulk)")
     tokenizer_workers: int = Field(0, ge=0, description="tokenizer threads; 0 = number of cores")
+    fronts: int = Field(
+        0, ge=0, le=64, description="front processes that take HTTP, validate, tokenize and encode answers, "
+        "beside one engine process that batches and runs the model (docs/runtime.md, Split serving); 0: one "
+        "process does everything")
     api_key: SecretStr | None = Field(
         None, description="if set, every route but /health, /ready and /metrics needs `Authorization: Bearer KEY` "
         "(one tenant, `default`)")
@@ -304,6 +308,10 @@ class RuntimeSettings(BaseSettings):
                 name, path = "", raw
             entries.append(ModelEntry(Path(path), name or self.served_model_name or Path(path).name, task))
         return entries
+
+    def front_processes(self) -> int:
+        """How many front processes `serve` starts (0: the single-process server)."""
+        return self.fronts
 
     def cores(self) -> int:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

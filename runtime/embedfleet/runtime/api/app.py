@@ -62,9 +62,10 @@ NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs"
 
 
 def create_app(models: Models, gate_state: GateState,
-               on_load_failed: Callable[[], None] | None = None) -> FastAPI:
+               on_load_failed: Callable[[], None] | None = None, engine_uds: str | None = None) -> FastAPI:
     """The server over `models`: the models load in the background (so /health answers at once and
-    /ready says "loading"); `on_load_failed` is called if they cannot."""
+    /ready says "loading"); `on_load_failed` is called if they cannot. `engine_uds`: this is a front process
+    (split/), and the routes it does not serve go to the engine's application on that socket."""
     settings = models.settings
     metrics = models.metrics
     load_task: dict[str, asyncio.Task] = {}
@@ -94,6 +95,10 @@ def create_app(models: Models, gate_state: GateState,
 
     errors.install(app, count_error)
     hot = embed_handlers(models)
+    if engine_uds is not None:
+        from embedfleet.runtime.split.proxy import ProxyRoutes
+
+        app.add_middleware(ProxyRoutes, uds=engine_uds)
     # Starlette wraps the app in middleware in reverse order of adding: the gate runs first, then the
     # direct dispatch of the hot routes (api/direct.py), then FastAPI for everything else.
     app.add_middleware(DirectRoutes, routes={("POST", path): h for path, h in hot.items()}, on_error=count_error)

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from embedfleet.runtime.api.errors import error_body
 from embedfleet.runtime.api.pinning import MISMATCH, VECTOR_SPACE_HEADER, Pinning
-from embedfleet.runtime.metrics import RuntimeMetrics
+from embedfleet.runtime.metrics import MULTIPROCESS, RuntimeMetrics
 from embedfleet.runtime.tenants import Tenant, Tenants
 from embedfleet.runtime.timing import RequestTiming
 from embedfleet.runtime.tracing import RuntimeTracing
@@ -66,7 +66,10 @@ class Gate:
         self.known_paths = known_paths
         self.refusing_all = refusing_all
         self.expected_wait = expected_wait
-        metrics.requests_in_flight.set_function(lambda: state.in_flight)  # read when scraped
+        # read when scraped; with several processes (split/) each keeps its own count up to date instead
+        self._in_flight = metrics.requests_in_flight if MULTIPROCESS else None
+        if self._in_flight is None:
+            metrics.requests_in_flight.set_function(lambda: state.in_flight)
         self._duration = cache(metrics.request_duration.labels)  # by route: looked up once each
         self._cold_start = metrics.cold_start  # told of the first 2xx answer (cold_start.py first_request)
 
@@ -168,6 +171,8 @@ class Gate:
             scope, scope["path"] if scope["path"] in self.known_paths else "other", scope[TENANT].name)
         timing = RequestTiming().begin()
         self.state.in_flight += 1
+        if self._in_flight is not None:
+            self._in_flight.inc()
         start = time.perf_counter()
         try:
             await self.app(scope, counted_receive, tracked_send)
@@ -180,6 +185,8 @@ class Gate:
             if trace is not None:
                 trace.end()
             self.state.in_flight -= 1
+            if self._in_flight is not None:
+                self._in_flight.dec()
             route = scope["path"] if scope["path"] in self.known_paths else "other"
             self._duration(route).observe(time.perf_counter() - start)
 

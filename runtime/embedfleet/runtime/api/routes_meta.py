@@ -19,7 +19,6 @@ from embedfleet.runtime.api.schemas import ModelCard, ModelList, ProbeAnswer, Si
 from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.probe import fingerprint, probe_body
 from embedfleet.runtime.core.tokenize import TooManyTokens
-from embedfleet.runtime.engines.int8_scoring_gate import card_fields
 from embedfleet.runtime.service import Models, ModelService
 
 
@@ -53,6 +52,9 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
     @router.get("/v1/models", response_model=ModelList, tags=["OpenAI"])
     async def list_models(request: Request):
         """The models this caller's tenant may use (OpenAI lists only the models a key can reach)."""
+        # here, not at the top: it brings torch, which a front process (split/; it proxies this route) never needs
+        from embedfleet.runtime.engines.int8_scoring_gate import card_fields
+
         tenant = tenant_of(request.scope)
         if not models.loaded:
             raise errors.ApiError(503, "models are still loading; retry shortly", "loading", {"retry-after": "2"})
@@ -131,6 +133,6 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
 
     @router.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def prometheus_metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.exposition()), media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -44,7 +44,7 @@ from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, pla
 from embedfleet.runtime.core.bookkeeping import Bookkeeping
 from embedfleet.runtime.core.jobs import DeadlineUnmet, Item, Job, QueueFull, scatter
 from embedfleet.runtime.core.lateness import late_jobs
-from embedfleet.runtime.metrics import ModelMetrics
+from embedfleet.runtime.metrics import ModelMetrics, track
 from embedfleet.runtime.tracing import RequestTrace, trace_batch
 
 log = logging.getLogger(__name__)
@@ -110,9 +110,9 @@ class BatchManager:
         # Read when scraped, not kept up to date on every submit and batch: a single query on a busy
         # CPU paid for three gauge updates (and an expected-wait computation) several times on its
         # path, and a scrape now sees the state of that moment exactly.
-        metrics.queue_tokens.set_function(lambda: self._queued_tokens)
-        metrics.queue_requests.set_function(lambda: self._queued_jobs)
-        metrics.expected_wait.set_function(self.expected_wait)
+        track(metrics.queue_tokens, lambda: self._queued_tokens)
+        track(metrics.queue_requests, lambda: self._queued_jobs)
+        track(metrics.expected_wait, self.expected_wait)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:

@@ -23,6 +23,10 @@ class QueueFull(RuntimeError):
         self.reason = reason
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine process cannot be reached (split serving, `--fronts`): it died or is restarting (503)."""
+
+
 class DeadlineUnmet(RuntimeError):
     """The request's deadline cannot be met (at admission) or has passed while it was queued (504)."""
 

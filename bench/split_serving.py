@@ -1,0 +1,202 @@
+"""Split serving (`embedfleet serve --fronts N`) against the single process, same run: embeddings per second
+and the server's CPU per 1,000 embeddings summed over all its processes, by role.
+
+The engine is the null engine of bench/host_path.py (ones of the model's width, at once; --per-token-us
+makes it sleep per padded token, releasing the GIL as a GPU's forward pass does), so the figures are the
+host path's: HTTP, parsing, tokenization, the hand-off to the engine and back, the response. With
+`--model-engine` the real model runs instead.
+
+Each configuration is one server: `--fronts 0` (the single process) and each N of --fronts. They stay up;
+rounds alternate between them after a warm-up round each, so that the machine's load falls on all alike.
+The servers are confined to --server-cpus and the load (this process: --concurrency httpx clients, --per-request
+texts of bench/_common.corpus() per request, base64) to --load-cpus.
+
+Figures, per configuration:
+  embeddings_per_s        the median of --rounds rounds (wall clock), and every round's
+  server_cpu_ms_per_1k    CPU time of every process of the server (supervisor, engine, fronts) per 1,000
+                          embeddings, in the median round
+  by_role                 the same by process role, each split into its main thread (the event loop) and
+                          its other threads (tokenizer pool, HF tokenizers' own threads, the engine thread)
+  ratio                   embeddings_per_s over the single process's in the same run
+
+Run: .venv/bin/python bench/split_serving.py --fronts 1,2 (about two minutes on two cores). On a machine
+with cores to scale on (the GPU machine's 16): --fronts 1,4,8 --server-cpus 0-13 --load-cpus 14-15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import SOURCE_PATHS, add_results_dir, corpus, free_port, pinned_to, record, wait_ready
+from host_path import load
+
+# Loaded by every process of the server (sitecustomize): the engine process (or the single process) gets the
+# null engine; a front never imports torch, so it is left alone.
+SITE = """
+import os, time
+if os.environ.get("_EMBEDFLEET_SPLIT_ROLE") != "front" and os.environ.get("BENCH_NULL_ENGINE") == "1":
+    import numpy as np
+    from embedfleet.runtime.engines import torch_engine
+    per_token_s = float(os.environ.get("BENCH_PER_TOKEN_S", "0"))
+    def embed(self, batch):
+        if per_token_s:
+            time.sleep(per_token_s * max(map(len, batch)) * len(batch))
+        return np.ones((len(batch), 384), np.float32)
+    torch_engine.TorchEngine.embed = embed
+"""
+FLAGS = ("--max-batch-requests", "1024", "--max-batch-tokens", "65536", "--log-level", "warning")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_list(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+def ticks(pid: int) -> tuple[int, int]:
+    """(main thread, other threads) CPU ticks of a process (0, 0 once it is gone)."""
+    main = rest = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return 0, 0
+    for task in tasks:
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        used = int(fields[11]) + int(fields[12])
+        if task.name == str(pid):
+            main += used
+        else:
+            rest += used
+    return main, rest
+
+
+class SplitServer:
+    def __init__(self, fronts: int, cpus: set[int], site_dir: str, null_engine: bool, per_token_s: float) -> None:
+        self.fronts = fronts
+        self.port = free_port()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16",
+                   PYTHONPATH=os.pathsep.join([site_dir, *SOURCE_PATHS]), BENCH_NULL_ENGINE="1" if null_engine else "0",
+                   BENCH_PER_TOKEN_S=str(per_token_s))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--fronts", str(fronts), *FLAGS],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pinned_to(cpus))
+        self.url = f"http://127.0.0.1:{self.port}"
+        try:
+            wait_ready(self.url, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def roles(self) -> dict[int, str]:
+        pids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        roles = {self.proc.pid: "supervisor" if self.fronts else "single"}
+        for pid in map(int, pids):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue
+            roles[pid] = "front" if b"_EMBEDFLEET_SPLIT_ROLE=front" in environ else "engine"
+        return roles
+
+    def cpu(self) -> dict[str, list[int]]:
+        """role -> [main thread, other threads] ticks, summed over the role's processes."""
+        out: dict[str, list[int]] = {}
+        for pid, role in self.roles().items():
+            main, rest = ticks(pid)
+            acc = out.setdefault(role, [0, 0])
+            acc[0] += main
+            acc[1] += rest
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def measure(server: SplitServer, texts: list[str], per_request: int, concurrency: int) -> dict:
+    before = server.cpu()
+    seconds = asyncio.run(load(server.url, texts, per_request, concurrency))
+    after = server.cpu()
+    per_1k = 1000 / len(texts) * 1000 / TICK
+    by_role = {role: {"loop": round((after[role][0] - before.get(role, [0, 0])[0]) * per_1k, 1),
+                      "threads": round((after[role][1] - before.get(role, [0, 0])[1]) * per_1k, 1)}
+               for role in after}
+    total = sum(v["loop"] + v["threads"] for v in by_role.values())
+    return {"embeddings_per_s": len(texts) / seconds, "server_cpu_ms_per_1k": round(total, 1), "by_role": by_role}
+
+
+def summary(rounds: list[dict]) -> dict:
+    middle = sorted(rounds, key=lambda r: r["embeddings_per_s"])[len(rounds) // 2]
+    return {"embeddings_per_s": round(statistics.median(r["embeddings_per_s"] for r in rounds), 1),
+            "rounds": [round(r["embeddings_per_s"], 1) for r in rounds],
+            "server_cpu_ms_per_1k": middle["server_cpu_ms_per_1k"], "by_role": middle["by_role"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fronts", default="1,2", help="front counts to compare with the single process")
+    ap.add_argument("--texts", type=int, default=8192, help="texts per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--per-request", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--per-token-us", type=float, default=0.0, help="the null engine's sleep per padded token")
+    ap.add_argument("--model-engine", action="store_true", help="run the real model instead of the null engine")
+    ap.add_argument("--server-cpus", default="0", help="CPUs of the servers, e.g. 0 or 0-13")
+    ap.add_argument("--load-cpus", default="1", help="CPUs of the load generator")
+    add_results_dir(ap, "split-serving-cpu.jsonl")
+    args = ap.parse_args()
+    os.sched_setaffinity(0, cpu_list(args.load_cpus))
+    texts = corpus(args.texts)
+    counts = [0, *(int(n) for n in args.fronts.split(","))]
+    with tempfile.TemporaryDirectory() as site_dir:
+        Path(site_dir, "sitecustomize.py").write_text(SITE)
+        servers = {n: SplitServer(n, cpu_list(args.server_cpus), site_dir, not args.model_engine,
+                                  args.per_token_us * 1e-6) for n in counts}
+        try:
+            for server in servers.values():
+                measure(server, texts[:2048], args.per_request, args.concurrency)
+            rounds: dict[int, list[dict]] = {n: [] for n in counts}
+            for _ in range(args.rounds):
+                for n, server in servers.items():
+                    rounds[n].append(measure(server, texts, args.per_request, args.concurrency))
+                    time.sleep(0.5)
+        finally:
+            for server in servers.values():
+                server.stop()
+    figures = {f"fronts_{n}": summary(r) for n, r in rounds.items()}
+    single = figures["fronts_0"]["embeddings_per_s"]
+    for n in counts[1:]:
+        figures[f"fronts_{n}"]["ratio"] = round(figures[f"fronts_{n}"]["embeddings_per_s"] / single, 3)
+        figures[f"fronts_{n}"]["cpu_ratio"] = round(
+            figures[f"fronts_{n}"]["server_cpu_ms_per_1k"] / figures["fronts_0"]["server_cpu_ms_per_1k"], 3)
+    row = {"bench": "split_serving", "engine": "model" if args.model_engine else "null",
+           "per_token_us": args.per_token_us, "baseline": "fronts_0 (the single-process server), same run",
+           **figures, "texts_per_round": args.texts, "rounds": args.rounds, "per_request": args.per_request,
+           "concurrency": args.concurrency, "server_cpus": args.server_cpus, "load_cpus": args.load_cpus,
+           "encoding_format": "base64"}
+    print(row)
+    record("split-serving", row, results_dir=args.results_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The frames between a front process and the engine process, over one Unix stream socket per front.
+
+Every frame is a 5-byte header (kind, body length) and a body. Token ids and vectors travel as arrays in
+core/wire.py's layout (a request's offsets and int32 ids; a reply's float32 rows), never as per-input Python
+objects; the little a request needs besides (model, urgency, deadline, tenant) is a short JSON block.
+
+    front -> engine   SUBMIT   id, metadata, ids (wire request), [type ids], original lengths
+                      CANCEL   id: the client left; whatever of it is still queued is dropped
+                      CALL     id, JSON: a small question (the int8 calibration)
+    engine -> front   RESULT   id, queue and inference seconds, vectors (wire reply)
+                      RAGGED   id, seconds, per-input row counts, the rows stacked (per-token outputs)
+                      ERROR    id, JSON: the exception's kind, message, retry-after and reason
+                      STATE    JSON: loaded or not, and per model the load figures fronts refuse early on
+                      ANSWER   id, JSON length, JSON, then bytes
+
+The reader is the bound: a header announcing more than `MAX_FRAME` bytes, or a body whose parts do not add
+up, raises WireError before anything is trusted; the connection is then closed. Both ends run as the
+same user on one machine (the engine checks the peer's uid), so the bounds guard against bugs, not tenants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from embedfleet.runtime.core import wire
+from embedfleet.runtime.core.wire import WireError
+
+HEADER = struct.Struct("<BI")  # kind, body bytes
+SUBMIT, CANCEL, CALL, RESULT, RAGGED, ERROR, STATE, ANSWER = range(1, 9)
+ID = struct.Struct("<Q")
+SUBMIT_HEAD = struct.Struct("<QH")  # id, metadata bytes
+RESULT_HEAD = struct.Struct("<Qdd")  # id, queue seconds, inference seconds
+RAGGED_HEAD = struct.Struct("<QddI")  # ... and the number of inputs
+ANSWER_HEAD = struct.Struct("<QI")  # id, JSON bytes
+LIMITS = wire.Limits()
+MAX_FRAME = 4 * (LIMITS.max_inputs * 2 + 2 + LIMITS.max_tokens * 2) + 65536
+MAX_META = 4096
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A SUBMIT frame, read: the metadata and the inputs as int32 arrays (views into the frame)."""
+    request_id: int
+    meta: dict
+    ids: list[np.ndarray]
+    type_ids: list[np.ndarray] | None
+    original_lengths: np.ndarray
+
+
+def frame(kind: int, *parts: bytes) -> bytes:
+    body = b"".join(parts)
+    return HEADER.pack(kind, len(body)) + body
+
+
+def submit(request_id: int, meta: dict, ids: list[list[int]], type_ids: list[list[int]] | None,
+           original_lengths: list[int]) -> bytes:
+    """The SUBMIT frame of one request; `meta` must be small (model, urgent, bounded, deadline, tenant, ...)."""
+    meta_bytes = orjson.dumps(meta)
+    if len(meta_bytes) > MAX_META:
+        raise WireError(f"request metadata of {len(meta_bytes)} bytes (at most {MAX_META})")
+    head, offsets, flat = wire.encode_request(request_id, ids)
+    parts = [SUBMIT_HEAD.pack(request_id, len(meta_bytes)), meta_bytes, head, offsets, flat]
+    if type_ids is not None:
+        total = len(flat) // 4
+        types = np.fromiter(itertools.chain.from_iterable(type_ids), dtype=np.int32, count=total)
+        parts.append(types.tobytes())
+    parts.append(np.asarray(original_lengths, dtype=np.int32).tobytes())
+    return frame(SUBMIT, *parts)
+
+
+def read_submit(body: bytes) -> Submitted:
+    """The parts of a SUBMIT body; WireError when they do not add up."""
+    view = memoryview(body)
+    if len(view) < SUBMIT_HEAD.size + wire.REQUEST.size:
+        raise WireError("a SUBMIT frame shorter than its headers")
+    request_id, meta_len = SUBMIT_HEAD.unpack_from(view)
+    at = SUBMIT_HEAD.size
+    if meta_len > MAX_META or at + meta_len + wire.REQUEST.size > len(view):
+        raise WireError(f"request metadata of {meta_len} bytes")
+    try:
+        meta = orjson.loads(view[at:at + meta_len])
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"request metadata is not JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise WireError("request metadata is not an object")
+    at += meta_len
+    _, inputs, tokens, size = wire.request_body_size(bytes(view[at:at + wire.REQUEST.size]), LIMITS)
+    at += wire.REQUEST.size
+    pairs = bool(meta.get("pairs"))
+    rest = size + (4 * tokens if pairs else 0) + 4 * inputs
+    if at + rest != len(view):
+        raise WireError(f"a SUBMIT body of {len(view)} bytes for {inputs} inputs of {tokens} tokens")
+    ids = wire.decode_request_body(view[at:at + size], inputs, tokens)
+    at += size
+    type_ids = None
+    if pairs:
+        flat = np.frombuffer(view, dtype=np.int32, offset=at, count=tokens)
+        type_ids = np.split(flat, np.cumsum([len(row) for row in ids])[:-1])
+        at += 4 * tokens
+    original = np.frombuffer(view, dtype=np.int32, offset=at, count=inputs)
+    return Submitted(request_id, meta, ids, type_ids, original)
+
+
+def result(request_id: int, rows: np.ndarray | list[np.ndarray], queue_s: float, inference_s: float) -> bytes:
+    """RESULT (one 2-D array) or RAGGED (a list of per-input arrays, stacked) for `rows`."""
+    if isinstance(rows, list):
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+        stacked = np.vstack(rows) if rows else np.zeros((0, 0), dtype=np.float32)
+        head, values = wire.encode_reply(request_id, stacked)
+        return frame(RAGGED, RAGGED_HEAD.pack(request_id, queue_s, inference_s, len(rows)), lengths.tobytes(),
+                     head, values)
+    head, values = wire.encode_reply(request_id, rows.reshape(len(rows), -1))
+    return frame(RESULT, RESULT_HEAD.pack(request_id, queue_s, inference_s), head, values)
+
+
+def read_result(kind: int, body: bytes) -> tuple[int, np.ndarray | list[np.ndarray], float, float]:
+    """(id, rows, queue seconds, inference seconds) of a RESULT or RAGGED body; the rows are a writable copy."""
+    view = memoryview(body)
+    if kind == RAGGED:
+        request_id, queue_s, inference_s, count = RAGGED_HEAD.unpack_from(view)
+        at = RAGGED_HEAD.size
+        lengths = np.frombuffer(view, dtype=np.int32, offset=at, count=count)
+        at += 4 * count
+    else:
+        request_id, queue_s, inference_s = RESULT_HEAD.unpack_from(view)
+        at, lengths = RESULT_HEAD.size, None
+    _, rows, dim, status, size = wire.reply_body_size(bytes(view[at:at + wire.REPLY.size]), LIMITS)
+    at += wire.REPLY.size
+    if status or at + size != len(view):
+        raise WireError(f"a result body of {len(view)} bytes for {rows} x {dim} values")
+    values = np.frombuffer(view, dtype=np.float32, offset=at, count=rows * dim).reshape(rows, dim).copy()
+    if lengths is None:
+        return request_id, values, queue_s, inference_s
+    if int(lengths.sum()) != rows:
+        raise WireError(f"ragged lengths that add up to {int(lengths.sum())}, not {rows} rows")
+    return request_id, np.split(values, np.cumsum(lengths)[:-1]), queue_s, inference_s
+
+
+def error(request_id: int, kind: str, message: str, retry_after: float = 0.0, reason: str = "") -> bytes:
+    payload = orjson.dumps({"kind": kind, "message": message[:LIMITS.max_message], "retry_after": retry_after,
+                            "reason": reason})
+    return frame(ERROR, ID.pack(request_id), payload)
+
+
+def read_json(body: bytes, at: int = 0) -> dict:
+    try:
+        value = orjson.loads(memoryview(body)[at:])
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"a frame's JSON is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise WireError("a frame's JSON is not an object")
+    return value
+
+
+def answer(request_id: int, payload: dict, data: bytes = b"") -> bytes:
+    text = orjson.dumps(payload)
+    return frame(ANSWER, ANSWER_HEAD.pack(request_id, len(text)), text, data)
+
+
+def read_answer(body: bytes) -> tuple[int, dict, bytes]:
+    request_id, size = ANSWER_HEAD.unpack_from(body)
+    at = ANSWER_HEAD.size
+    if at + size > len(body):
+        raise WireError("an ANSWER frame shorter than its JSON")
+    try:
+        payload = orjson.loads(memoryview(body)[at:at + size])
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"an ANSWER's JSON is not JSON: {exc}") from None
+    return request_id, payload, bytes(memoryview(body)[at + size:])
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """The next (kind, body); IncompleteReadError at the end of the stream, WireError on a bad header."""
+    kind, size = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if not SUBMIT <= kind <= ANSWER:
+        raise WireError(f"a frame of unknown kind {kind}")
+    if size > MAX_FRAME:
+        raise WireError(f"a frame of {size} bytes (at most {MAX_FRAME})")
+    return kind, await reader.readexactly(size)

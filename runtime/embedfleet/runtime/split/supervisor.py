@@ -1,0 +1,187 @@
+"""The parent of a split server: holds the listening socket, starts the engine and the fronts, replaces a
+front that dies, restarts an engine that is killed, and stops them in order on SIGTERM.
+
+The listening socket is created here once and inherited by every front, so the kernel hands each new
+connection to whichever front accepts first, and a front that dies loses only its own connections: the
+queue of connections not yet accepted belongs to the socket, not to the front.
+
+Stopping (SIGTERM): the fronts drain first (each turns /ready false, answers new work 503 and finishes
+what it accepted, within --drain-timeout), then the engine stops (nothing is in it by then). SIGINT stops the
+same way without waiting for the drain. A front that keeps dying (more than MAX_RESTARTS in a minute), or an
+engine that exits by itself (its models failed to load), stops the server with status 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from embedfleet.runtime.settings import RuntimeSettings
+
+log = logging.getLogger("embedfleet.serve")
+ROLE = "_EMBEDFLEET_SPLIT_ROLE"  # engine | front (set by the supervisor for its children only)
+RUN_DIR = "_EMBEDFLEET_SPLIT_DIR"  # the private directory of the sockets and the metrics files
+LISTEN_FD = "_EMBEDFLEET_SPLIT_FD"  # a front's inherited listening socket
+INDEX = "_EMBEDFLEET_SPLIT_INDEX"
+MAX_RESTARTS = 10  # of fronts, per minute, before the server gives up
+POLL_S = 0.05
+PR_SET_PDEATHSIG = 1
+
+
+def link_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "engine.link")
+
+
+def http_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "engine.http")
+
+
+def _die_with_parent() -> None:  # in the child, before exec: a SIGKILLed supervisor leaves no orphans
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def listen(host: str, port: int, backlog: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class Supervisor:
+    settings: RuntimeSettings
+    argv: list[str]
+    fronts: int
+    run_dir: str = ""
+    sock: socket.socket | None = None
+    engine: subprocess.Popen | None = None
+    front: dict[int, subprocess.Popen] = field(default_factory=dict)
+    restarts: deque = field(default_factory=deque)
+    stopping: str = ""  # "", "drain" (SIGTERM) or "now" (SIGINT)
+
+    def _env(self, role: str, index: int | None = None) -> dict[str, str]:
+        env = {**os.environ, ROLE: role, RUN_DIR: self.run_dir,
+               "PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
+        if role == "front":
+            assert self.sock is not None
+            env[LISTEN_FD] = str(self.sock.fileno())
+            env[INDEX] = str(index)
+            # a front tokenizes with its share of the cores; the engine keeps its own threads
+            env.setdefault("RAYON_NUM_THREADS", str(max(1, self.settings.cores() // self.fronts)))
+        return env
+
+    def _spawn(self, role: str, index: int | None = None) -> subprocess.Popen:
+        command = [sys.executable, "-m", "embedfleet.runtime.serve", *self.argv]
+        fds = (self.sock.fileno(),) if role == "front" and self.sock is not None else ()
+        child = subprocess.Popen(command, env=self._env(role, index), pass_fds=fds, preexec_fn=_die_with_parent)
+        log.info("started the %s%s (pid %d)", role, f" {index}" if index is not None else "", child.pid)
+        return child
+
+    def _forget(self, pid: int) -> None:
+        """A dead process's live gauges leave the sums (its counters stay: the work was done)."""
+        from prometheus_client import multiprocess
+
+        with contextlib.suppress(OSError):
+            multiprocess.mark_process_dead(pid, os.path.join(self.run_dir, "metrics"))
+
+    def run(self) -> int:
+        self.run_dir = tempfile.mkdtemp(prefix="embedfleet-serve-")  # 0700: only this user reaches the sockets
+        os.mkdir(os.path.join(self.run_dir, "metrics"))
+        s = self.settings
+        self.sock = listen(s.host, s.port, backlog=1024)
+        log.info("listening on http://%s:%d with %d front processes and one engine process", s.host,
+                 self.sock.getsockname()[1], self.fronts)
+        signal.signal(signal.SIGTERM, lambda *_: self._stop("drain"))
+        signal.signal(signal.SIGINT, lambda *_: self._stop("now"))
+        try:
+            self.engine = self._spawn("engine")
+            self.front = {i: self._spawn("front", i) for i in range(self.fronts)}
+            return self._watch()
+        finally:
+            self._end()
+
+    def _stop(self, how: str) -> None:
+        if self.stopping == "now":
+            return
+        self.stopping = how
+        for child in self.front.values():
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM if how == "drain" else signal.SIGINT)
+
+    def _watch(self) -> int:
+        while True:
+            if self.stopping:
+                return self._wind_down()
+            assert self.engine is not None
+            code = self.engine.poll()
+            if code is not None:
+                self._forget(self.engine.pid)
+                if code >= 0:  # it exited by itself: its models failed to load (it said why), or it was told to
+                    log.error("the engine process exited with status %d; stopping", code)
+                    self._stop("now")
+                    self._wind_down()
+                    return 1
+                log.error("the engine process was killed by signal %d; restarting it (fronts answer 503 "
+                          "meanwhile)", -code)
+                self.engine = self._spawn("engine")
+            for index, child in list(self.front.items()):
+                code = child.poll()
+                if code is None:
+                    continue
+                self._forget(child.pid)
+                now = time.monotonic()
+                self.restarts.append(now)
+                while self.restarts and self.restarts[0] < now - 60:
+                    self.restarts.popleft()
+                if len(self.restarts) > MAX_RESTARTS:
+                    log.error("front processes died %d times in a minute; stopping", len(self.restarts))
+                    self._stop("now")
+                    self._wind_down()
+                    return 1
+                log.warning("front %d (pid %d) ended with status %s; starting another", index, child.pid, code)
+                self.front[index] = self._spawn("front", index)
+            time.sleep(POLL_S)
+
+    def _wind_down(self) -> int:
+        """Fronts first (they drain), then the engine."""
+        limit = time.monotonic() + self.settings.drain_timeout + 5
+        for child in self.front.values():
+            self._wait(child, limit)
+        if self.engine is not None and self.engine.poll() is None:
+            self.engine.send_signal(signal.SIGTERM if self.stopping == "drain" else signal.SIGINT)
+            self._wait(self.engine, time.monotonic() + self.settings.drain_timeout + 5)
+        return 0
+
+    @staticmethod
+    def _wait(child: subprocess.Popen, until: float) -> None:
+        try:
+            child.wait(timeout=max(0.1, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop in time; killing it", child.pid)
+            child.kill()
+            child.wait()
+
+    def _end(self) -> None:
+        for child in [*self.front.values(), *([self.engine] if self.engine else [])]:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if self.sock is not None:
+            self.sock.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def run(settings: RuntimeSettings, argv: list[str], fronts: int) -> int:
+    return Supervisor(settings, argv, fronts).run()

@@ -1,0 +1,103 @@
+"""The frames between fronts and the engine (runtime split/link.py): what goes in comes out, and a frame
+that does not add up is refused before it is trusted."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embedfleet.runtime.core.jobs import DeadlineUnmet, EngineUnavailable, QueueFull
+from embedfleet.runtime.split import link
+from embedfleet.runtime.split.front_side import _refusal
+from embedfleet.runtime.tenants import RequestOverQuota
+
+rows_of_ids = st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40), min_size=1, max_size=20)
+
+
+def body_of(data: bytes) -> tuple[int, bytes]:
+    kind, size = link.HEADER.unpack_from(data)
+    assert size == len(data) - link.HEADER.size
+    return kind, data[link.HEADER.size:]
+
+
+@given(rows_of_ids, st.booleans())
+def test_a_submit_reads_back_as_sent(ids, pairs):
+    types = [[i % 2 for i in range(len(row))] for row in ids] if pairs else None
+    lengths = [len(row) + 3 for row in ids]
+    meta = {"model": "m", "urgent": True, "deadline": 12.5, "tenant": "t", "pairs": pairs}
+    kind, body = body_of(link.submit(7, meta, ids, types, lengths))
+    assert kind == link.SUBMIT
+    got = link.read_submit(body)
+    assert got.request_id == 7 and got.meta == meta
+    assert [r.tolist() for r in got.ids] == ids
+    assert got.original_lengths.tolist() == lengths
+    assert ([r.tolist() for r in got.type_ids] if got.type_ids is not None else None) == types
+
+
+def test_results_and_ragged_rows_read_back_as_sent():
+    rows = np.random.default_rng(0).standard_normal((5, 384)).astype(np.float32)
+    request_id, got, queue_s, inference_s = link.read_result(*body_of(link.result(3, rows, 0.25, 0.5)))
+    assert (request_id, queue_s, inference_s) == (3, 0.25, 0.5) and np.array_equal(got, rows)
+    got[0, 0] = 1.0  # a writable copy: post-processing normalises in place
+    ragged = [rows[:2], rows[2:3], rows[3:]]
+    _, back, _, _ = link.read_result(*body_of(link.result(4, ragged, 0.0, 0.0)))
+    assert [r.tolist() for r in back] == [r.tolist() for r in ragged]
+
+
+@pytest.mark.parametrize("cut", [1, 4, 9])
+def test_a_submit_that_does_not_add_up_is_refused(cut):
+    _, body = body_of(link.submit(1, {"model": "m"}, [[1, 2, 3], [4]], None, [3, 1]))
+    with pytest.raises(link.WireError):
+        link.read_submit(body[:-cut])
+    with pytest.raises(link.WireError):
+        link.read_submit(body + b"\0" * 4)
+
+
+def test_bad_metadata_and_offsets_are_refused():
+    _, body = body_of(link.submit(1, {"model": "m"}, [[1, 2, 3]], None, [3]))
+    meta_len = link.SUBMIT_HEAD.unpack_from(body)[1]
+    broken = bytearray(body)
+    broken[link.SUBMIT_HEAD.size] = ord("[")  # metadata no longer JSON
+    with pytest.raises(link.WireError):
+        link.read_submit(bytes(broken))
+    offsets_at = link.SUBMIT_HEAD.size + meta_len + 16  # the wire request's header, then its offsets
+    broken = bytearray(body)
+    struct.pack_into("<i", broken, offsets_at + 4, 9)  # an offset past the ids
+    with pytest.raises(link.WireError):
+        link.read_submit(bytes(broken))
+    with pytest.raises(link.WireError):
+        link.submit(1, {"model": "m" * link.MAX_META}, [[1]], None, [1])
+
+
+def test_a_frame_header_over_the_limit_or_of_no_kind_is_refused_before_its_body_is_read():
+    async def read(data: bytes):
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await link.read_frame(reader)
+
+    with pytest.raises(link.WireError):
+        asyncio.run(read(link.HEADER.pack(link.SUBMIT, link.MAX_FRAME + 1)))
+    with pytest.raises(link.WireError):
+        asyncio.run(read(link.HEADER.pack(99, 0)))
+    assert asyncio.run(read(link.frame(link.CANCEL, link.ID.pack(5)))) == (link.CANCEL, link.ID.pack(5))
+
+
+def test_the_engines_refusals_come_back_as_the_same_exceptions():
+    def back(frame: bytes) -> Exception:
+        _, body = body_of(frame)
+        return _refusal(link.read_json(body, link.ID.size))
+
+    full = back(link.error(1, "queue_full", "over the bound", 3.5, "expected_wait"))
+    assert isinstance(full, QueueFull) and full.retry_after == 3.5 and full.reason == "expected_wait"
+    assert isinstance(back(link.error(1, "deadline", "late")), DeadlineUnmet)
+    over = back(link.error(1, "over_quota", "too big"))
+    assert isinstance(over, RequestOverQuota) and str(over) == "too big"
+    assert isinstance(back(link.error(1, "unavailable", "gone")), EngineUnavailable)
+    assert isinstance(back(link.error(1, "oom", "CUDA out of memory")), MemoryError)
+    assert str(back(link.error(1, "internal", "ValueError: x"))) == "engine: ValueError: x"
