@@ -303,7 +303,9 @@ def server_figures(models: dict[str, Path], emit, deadline: float) -> None:
     minilm = default_model_dir()
     st_bf16, st_bs, _ = st_rate(minilm, texts, "bfloat16")
     st_fp32, st_bs32, st_vec = st_rate(minilm, texts, "float32")
-    runs = (("bfloat16", ()), ("fp8", ("--fp8-min-cosine", "0.99")), ("bfloat16-padded", ("--no-packed",)))
+    # bfloat16-frontsN: split serving (`--fronts N`: N front processes, one engine; docs/runtime.md)
+    runs = (("bfloat16", ()), ("bfloat16-fronts4", ("--fronts", "4")), ("bfloat16-fronts8", ("--fronts", "8")),
+            ("fp8", ("--fp8-min-cosine", "0.99")), ("bfloat16-padded", ("--no-packed",)))
     for dtype, extra in runs:
         if not wanted(f"minilm-{dtype}"):
             continue
@@ -314,15 +316,20 @@ def server_figures(models: dict[str, Path], emit, deadline: float) -> None:
                      name=f"minilm-{dtype}")
         try:
             card = srv.card()
+            split = "--fronts" in extra  # its time is spread over processes: no one pid to read or profile
             server_throughput(srv.url, texts[:n(3000, 100)])
-            ours = server_throughput(srv.url, texts, server_pid=srv.proc.pid,
-                                     profile_to=LOG_DIR / f"pyspy-minilm-{dtype}.txt")
+            ours = server_throughput(srv.url, texts, server_pid=None if split else srv.proc.pid,
+                                     profile_to=None if split else LOG_DIR / f"pyspy-minilm-{dtype}.txt",
+                                     processes=8 if split else 4)
+            if split:
+                LAST_RUN.clear()
             where = {**LAST_RUN, **pyspy_summary(LOG_DIR / f"pyspy-minilm-{dtype}.txt")}
             cos = _cosines(st_vec, served_vectors(srv.url, texts[:n(4000, 300)]))
         finally:
             srv.stop()
         emit({"figure": "server_vs_st", "model": "all-MiniLM-L6-v2", "inputs": len(texts), "per_request": 64,
-              "concurrency": 32, "requested": dtype, "served_dtype": card.get("dtype"), "packed": card.get("packed"),
+              "concurrency": 32, "requested": dtype, "fronts": int(extra[1]) if split else 0, "engines": 1,
+              "served_dtype": card.get("dtype"), "packed": card.get("packed"),
               "batching": card.get("batching"), "fp8_gate_min_cosine": card.get("fp8_min_cosine"),
               "ours_embeddings_per_s": round(ours), "st_bf16_embeddings_per_s": round(st_bf16),
               "st_bf16_batch_size": st_bs, "st_fp32_embeddings_per_s": round(st_fp32), "st_fp32_batch_size": st_bs32,
@@ -610,11 +617,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="embedfleet-gpu-bench-") as tmp:
         models = build_models(Path(tmp))
         emit({"figure": "models_built", "seconds": round(time.monotonic() - began, 1)})
-        for name, run in sections.items():
+        for name, section in sections.items():  # not `run`: emit() reads the run's meta by that name
             if args.only and name not in args.only.split(","):
                 continue
             try:
-                run(models)
+                section(models)
             except Exception as exc:
                 import traceback
 

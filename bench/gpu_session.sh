@@ -3,11 +3,13 @@
 # (its missing wheels and the model carried and installed first; see docs/gpu.md "Measuring on a GPU"):
 #   source .gpu/on_device.sh; EMBEDFLEET_COMMIT=<sha> bash bench/gpu_session.sh [TOTAL_S]
 # Phases, most wanted first; each starts only while the deadline leaves it room and gets what is left:
-#   1. the decoder's forward rows (bf16, torchao float8 row- and tensor-wise, ours)   bench.decoder.log
-#   2. pytest tests/gpu: all of it (the CPU-capable tests take their CUDA paths here)  tests.log
-#   3. the encoder's forward rows (the bge-large shape, packed, compiled, FP8 kinds)  bench.encoder.log
-#   4. the server against sentence-transformers, MiniLM bf16 and FP8 (the gate)      bench.server.log
-#   5. the single-query latency and the profile of one server batch                 bench.latency.log
+#   1. the host path: split serving with the null engine, 1 / 4 / 8 fronts (bench/split_serving.py)  split.log
+#   2. the server against sentence-transformers: MiniLM bf16 in one process, with 4 and 8 fronts,
+#      and FP8 (the gate)                                                            bench.server.log
+#   3. pytest tests/gpu: all of it (the CPU-capable tests take their CUDA paths here)  tests.log
+#   4. the decoder's forward rows (bf16, torchao float8 row- and tensor-wise, ours)   bench.decoder.log
+#   5. the encoder's forward rows (the bge-large shape, packed, compiled, FP8 kinds)  bench.encoder.log
+#   6. the single-query latency and the profile of one server batch                 bench.latency.log
 # Writes the logs, the figures (<gpu>.jsonl, every row with the commit, the machine and the command), server
 # logs and a profile table under $OUT.
 set -u
@@ -32,7 +34,14 @@ phase() {
   echo "phase $name exit $? after $(( $(date +%s) - t0 )) s"
 }
 
-phase decoder 120 150 --only forward --filter '^decoder'
+rest=$(left)
+if [ "$rest" -gt 150 ]; then  # its row goes to $OUT/split/split-serving-cpu.jsonl (the machine is in the row)
+  t0=$(date +%s)
+  timeout 140 python3 bench/split_serving.py --fronts 1,4,8 --server-cpus 0-11 --load-cpus 12-15 --texts 16384 \
+    --rounds 3 --results-dir "$OUT/split" > "$OUT/split.log" 2>&1
+  echo "split exit $? after $(( $(date +%s) - t0 )) s"
+fi
+phase server 150 200 --only server --filter '^minilm-(bfloat16|bfloat16-fronts4|bfloat16-fronts8|fp8)$'
 rest=$(left)
 if [ "$rest" -gt 120 ]; then
   t0=$(date +%s)
@@ -43,8 +52,8 @@ if [ "$rest" -gt 120 ]; then
 else
   echo "tests skipped: ${rest}s left"
 fi
+phase decoder 120 150 --only forward --filter '^decoder'
 phase encoder 90 110 --only forward --filter '^encoder-bge-large/packed'
-phase server 80 90 --only server --filter '^minilm-(bfloat16|fp8)$'
 phase latency 60 60 --only latency,profile
 for f in bench/results/*.jsonl; do  # the GPU logs: the -cpu ones are not this machine's
   case $f in *-cpu.jsonl) ;; *) cp "$f" "$OUT/" ;; esac

@@ -162,3 +162,24 @@ def test_unsupported_colbert_layouts_are_refused(dirs, tmp_path):
     # a plain encoder can be served per token (no projection, no markers)
     plain = load_spec(dirs["dense"], task="multivector")
     assert plain.colbert is not None and plain.colbert.projection is None and plain.output_dim == 32
+
+
+def test_a_split_server_answers_as_the_single_process(srv, dirs):
+    """`--fronts 2`: ColBERT's marked inputs (attended counts, [MASK] expansion) cross the link intact."""
+    split = start_runtime("--model", f"colbert={dirs['colbert']}", "--model", f"dense={dirs['dense']}",
+                          "--max-batch-requests", "4", "--fronts", "2")
+    try:
+        cases = [("/rerank", {"model": "colbert", "query": QUERIES[0], "texts": DOCS, "return_text": True}),
+                 ("/v1/rerank", {"model": "colbert", "query": QUERIES[2], "documents": DOCS}),
+                 ("/embed_all", {"model": "colbert", "inputs": QUERIES, "input_type": "query"}),
+                 ("/embed_all", {"model": "colbert", "inputs": DOCS})]
+        with srv.client() as one, split.client() as two:
+            for path, body in cases:
+                want, got = one.post(path, json=body), two.post(path, json=body)
+                assert want.status_code == 200 and got.status_code == 200, (want.text, got.text)
+                if isinstance(want.json(), dict):  # Cohere's shape carries a fresh id per answer
+                    assert {**got.json(), "id": ""} == {**want.json(), "id": ""}, path
+                else:
+                    assert got.content == want.content, path
+    finally:
+        split.stop()

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.abuse import rawhttp
 from tests.procs import RuntimeServer
 
 pytestmark = pytest.mark.timeout(600)
@@ -73,9 +74,26 @@ def test_the_fronts_hold_no_torch_and_answer_as_one_process(split, server):
             got = fresh(split, "POST", path, json=body)
             assert (got.status_code, got.content) == (want.status_code, want.content), (path, body, got.text[:300])
         want = one.get("/v1/models").json()["data"][0]
+    # paths with dot segments, sent as they are (an HTTP client library would resolve them first)
+    for method, path in (("GET", "/metrics/../v1/models"), ("POST", "/metrics/../v1/embeddings"),
+                         ("GET", "/v1/models/./x/probe")):
+        body = b'{"input": "x"}' if method == "POST" else b""
+        answers = []
+        for srv in (server, split):
+            with rawhttp.connect(srv.port) as sock:
+                sock.sendall(rawhttp.request(method, path, {"Connection": "close", **split.headers}, body))
+                answers.append(rawhttp.read_answer(sock))
+        assert (answers[1].status, answers[1].body) == (answers[0].status, answers[0].body), (path, answers[1].body)
     got = fresh(split, "GET", "/v1/models").json()["data"][0]
     assert {k: got[k] for k in ("id", "fingerprint", "vector_space", "dimensions", "digest")} == \
         {k: want[k] for k in ("id", "fingerprint", "vector_space", "dimensions", "digest")}
+
+
+def test_a_body_on_a_proxied_route_is_bounded_like_any_other(split):
+    """GET /v1/models and /metrics pass the gate without its body count; the proxy bounds them itself."""
+    answer = fresh(split, "GET", "/v1/models", content=b"x" * 2_000_001)
+    assert answer.status_code == 413 and answer.json()["error"]["code"] == "payload_too_large", answer.text
+    assert fresh(split, "GET", "/health").status_code == 200
 
 
 def test_a_tenant_quota_is_one_per_pod_across_fronts(split):
@@ -179,6 +197,7 @@ def test_an_engine_killed_is_503_at_once_and_the_pod_unready_until_it_is_back(sp
     assert int(answers[0].headers["retry-after"]) >= 1
     now = fresh(split, "POST", "/v1/embeddings", json={"input": "x"})
     assert now.status_code == 503 and "retry-after" in now.headers, now.text
+    assert "engine process" in now.json()["error"]["message"], now.text
     assert fresh(split, "GET", "/ready").status_code == 503
     split.wait_ready(timeout=180)  # the supervisor started another engine; the fronts reconnected
     assert children(split)["engine"] != [engine]

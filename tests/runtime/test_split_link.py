@@ -39,6 +39,31 @@ def test_a_submit_reads_back_as_sent(ids, pairs):
     assert ([r.tolist() for r in got.type_ids] if got.type_ids is not None else None) == types
 
 
+def test_colbert_inputs_keep_their_attended_counts_and_truncation():
+    from embedfleet.runtime.core.multivector import Marked
+    from embedfleet.runtime.split.engine_side import inputs_of
+
+    sent = [Marked([1, 2, 3, 4], True, 2), Marked([5, 6], False, None)]
+    lengths = [len(m) + int(m.truncated) for m in sent]
+    attended = [-1 if m.attended is None else m.attended for m in sent]
+    frame = link.submit(9, {"model": "m", "marked": True}, [m.ids for m in sent], None, lengths, attended)
+    assert inputs_of(link.read_submit(body_of(frame)[1])) == sent
+    with pytest.raises(link.WireError):  # counts without the flag, or the flag without counts
+        link.submit(9, {"model": "m"}, [[1]], None, [1], [1])
+
+
+def test_requests_and_answers_over_the_limits_are_refused_before_they_are_sent():
+    with pytest.raises(link.TooLarge):
+        link.check_size(link.LIMITS.max_inputs + 1, 10)
+    with pytest.raises(link.TooLarge):
+        link.check_size(1, link.LIMITS.max_tokens + 1)
+    link.check_size(link.LIMITS.max_inputs, link.LIMITS.max_tokens)
+    wide = np.zeros((1, link.LIMITS.max_reply_values + 1), dtype=np.float32)
+    with pytest.raises(link.TooLarge):
+        link.result(1, wide, 0.0, 0.0)
+    assert len(link.result(1, wide[:, :-1], 0.0, 0.0)) <= link.HEADER.size + link.MAX_REPLY_FRAME
+
+
 def test_results_and_ragged_rows_read_back_as_sent():
     rows = np.random.default_rng(0).standard_normal((5, 384)).astype(np.float32)
     request_id, got, queue_s, inference_s = link.read_result(*body_of(link.result(3, rows, 0.25, 0.5)))
@@ -79,10 +104,10 @@ def test_a_frame_header_over_the_limit_or_of_no_kind_is_refused_before_its_body_
         reader = asyncio.StreamReader()
         reader.feed_data(data)
         reader.feed_eof()
-        return await link.read_frame(reader)
+        return await link.read_frame(reader, link.MAX_REQUEST_FRAME)
 
     with pytest.raises(link.WireError):
-        asyncio.run(read(link.HEADER.pack(link.SUBMIT, link.MAX_FRAME + 1)))
+        asyncio.run(read(link.HEADER.pack(link.SUBMIT, link.MAX_REQUEST_FRAME + 1)))
     with pytest.raises(link.WireError):
         asyncio.run(read(link.HEADER.pack(99, 0)))
     assert asyncio.run(read(link.frame(link.CANCEL, link.ID.pack(5)))) == (link.CANCEL, link.ID.pack(5))
@@ -101,3 +126,5 @@ def test_the_engines_refusals_come_back_as_the_same_exceptions():
     assert isinstance(back(link.error(1, "unavailable", "gone")), EngineUnavailable)
     assert isinstance(back(link.error(1, "oom", "CUDA out of memory")), MemoryError)
     assert str(back(link.error(1, "internal", "ValueError: x"))) == "engine: ValueError: x"
+    too_large = back(link.error(1, "too_large", "split it"))
+    assert too_large.status == 413 and too_large.code == "too_large"

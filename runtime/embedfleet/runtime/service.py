@@ -165,6 +165,11 @@ class ModelService:
         return self.batcher is not None
 
     @property
+    def not_loaded_message(self) -> str:
+        """What a request for this model is told (503) while it is not loaded."""
+        return "the model is still loading; retry shortly"
+
+    @property
     def task(self) -> Task:
         assert self.spec is not None
         return self.spec.task

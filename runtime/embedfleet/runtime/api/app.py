@@ -62,10 +62,12 @@ NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs"
 
 
 def create_app(models: Models, gate_state: GateState,
-               on_load_failed: Callable[[], None] | None = None, engine_uds: str | None = None) -> FastAPI:
+               on_load_failed: Callable[[], None] | None = None, engine_uds: str | None = None,
+               count_requests: bool = True) -> FastAPI:
     """The server over `models`: the models load in the background (so /health answers at once and
-    /ready says "loading"); `on_load_failed` is called if they cannot. `engine_uds`: this is a front process
-    (split/), and the routes it does not serve go to the engine's application on that socket."""
+    /ready says "loading"); `on_load_failed` is called if they cannot. Split serving (split/): `engine_uds`
+    makes this a front process, whose routes it does not serve go to the engine's application on that socket;
+    the engine's application does not count requests (`count_requests`), which its fronts have counted."""
     settings = models.settings
     metrics = models.metrics
     load_task: dict[str, asyncio.Task] = {}
@@ -98,7 +100,7 @@ def create_app(models: Models, gate_state: GateState,
     if engine_uds is not None:
         from embedfleet.runtime.split.proxy import ProxyRoutes
 
-        app.add_middleware(ProxyRoutes, uds=engine_uds)
+        app.add_middleware(ProxyRoutes, uds=engine_uds, payload_limit=settings.payload_limit)
     # Starlette wraps the app in middleware in reverse order of adding: the gate runs first, then the
     # direct dispatch of the hot routes (api/direct.py), then FastAPI for everything else.
     app.add_middleware(DirectRoutes, routes={("POST", path): h for path, h in hot.items()}, on_error=count_error)
@@ -106,7 +108,7 @@ def create_app(models: Models, gate_state: GateState,
         Gate, tenants=models.tenants,
         payload_limit=settings.payload_limit, max_concurrent=settings.max_concurrent_requests,
         state=gate_state, metrics=metrics, known_paths=WORK_ROUTES, queue_saturated=lambda: models.saturated,
-        refusing_all=models.refusing_all, expected_wait=models.expected_wait)
+        refusing_all=models.refusing_all, expected_wait=models.expected_wait, count=count_requests)
 
     # In this order, so the OpenAPI document lists the paths as it always has.
     app.include_router(embed_router(hot))
@@ -117,7 +119,9 @@ def create_app(models: Models, gate_state: GateState,
     app.include_router(cohere_router(models))
     app.include_router(quantization_router(models))
     app.include_router(default_router(models))
-    if settings.redis_url:  # async jobs, workers and embedding cache on Redis (asyncq/); same checks as above
+    # async jobs, workers and embedding cache on Redis (asyncq/); same checks as above. Not in a front process:
+    # its async routes go to the engine, whose application runs the pod's one set of workers
+    if settings.redis_url and engine_uds is None:
         from embedfleet.runtime.asyncq.routes import async_router
 
         app.include_router(async_router(models))

@@ -55,7 +55,7 @@ class Gate:
     def __init__(self, app, *, tenants: Tenants, payload_limit: int, max_concurrent: int,
                  state: GateState, metrics: RuntimeMetrics, queue_saturated, known_paths: frozenset[str],
                  refusing_all: Callable[[], int | None] = lambda: None,
-                 expected_wait: Callable[[], float] = lambda: 0.0) -> None:
+                 expected_wait: Callable[[], float] = lambda: 0.0, count: bool = True) -> None:
         self.app = app
         self.tenants = tenants
         self.payload_limit = payload_limit
@@ -66,9 +66,11 @@ class Gate:
         self.known_paths = known_paths
         self.refusing_all = refusing_all
         self.expected_wait = expected_wait
-        # read when scraped; with several processes (split/) each keeps its own count up to date instead
-        self._in_flight = metrics.requests_in_flight if MULTIPROCESS else None
-        if self._in_flight is None:
+        # read when scraped; with several processes (split/) each keeps its own count up to date instead, and
+        # the engine process (`count` false) counts none: the requests it gets were counted by a front
+        self.count = count
+        self._in_flight = metrics.requests_in_flight if MULTIPROCESS and count else None
+        if not MULTIPROCESS:
             metrics.requests_in_flight.set_function(lambda: state.in_flight)
         self._duration = cache(metrics.request_duration.labels)  # by route: looked up once each
         self._cold_start = metrics.cold_start  # told of the first 2xx answer (cold_start.py first_request)
@@ -167,7 +169,7 @@ class Gate:
             await send(message)
 
         scope[ARRIVED] = arrived = time.monotonic()
-        trace = None if self.state.tracing is None else self.state.tracing.begin(
+        trace = None if self.state.tracing is None or not self.count else self.state.tracing.begin(
             scope, scope["path"] if scope["path"] in self.known_paths else "other", scope[TENANT].name)
         timing = RequestTiming().begin()
         self.state.in_flight += 1
@@ -187,8 +189,9 @@ class Gate:
             self.state.in_flight -= 1
             if self._in_flight is not None:
                 self._in_flight.dec()
-            route = scope["path"] if scope["path"] in self.known_paths else "other"
-            self._duration(route).observe(time.perf_counter() - start)
+            if self.count:
+                route = scope["path"] if scope["path"] in self.known_paths else "other"
+                self._duration(route).observe(time.perf_counter() - start)
 
 
 def is_startup_probe(scope) -> bool:

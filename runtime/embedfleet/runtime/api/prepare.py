@@ -48,7 +48,7 @@ def select(models: Models, name: str | None, route: str, tenant: Tenant | None =
         raise ApiError(403, f"tenant {tenant.name!r} may not use model {svc.name!r}; its models: "
                        f"{sorted(tenant.models)}", "model_not_allowed")
     if not svc.loaded:
-        raise ApiError(503, "the model is still loading; retry shortly", "loading", {"retry-after": "2"})
+        raise ApiError(503, svc.not_loaded_message, "loading", {"retry-after": "2"})
     if svc.task not in tasks:
         wanted = " or ".join(KIND[t] for t in tasks)
         raise ApiError(400, f"{route} needs {wanted}, but {svc.name!r} is {KIND[svc.task]}; "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
+from embedfleet.runtime.core.multivector import Marked
 from embedfleet.runtime.core.oom import is_out_of_memory
 from embedfleet.runtime.core.tokenize import Tokenized
 from embedfleet.runtime.service import ClientGone, Models
@@ -50,6 +51,18 @@ def state_of(models: Models) -> dict:
                         "max_batch_requests": s.settings.max_batch_requests, "vector_space": s.vector_space,
                         "fingerprint": s.fingerprint, "effective_dtype": s.effective_dtype}
     return {"loaded": models.loaded, "load_error": models.load_error, "models": report}
+
+
+def inputs_of(sub: link.Submitted) -> list[Tokenized] | list[Marked]:
+    """The engine inputs of a SUBMIT: what the front's route built (Tokenized, or ColBERT's Marked)."""
+    types = sub.type_ids
+    if sub.attended is not None:
+        return [Marked(row.tolist(), bool(length > len(row)), int(attended) if attended >= 0 else None,
+                       types[i].tolist() if types is not None else None)
+                for i, (row, length, attended) in enumerate(zip(sub.ids, sub.original_lengths, sub.attended,
+                                                                strict=True))]
+    return [Tokenized(row.tolist(), int(length), types[i].tolist() if types is not None else None)
+            for i, (row, length) in enumerate(zip(sub.ids, sub.original_lengths, strict=True))]
 
 
 @dataclass(eq=False)
@@ -109,9 +122,12 @@ class LinkServer:
         self.fronts.add(front)
         try:
             while True:
-                kind, body = await link.read_frame(reader)
+                kind, body = await link.read_frame(reader, link.MAX_REQUEST_FRAME)
                 if kind == link.SUBMIT:
-                    self._spawn(self._submit(front, link.read_submit(body)))
+                    sub = link.read_submit(body)
+                    # registered now, not in the task: a CANCEL read right after its SUBMIT must find it
+                    front.gone[sub.request_id] = asyncio.Event()
+                    self._spawn(self._submit(front, sub))
                 elif kind == link.CANCEL:
                     event = front.gone.get(link.ID.unpack(body)[0])
                     if event is not None:
@@ -138,15 +154,21 @@ class LinkServer:
 
     async def _submit(self, front: _Front, sub: link.Submitted) -> None:
         request_id, meta = sub.request_id, sub.meta
+        gone = front.gone[request_id]
         svc = self.models.services.get(str(meta.get("model")))
+        tenant = None
+        if meta.get("tenant") is not None:
+            tenant = self.models.tenants.all.get(str(meta["tenant"]))
+            if tenant is None:  # fail closed: a keys file changed under one process and not the other
+                front.gone.pop(request_id, None)
+                front.send(link.error(request_id, "unavailable", f"tenant {meta['tenant']!r} is not known to the "
+                                      "engine process (the keys file changed); retry shortly"))
+                return
         if svc is None or not svc.loaded:
+            front.gone.pop(request_id, None)
             front.send(link.error(request_id, "unavailable", f"model {meta.get('model')!r} is not loaded"))
             return
-        types = sub.type_ids
-        tokenized = [Tokenized(row.tolist(), int(length), types[i].tolist() if types is not None else None)
-                     for i, (row, length) in enumerate(zip(sub.ids, sub.original_lengths, strict=True))]
-        tenant = self.models.tenants.all.get(str(meta.get("tenant"))) if meta.get("tenant") else None
-        gone = front.gone[request_id] = asyncio.Event()
+        tokenized = inputs_of(sub)
         timing = RequestTiming().begin()
         try:
             result = await svc.run(tokenized, gone.wait, urgent=meta.get("urgent"), bounded=bool(meta.get("bounded")),
@@ -155,6 +177,8 @@ class LinkServer:
             if not isinstance(rows, list):
                 rows = np.asarray(rows, dtype=np.float32)
             front.send(link.result(request_id, rows, timing.queue_s, timing.inference_s))
+        except link.TooLarge as exc:
+            front.send(link.error(request_id, "too_large", str(exc)))
         except ClientGone:
             pass  # the front has stopped waiting
         except QueueFull as exc:

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embedfleet.runtime.api.errors import ApiError
 from embedfleet.runtime.core.jobs import DeadlineUnmet, EngineUnavailable, QueueFull
+from embedfleet.runtime.core.multivector import Marked
 from embedfleet.runtime.core.quantize import Calibration, calibration_file
 from embedfleet.runtime.core.tokenize import Tokenized, TokenizerPool
 from embedfleet.runtime.models.spec import load_spec
@@ -62,6 +64,8 @@ def _refusal(payload: dict) -> Exception:
         return MemoryError(message)
     if kind == "unavailable":
         return EngineUnavailable(message)
+    if kind == "too_large":
+        return ApiError(413, message, "too_large")
     return RuntimeError(f"engine: {message}")
 
 
@@ -103,6 +107,8 @@ class EngineLink:
                 log.warning("the engine process closed the link; answering 503 until it is back")
             except link.WireError as exc:
                 log.error("the engine broke the link's format (%s); reconnecting", exc)
+            except Exception:  # never leave the front without a link: reconnect whatever went wrong
+                log.exception("reading the engine's link failed; reconnecting")
             finally:
                 self.up = False
                 self._writer.close()
@@ -116,7 +122,7 @@ class EngineLink:
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         while True:
-            kind, body = await link.read_frame(reader)
+            kind, body = await link.read_frame(reader, link.MAX_REPLY_FRAME)
             if kind == link.STATE:
                 self.on_state(link.read_json(body))
                 continue
@@ -144,9 +150,10 @@ class EngineLink:
         if self._writer is None or self._writer.is_closing():
             raise EngineUnavailable("the engine process is not running; retry shortly")
         request_id = next(self._ids)
+        data = make(request_id)  # before the future is registered: a frame that cannot be built leaves nothing
         future = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
-        self._writer.write(make(request_id))
+        self._writer.write(data)
         return request_id, future
 
     def cancel(self, request_id: int) -> None:
@@ -181,6 +188,12 @@ class FrontService(ModelService):
             self.settings = self.settings.model_copy(update=limits)
 
     @property
+    def not_loaded_message(self) -> str:
+        if self.link.up:
+            return super().not_loaded_message
+        return "the engine process is not running (the server is restarting it); retry shortly"
+
+    @property
     def effective_dtype(self) -> str:
         return self.state["effective_dtype"] if self.state else self.settings.dtype
 
@@ -198,9 +211,12 @@ class FrontService(ModelService):
             async with self._calibrating:
                 if self.calibration is None:
                     question = {"op": "calibration", "model": self.name}
-                    _, future = self.link.send(lambda i: link.frame(link.CALL, link.ID.pack(i),
-                                                                    link.orjson.dumps(question)))
-                    payload, data = await future
+                    try:
+                        _, future = self.link.send(lambda i: link.frame(link.CALL, link.ID.pack(i),
+                                                                        link.orjson.dumps(question)))
+                        payload, data = await future
+                    except EngineUnavailable as exc:
+                        raise ApiError(503, str(exc), "engine_unavailable", {"retry-after": "1"}) from None
                     if "error" in payload:
                         raise RuntimeError(f"engine: {payload['error']}")
                     rows = np.frombuffer(data, dtype=np.float32).reshape(payload["shape"]).copy()
@@ -212,26 +228,39 @@ class FrontService(ModelService):
                   tenant: Tenant | None = None, arrived: float | None = None) -> RunResult:
         """The engine runs `ModelService.run` with these arguments (quota, admission, deadline, batching);
         a client that leaves while the work is expected to take a while is told to the engine (CANCEL)."""
-        pairs = bool(tokenized) and all(t.type_ids is not None for t in tokenized)
-        meta = {"model": self.name, "urgent": urgent, "bounded": bounded, "deadline": deadline, "arrived": arrived,
-                "tenant": tenant.name if tenant is not None else None, "pairs": pairs}
         ids = [t.ids for t in tokenized]
+        try:
+            link.check_size(len(ids), sum(map(len, ids)))
+        except link.TooLarge as exc:
+            raise ApiError(413, str(exc), "too_large") from None
+        pairs = bool(tokenized) and all(t.type_ids is not None for t in tokenized)
+        marked = bool(tokenized) and isinstance(tokenized[0], Marked)  # ColBERT inputs (core/multivector.py)
+        meta = {"model": self.name, "urgent": urgent, "bounded": bounded, "deadline": deadline, "arrived": arrived,
+                "tenant": tenant.name if tenant is not None else None, "pairs": pairs, "marked": marked}
         types = [t.type_ids for t in tokenized] if pairs else None
-        lengths = [t.original_length for t in tokenized]
-        request_id, future = self.link.send(lambda i: link.submit(i, meta, ids, types, lengths))
+        if marked:  # a Marked input says only whether it was truncated: one token more says it was
+            lengths = [len(t) + int(t.truncated) for t in tokenized]
+            attended = [-1 if t.attended is None else t.attended for t in tokenized]
+        else:
+            lengths, attended = [t.original_length for t in tokenized], None
+        request_id, future = self.link.send(lambda i: link.submit(i, meta, ids, types, lengths, attended))
         load = self.batcher  # the engine's figures from before this request: add its own tokens, as it will
         wait = 0.0 if load is None else (load.expected_wait(bool(urgent))
                                          + sum(map(len, ids)) / max(load.tokens_per_s, 1.0))
-        if disconnected is not None and (deadline is not None or wait >= WATCH_AFTER_S):
-            watcher = asyncio.ensure_future(disconnected())
-            try:
-                done, _ = await asyncio.wait({future, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watcher.cancel()
-            if future not in done:
+        try:
+            if disconnected is not None and (deadline is not None or wait >= WATCH_AFTER_S):
+                watcher = asyncio.ensure_future(disconnected())
+                try:
+                    done, _ = await asyncio.wait({future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watcher.cancel()
+                if future not in done:
+                    raise ClientGone()
+            rows, queue_s, inference_s = await future
+        except BaseException:  # the client left, or this task was cancelled: the engine drops what is queued
+            if not future.done():
                 self.link.cancel(request_id)
-                raise ClientGone()
-        rows, queue_s, inference_s = await future
+            raise
         timing = current_timing()
         if timing is not None:
             timing.ran(queue_s, inference_s)

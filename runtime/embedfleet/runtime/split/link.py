@@ -13,8 +13,10 @@ objects; the little a request needs besides (model, urgency, deadline, tenant) i
                       STATE    JSON: loaded or not, and per model the load figures fronts refuse early on
                       ANSWER   id, JSON length, JSON, then bytes
 
-The reader is the bound: a header announcing more than `MAX_FRAME` bytes, or a body whose parts do not add
-up, raises WireError before anything is trusted; the connection is then closed. Both ends run as the
+The reader is the bound: a header announcing more than its end's limit (MAX_REQUEST_FRAME, MAX_REPLY_FRAME), or
+a body whose parts do not add up, raises WireError before anything is trusted; the connection is then closed.
+So that no tenant's request can do that, the front refuses (413) a request over LIMITS before sending it, and
+the engine answers an answer over LIMITS with an ERROR for that request alone (`TooLarge`). Both ends run as the
 same user on one machine (the engine checks the peer's uid), so the bounds guard against bugs, not tenants.
 """
 
@@ -39,8 +41,15 @@ RESULT_HEAD = struct.Struct("<Qdd")  # id, queue seconds, inference seconds
 RAGGED_HEAD = struct.Struct("<QddI")  # ... and the number of inputs
 ANSWER_HEAD = struct.Struct("<QI")  # id, JSON bytes
 LIMITS = wire.Limits()
-MAX_FRAME = 4 * (LIMITS.max_inputs * 2 + 2 + LIMITS.max_tokens * 2) + 65536
 MAX_META = 4096
+# the largest frame each end reads: a request of LIMITS (offsets, ids, type ids, lengths, ColBERT's attended
+# counts), and a reply of LIMITS.max_reply_values (sparse models answer vocabulary-wide rows)
+MAX_REQUEST_FRAME = 4 * (3 * LIMITS.max_inputs + 2 + 2 * LIMITS.max_tokens) + MAX_META + 64
+MAX_REPLY_FRAME = 4 * (LIMITS.max_reply_values + LIMITS.max_inputs) + LIMITS.max_message + 64
+
+
+class TooLarge(ValueError):
+    """A request or answer over what one frame may carry (LIMITS): refused (413) before it is sent."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class Submitted:
     ids: list[np.ndarray]
     type_ids: list[np.ndarray] | None
     original_lengths: np.ndarray
+    attended: np.ndarray | None = None  # ColBERT inputs (meta "marked"): attended tokens, -1 for all
 
 
 def frame(kind: int, *parts: bytes) -> bytes:
@@ -58,12 +68,22 @@ def frame(kind: int, *parts: bytes) -> bytes:
     return HEADER.pack(kind, len(body)) + body
 
 
+def check_size(inputs: int, tokens: int) -> None:
+    """TooLarge unless a request of `inputs` inputs and `tokens` tokens fits one frame."""
+    if inputs > LIMITS.max_inputs or tokens > LIMITS.max_tokens:
+        raise TooLarge(f"{inputs} inputs of {tokens} tokens in one request: the server takes at most "
+                       f"{LIMITS.max_inputs} inputs and {LIMITS.max_tokens} tokens per request; split it")
+
+
 def submit(request_id: int, meta: dict, ids: list[list[int]], type_ids: list[list[int]] | None,
-           original_lengths: list[int]) -> bytes:
-    """The SUBMIT frame of one request; `meta` must be small (model, urgent, bounded, deadline, tenant, ...)."""
+           original_lengths: list[int], attended: list[int] | None = None) -> bytes:
+    """The SUBMIT frame of one request; `meta` must be small (model, urgent, bounded, deadline, tenant, ...).
+    With `attended` (ColBERT inputs), meta must say "marked"."""
     meta_bytes = orjson.dumps(meta)
     if len(meta_bytes) > MAX_META:
         raise WireError(f"request metadata of {len(meta_bytes)} bytes (at most {MAX_META})")
+    if bool(meta.get("marked")) != (attended is not None):
+        raise WireError("attended counts go with marked inputs, and only with them")
     head, offsets, flat = wire.encode_request(request_id, ids)
     parts = [SUBMIT_HEAD.pack(request_id, len(meta_bytes)), meta_bytes, head, offsets, flat]
     if type_ids is not None:
@@ -71,6 +91,8 @@ def submit(request_id: int, meta: dict, ids: list[list[int]], type_ids: list[lis
         types = np.fromiter(itertools.chain.from_iterable(type_ids), dtype=np.int32, count=total)
         parts.append(types.tobytes())
     parts.append(np.asarray(original_lengths, dtype=np.int32).tobytes())
+    if attended is not None:
+        parts.append(np.asarray(attended, dtype=np.int32).tobytes())
     return frame(SUBMIT, *parts)
 
 
@@ -92,8 +114,8 @@ def read_submit(body: bytes) -> Submitted:
     at += meta_len
     _, inputs, tokens, size = wire.request_body_size(bytes(view[at:at + wire.REQUEST.size]), LIMITS)
     at += wire.REQUEST.size
-    pairs = bool(meta.get("pairs"))
-    rest = size + (4 * tokens if pairs else 0) + 4 * inputs
+    pairs, marked = bool(meta.get("pairs")), bool(meta.get("marked"))
+    rest = size + (4 * tokens if pairs else 0) + 4 * inputs + (4 * inputs if marked else 0)
     if at + rest != len(view):
         raise WireError(f"a SUBMIT body of {len(view)} bytes for {inputs} inputs of {tokens} tokens")
     ids = wire.decode_request_body(view[at:at + size], inputs, tokens)
@@ -104,11 +126,17 @@ def read_submit(body: bytes) -> Submitted:
         type_ids = np.split(flat, np.cumsum([len(row) for row in ids])[:-1])
         at += 4 * tokens
     original = np.frombuffer(view, dtype=np.int32, offset=at, count=inputs)
-    return Submitted(request_id, meta, ids, type_ids, original)
+    attended = np.frombuffer(view, dtype=np.int32, offset=at + 4 * inputs, count=inputs) if marked else None
+    return Submitted(request_id, meta, ids, type_ids, original, attended)
 
 
 def result(request_id: int, rows: np.ndarray | list[np.ndarray], queue_s: float, inference_s: float) -> bytes:
-    """RESULT (one 2-D array) or RAGGED (a list of per-input arrays, stacked) for `rows`."""
+    """RESULT (one 2-D array) or RAGGED (a list of per-input arrays, stacked) for `rows`; TooLarge over
+    LIMITS.max_reply_values."""
+    values = sum(r.size for r in rows) if isinstance(rows, list) else rows.size
+    if values > LIMITS.max_reply_values:
+        raise TooLarge(f"an answer of {values} values: more than the {LIMITS.max_reply_values} one response "
+                       "may carry; send fewer inputs per request")
     if isinstance(rows, list):
         lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
         stacked = np.vstack(rows) if rows else np.zeros((0, 0), dtype=np.float32)
@@ -175,11 +203,12 @@ def read_answer(body: bytes) -> tuple[int, dict, bytes]:
     return request_id, payload, bytes(memoryview(body)[at + size:])
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """The next (kind, body); IncompleteReadError at the end of the stream, WireError on a bad header."""
+async def read_frame(reader: asyncio.StreamReader, max_size: int) -> tuple[int, bytes]:
+    """The next (kind, body); IncompleteReadError at the end of the stream, WireError on a bad header or
+    one announcing more than `max_size` bytes (MAX_REQUEST_FRAME at the engine, MAX_REPLY_FRAME at a front)."""
     kind, size = HEADER.unpack(await reader.readexactly(HEADER.size))
     if not SUBMIT <= kind <= ANSWER:
         raise WireError(f"a frame of unknown kind {kind}")
-    if size > MAX_FRAME:
-        raise WireError(f"a frame of {size} bytes (at most {MAX_FRAME})")
+    if size > max_size:
+        raise WireError(f"a frame of {size} bytes (at most {max_size})")
     return kind, await reader.readexactly(size)

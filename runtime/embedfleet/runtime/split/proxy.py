@@ -23,21 +23,26 @@ log = logging.getLogger(__name__)
 PREFIXES = ("/v1/models", "/metrics", "/embed_all", "/async/")
 HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"host", b"upgrade",
                  b"te", b"trailer", b"proxy-authorization", b"proxy-connection"})
+# hop-by-hop, and what the front's own gate stamps on the answer (load, timing, the vector space served)
 DROP_ANSWER = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
-                         "server-timing", "x-embedfleet-expected-wait", "date"})
+                         "date", "server-timing", "x-embedfleet-expected-wait", "x-total-time", "x-tokenization-time",
+                         "x-queue-time", "x-inference-time", "x-embedfleet-vector-space", "x-embedfleet-revision"})
 TIMEOUT_S = 600.0  # the engine's own bounds (deadlines, queue bounds, drain) end a request long before this
 
 
 def proxied(path: str) -> bool:
-    return path.startswith(PREFIXES)
+    """A path the engine answers. Not one with `.` or `..` segments: the HTTP client would resolve them into
+    another path, where the single process matches no route (the front's own router answers it: 404)."""
+    return path.startswith(PREFIXES) and not any(part in (".", "..") for part in path.split("/"))
 
 
 class ProxyRoutes:
     """ASGI: the paths `proxied` names go to the engine's application at `uds`; the rest to `app`."""
 
-    def __init__(self, app, uds: str) -> None:
+    def __init__(self, app, uds: str, payload_limit: int) -> None:
         self.app = app
         self.uds = uds
+        self.payload_limit = payload_limit  # GET and open paths pass the gate uncounted: bounded here too
         self._client: httpx.AsyncClient | None = None
 
     def client(self) -> httpx.AsyncClient:
@@ -51,20 +56,26 @@ class ProxyRoutes:
             await self.app(scope, receive, send)
             return
         body = bytearray()
-        while True:  # the gate's receive counts these bytes against the payload limit
+        while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
+            if len(body) > self.payload_limit:
+                response = error_response(413, f"request body is over the payload limit of {self.payload_limit} "
+                                          "bytes", "payload_too_large", {"connection": "close"})
+                await response(scope, receive, send)
+                return
             if not message.get("more_body", False):
                 break
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
-        url = scope.get("raw_path") or scope["path"].encode()
+        raw = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
-            url += b"?" + scope["query_string"]
-        try:
-            answer = await self.client().request(scope["method"], url.decode("latin-1"), headers=headers,
-                                                 content=bytes(body))
+            raw += b"?" + scope["query_string"]
+        client = self.client()
+        try:  # the path's bytes as received, not decoded and encoded again
+            answer = await client.request(scope["method"], client.base_url.copy_with(raw_path=raw), headers=headers,
+                                          content=bytes(body))
         except httpx.HTTPError as exc:
             log.warning("the engine did not answer %s %s: %s", scope["method"], scope["path"], exc)
             response = error_response(503, "the engine process is not answering; retry shortly", "engine_unavailable",

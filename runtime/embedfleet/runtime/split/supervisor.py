@@ -35,6 +35,8 @@ RUN_DIR = "_EMBEDFLEET_SPLIT_DIR"  # the private directory of the sockets and th
 LISTEN_FD = "_EMBEDFLEET_SPLIT_FD"  # a front's inherited listening socket
 INDEX = "_EMBEDFLEET_SPLIT_INDEX"
 MAX_RESTARTS = 10  # of fronts, per minute, before the server gives up
+MAX_ENGINE_RESTARTS = 3  # of a killed engine, in ENGINE_WINDOW_S: a crash loop ends the server (status 1)
+ENGINE_WINDOW_S = 600.0
 POLL_S = 0.05
 PR_SET_PDEATHSIG = 1
 
@@ -47,9 +49,15 @@ def http_path(run_dir: str) -> str:
     return os.path.join(run_dir, "engine.http")
 
 
-def _die_with_parent() -> None:  # in the child, before exec: a SIGKILLed supervisor leaves no orphans
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with(parent: int):
+    """A preexec_fn: in the child, before exec, so that a SIGKILLed supervisor leaves no orphans (and a
+    supervisor that died between the fork and this call is noticed: the child then has another parent)."""
+    def arm() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+    return arm
 
 
 def listen(host: str, port: int, backlog: int) -> socket.socket:
@@ -69,6 +77,7 @@ class Supervisor:
     engine: subprocess.Popen | None = None
     front: dict[int, subprocess.Popen] = field(default_factory=dict)
     restarts: deque = field(default_factory=deque)
+    engine_restarts: deque = field(default_factory=deque)
     stopping: str = ""  # "", "drain" (SIGTERM) or "now" (SIGINT)
 
     def _env(self, role: str, index: int | None = None) -> dict[str, str]:
@@ -85,7 +94,10 @@ class Supervisor:
     def _spawn(self, role: str, index: int | None = None) -> subprocess.Popen:
         command = [sys.executable, "-m", "embedfleet.runtime.serve", *self.argv]
         fds = (self.sock.fileno(),) if role == "front" and self.sock is not None else ()
-        child = subprocess.Popen(command, env=self._env(role, index), pass_fds=fds, preexec_fn=_die_with_parent)
+        # its own session: a signal meant for the supervisor (a terminal's Ctrl-C, a group kill) is not also
+        # delivered to the children behind its back; the supervisor passes each on in order
+        child = subprocess.Popen(command, env=self._env(role, index), pass_fds=fds,
+                                 preexec_fn=_die_with(os.getpid()), start_new_session=True)
         log.info("started the %s%s (pid %d)", role, f" {index}" if index is not None else "", child.pid)
         return child
 
@@ -107,7 +119,10 @@ class Supervisor:
         signal.signal(signal.SIGINT, lambda *_: self._stop("now"))
         try:
             self.engine = self._spawn("engine")
-            self.front = {i: self._spawn("front", i) for i in range(self.fronts)}
+            for index in range(self.fronts):
+                if self.stopping:  # a signal came while they were starting: the rest are not started
+                    break
+                self.front[index] = self._spawn("front", index)
             return self._watch()
         finally:
             self._end()
@@ -116,9 +131,15 @@ class Supervisor:
         if self.stopping == "now":
             return
         self.stopping = how
+        self._signal_fronts()
+        if self.sock is not None:  # new connections are refused at once, as a single process's would be,
+            self.sock.close()      # instead of waiting in a backlog no front reads any more
+            self.sock = None
+
+    def _signal_fronts(self) -> None:
         for child in self.front.values():
             with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signal.SIGTERM if how == "drain" else signal.SIGINT)
+                child.send_signal(signal.SIGTERM if self.stopping == "drain" else signal.SIGINT)
 
     def _watch(self) -> int:
         while True:
@@ -130,6 +151,16 @@ class Supervisor:
                 self._forget(self.engine.pid)
                 if code >= 0:  # it exited by itself: its models failed to load (it said why), or it was told to
                     log.error("the engine process exited with status %d; stopping", code)
+                    self._stop("now")
+                    self._wind_down()
+                    return 1
+                now = time.monotonic()
+                self.engine_restarts.append(now)
+                while self.engine_restarts and self.engine_restarts[0] < now - ENGINE_WINDOW_S:
+                    self.engine_restarts.popleft()
+                if len(self.engine_restarts) > MAX_ENGINE_RESTARTS:
+                    log.error("the engine process was killed %d times in %.0f s; stopping",
+                              len(self.engine_restarts), ENGINE_WINDOW_S)
                     self._stop("now")
                     self._wind_down()
                     return 1
@@ -157,6 +188,7 @@ class Supervisor:
     def _wind_down(self) -> int:
         """Fronts first (they drain), then the engine."""
         limit = time.monotonic() + self.settings.drain_timeout + 5
+        self._signal_fronts()  # again: a front started while the signal arrived had not had it
         for child in self.front.values():
             self._wait(child, limit)
         if self.engine is not None and self.engine.poll() is None:
