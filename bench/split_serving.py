@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import SOURCE_PATHS, add_results_dir, corpus, free_port, pinned_to, record, wait_ready
+from _common import SOURCE_PATHS, add_results_dir, corpus, free_port, pinned_to, record, run_meta, wait_ready
 from host_path import load
 
 # Loaded by every process of the server (sitecustomize): the engine process (or the single process) gets the
@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--load-cpus", default="1", help="CPUs of the load generator")
     add_results_dir(ap, "split-serving-cpu.jsonl")
     args = ap.parse_args()
+    meta = run_meta()  # before this process is confined to the load's CPUs: the row names the machine's cores
     os.sched_setaffinity(0, cpu_list(args.load_cpus))
     texts = corpus(args.texts)
     counts = [0, *(int(n) for n in args.fronts.split(","))]
@@ -195,7 +196,7 @@ def main() -> None:
            "concurrency": args.concurrency, "server_cpus": args.server_cpus, "load_cpus": args.load_cpus,
            "encoding_format": "base64"}
     print(row)
-    record("split-serving", row, results_dir=args.results_dir)
+    record("split-serving", row, results_dir=args.results_dir, meta=meta)
 
 
 if __name__ == "__main__":

@@ -14,17 +14,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from tests.kube.controlplane import Cluster, wait_until
 from tests.kube.netns import PodNetwork
-from tests.operator.real import CHART, condition, example, operator_writes, release, small, wait_condition
+from tests.operator.real import (
+    CHART_ELECTION,
+    condition,
+    example,
+    operator_writes,
+    release,
+    small,
+    wait_condition,
+)
 from tests.operator.test_drift_real import fake_runtime
-
-#: The chart's own leader-election timing (values.yaml), for tests about throughput rather than failover: the
-#: tests' fast election (a 3 s renew deadline) can lapse on a loaded 2-core machine while sixty objects converge.
-CHART_ELECTION = {f"leaderElection.{key}": str(value)
-                  for key, value in yaml.safe_load((CHART / "values.yaml").read_text())["leaderElection"].items()
-                  if key in ("leaseDuration", "renewDeadline", "retryPeriod")}
 
 
 def _standalone(cluster: Cluster, unique: str, tmp_path: Path, sets: dict[str, str] | None = None):
