@@ -37,7 +37,9 @@ from tests.procs import ROOT, RuntimeServer, child_env, free_port, spawn, stop_p
 NS = "users-pinning"
 ED = "bge"
 PORT = 8080
-CRD = ROOT / "crds" / "embeddingdeployments.embedfleet.dev.yaml"
+# Every CRD, not only the one this test uses: the chart's install in later tests on this control plane skips
+# the CRDs once EmbeddingDeployment's exists (tests/operator/real.py), so one CRD alone would leave the others out.
+CRDS = ROOT / "crds"
 KEY = f"{NS}/{ED}"
 
 
@@ -108,7 +110,7 @@ def scene(_session_plane: ControlPlane, pod_network: PodNetwork,
         cluster.start_apiserver()
     workdir = tmp_path_factory.mktemp("pinning-kubernetes")
     if cluster.get_json("crd", "embeddingdeployments.embedfleet.dev") is None:
-        cluster.kubectl("apply", "-f", str(CRD))
+        cluster.kubectl("apply", "-f", str(CRDS))
         wait_until(lambda: "Established" in cluster.kubectl(
             "get", "crd", "embeddingdeployments.embedfleet.dev", "-o",
             "jsonpath={.status.conditions[*].type}").stdout, 60, "the CRD established")

@@ -48,21 +48,33 @@ class Peer:
     """`embedfleet cache serve-peers` on a cache root, on a free loopback port."""
 
     def __init__(self, root: Path, key_file: Path | None = None) -> None:
-        self.root, self.port = root, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = root.parent / f"peer-{self.port}.log"
-        with open(self.log, "w") as out:
-            key = ["--peer-key-file", str(key_file)] if key_file else []
-            self.proc = spawn([*CLI, "serve-peers", "--cache-root", str(root), "--host", "127.0.0.1",
-                               "--port", str(self.port), *key], env=child_env(), stdout=out, stderr=subprocess.STDOUT)
+        self.root = root
+        # free_port() is free when asked; another process on a busy machine may bind it before the server does,
+        # which the server reports by exiting (EADDRINUSE): then it starts again on another port
+        for _ in range(3):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.log = root.parent / f"peer-{self.port}.log"
+            with open(self.log, "w") as out:
+                key = ["--peer-key-file", str(key_file)] if key_file else []
+                self.proc = spawn([*CLI, "serve-peers", "--cache-root", str(root), "--host", "127.0.0.1",
+                                   "--port", str(self.port), *key], env=child_env(), stdout=out,
+                                  stderr=subprocess.STDOUT)
+            if self._started():
+                return
+            if self.proc.poll() is None or "address already in use" not in self.log.read_text():
+                break
+        raise AssertionError(f"peer server did not start: {self.log.read_text()}")
+
+    def _started(self) -> bool:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
+                    return True
             except httpx.HTTPError:
                 time.sleep(0.1)
-        raise AssertionError(f"peer server did not start: {self.log.read_text()}")
+        return False
 
     def served(self) -> list[str]:
         return [line for line in self.log.read_text().splitlines() if "serving " in line]

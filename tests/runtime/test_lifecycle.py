@@ -144,7 +144,9 @@ def test_sigterm_drains_accepted_requests(runtime_factory):
 
 
 def test_disconnected_client_work_is_dropped(runtime_factory):
-    srv = runtime_factory("--max-batch-requests", "8", "--urgent-max-inputs", "0")
+    # admission's bulk bound out of the way: this is about a client leaving, and on a loaded machine the 12k
+    # tokens of `first` can be expected to take longer than the default 30 s (a 429, not what is tested here)
+    srv = runtime_factory("--max-batch-requests", "8", "--urgent-max-inputs", "0", "--max-queue-seconds-bulk", "3600")
     first = [f"first {i} " + "tokens " * 120 for i in range(96)]
     second = [f"second {i} " + "tokens " * 120 for i in range(96)]
 
