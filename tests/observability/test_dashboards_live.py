@@ -138,8 +138,14 @@ def fleet() -> Iterator[Fleet]:
             started.append(runtime)
             runtime.wait_ready()
             assert [f.result() for f in held] == [200] * 3
-        for code in asyncio.run(burst(gateway_b.url, SYNC_REQUESTS, 3)):
-            codes[code] = codes.get(code, 0) + 1
+        # the steady traffic the rate panels show: SYNC_REQUESTS answered. Three at a time stay under the limit,
+        # but admission may still refuse some where a loaded machine stalls the engine (a batch overrunning lowers
+        # the measured rate, as it should): the scene is then set again with what is missing, not judged
+        for _ in range(4):
+            for code in asyncio.run(burst(gateway_b.url, SYNC_REQUESTS - codes.get(200, 0), 3)):
+                codes[code] = codes.get(code, 0) + 1
+            if codes.get(200, 0) >= SYNC_REQUESTS:
+                break
         for attempt in range(5):  # over the limit until some are refused (each burst almost always is)
             for code in asyncio.run(burst(gateway_b.url, BURST, 16, fresh=f"burst {attempt}")):
                 codes[code] = codes.get(code, 0) + 1
