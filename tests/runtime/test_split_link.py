@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedfleet.runtime.core.jobs import DeadlineUnmet, EngineUnavailable, QueueFull
+from embedfleet.runtime.core.jobs import DeadlineUnmet, EngineUnavailable, QueueFull, RequestTooLarge
 from embedfleet.runtime.split import link
 from embedfleet.runtime.split.front_side import _refusal
 from embedfleet.runtime.tenants import RequestOverQuota
@@ -127,4 +127,31 @@ def test_the_engines_refusals_come_back_as_the_same_exceptions():
     assert isinstance(back(link.error(1, "oom", "CUDA out of memory")), MemoryError)
     assert str(back(link.error(1, "internal", "ValueError: x"))) == "engine: ValueError: x"
     too_large = back(link.error(1, "too_large", "split it"))
-    assert too_large.status == 413 and too_large.code == "too_large"
+    assert isinstance(too_large, RequestTooLarge) and str(too_large) == "split it"
+
+
+@pytest.mark.parametrize("exc, status, code, retry_after", [
+    (EngineUnavailable("the engine process is not running; retry shortly"), 503, "engine_unavailable", "1"),
+    (link.TooLarge("5000 inputs of 5000 tokens in one request"), 413, "too_large", None),
+])
+def test_the_engines_conditions_are_answered_wherever_a_route_raises_them(exc, status, code, retry_after):
+    """Any route (an embedding, the int8 calibration a front asks the engine for) that meets these gets the
+    same answer: the split layer raises them, the API layer alone turns them into HTTP."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from embedfleet.runtime.api import errors
+
+    counted: list[int] = []
+    app = FastAPI()
+    errors.install(app, counted.append)
+
+    @app.get("/x")
+    async def _raise() -> None:
+        raise exc
+
+    answer = TestClient(app).get("/x")
+    assert answer.status_code == status and answer.json()["error"]["code"] == code, answer.text
+    assert answer.json()["error"]["message"] == str(exc)
+    assert answer.headers.get("retry-after") == retry_after
+    assert counted == [status]

@@ -386,6 +386,31 @@ def test_serve_exports_over_otlp_http_when_enabled_by_otel_variables(runtime_fac
     assert all(s["parent"] == gate["span_id"] for s in mine if s["name"] in RUNTIME_SPANS)
 
 
+def test_a_split_server_exports_one_trace_across_its_processes(runtime_factory, collector: Collector) -> None:
+    """`serve --fronts 1 --otel`: the front makes the request's spans up to tokenization and the encode, the
+    engine process the queue wait and the engine batch (a front has no batcher); both export, and the
+    trace has the single process's shape: every phase a child of the front's server span."""
+    trace = "7bf92f3577b34da6a3ce929d0e0e4739"
+    srv = runtime_factory("--fronts", "1", "--otel", env=otel_env(collector))
+    r = httpx.post(f"{srv.url}/v1/embeddings", json={"input": TEXTS},
+                   headers={"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"}, timeout=120)
+    assert r.status_code == 200, r.text
+    mine = lambda: [s for s in collector.spans if s["trace_id"] == trace]  # noqa: E731
+    wait_until(lambda: set(RUNTIME_SPANS) <= {s["name"] for s in mine()}, "the spans of both processes")
+    gate = next(s for s in mine() if s["name"] == "POST /v1/embeddings")
+    assert gate["parent"] == CLIENT_SPAN
+    assert gate["attributes"]["embedfleet.inputs"].int_value == len(TEXTS)
+    assert all(s["parent"] == gate["span_id"] for s in mine() if s["name"] in RUNTIME_SPANS), mine()
+    # the engine's own span of the batch (a trace of its own) links back to the request
+    batch = [s for s in collector.spans if s["name"] == "batch"]
+    assert batch and all(s["trace_id"] != trace for s in batch)
+    untraced = httpx.post(f"{srv.url}/v1/embeddings", json={"input": TEXTS},
+                          headers={"traceparent": f"00-{trace[::-1]}-{CLIENT_SPAN}-00"}, timeout=120)
+    assert untraced.status_code == 200
+    srv.stop()
+    assert not [s for s in collector.spans if s["trace_id"] == trace[::-1]], "an unsampled request was traced"
+
+
 def test_serve_exports_nothing_by_default(runtime_factory, collector: Collector) -> None:
     """The OTLP endpoint set, tracing not asked for: after requests and a clean shutdown (which would
     flush any buffered span), the collector has received nothing."""

@@ -33,7 +33,7 @@ from contextvars import ContextVar
 from opentelemetry import propagate
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer, get_current_span, set_span_in_context
 
 # Wall-clock nanoseconds of a time.perf_counter() value: the batcher times batches with perf_counter,
 # and a span made after the fact needs epoch times.
@@ -74,6 +74,16 @@ class RuntimeTracing:
             return None
         return RequestTrace(self.tracer, span)
 
+    def continued(self, carrier: dict[str, str]) -> RequestTrace | None:
+        """A request traced by another process of this server (split serving: a front's request, run by the
+        engine process): its spans here ("queue wait", "engine batch", the batch) are children of the
+        front's server span, so the trace has the single process's shape. None unless it was sampled."""
+        parent = propagate.extract(carrier)
+        span = get_current_span(parent)
+        if not span.get_span_context().is_valid or not span.get_span_context().trace_flags.sampled:
+            return None
+        return RequestTrace(self.tracer, span, phase=None)
+
     def shutdown(self) -> None:
         """Export what is still buffered, then stop (at server exit)."""
         self.provider.shutdown()
@@ -85,11 +95,11 @@ class RequestTrace:
 
     __slots__ = ("_token", "context", "model", "phase", "queue", "span", "tracer")
 
-    def __init__(self, tracer: Tracer, span: Span) -> None:
+    def __init__(self, tracer: Tracer, span: Span, phase: str | None = "validation") -> None:
         self.tracer = tracer
-        self.span = span
+        self.span = span  # continued from another process: the caller's span, which this process cannot end
         self.context = set_span_in_context(span)
-        self.phase: Span | None = tracer.start_span("validation", context=self.context)
+        self.phase: Span | None = None if phase is None else tracer.start_span(phase, context=self.context)
         self.queue: Span | None = None
         self.model = ""
         self._token = _CURRENT.set(self)
@@ -140,6 +150,14 @@ class RequestTrace:
         if status >= 500:
             self.span.set_status(Status(StatusCode.ERROR))
         self._next(None)
+
+    def carrier(self) -> dict[str, str]:
+        """`traceparent` (and a short `tracestate`) of this request's server span, for another process."""
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=self.context)
+        if len(carrier.get("tracestate", "")) > 512:  # W3C's limit; a client's longer one stays here
+            del carrier["tracestate"]
+        return carrier
 
     def end(self) -> None:
         self._next(None)

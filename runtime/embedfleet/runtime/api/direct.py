@@ -39,9 +39,10 @@ class DirectRoutes:
             return
         try:
             response = await handler(Request(scope, receive))
-        except errors.ApiError as exc:
-            self.on_error(exc.status)
-            response = errors.error_response(exc.status, exc.message, exc.code, exc.headers)
+        except (errors.ApiError, *errors.DOMAIN_ERRORS) as exc:
+            api = errors.as_api_error(exc)
+            self.on_error(api.status)
+            response = errors.error_response(api.status, api.message, api.code, api.headers)
         except RequestValidationError as exc:
             status, message, code = errors.describe_validation(exc)
             self.on_error(status)

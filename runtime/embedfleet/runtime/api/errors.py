@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from embedfleet.runtime.core.jobs import EngineUnavailable, RequestTooLarge
+
 log = logging.getLogger(__name__)
 
 TYPES = {
@@ -60,6 +62,21 @@ def describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
     return 422, f"invalid request: {shown}{more}", "invalid_request"
 
 
+# Conditions the layers below HTTP raise without knowing it (split serving's link to the engine process),
+# answered alike wherever a route meets them: here for FastAPI's routes, in api/direct.py for the hot ones.
+DOMAIN_ERRORS = (EngineUnavailable, RequestTooLarge)
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """The answer to an ApiError or one of DOMAIN_ERRORS."""
+    if isinstance(exc, EngineUnavailable):  # the engine process died or is restarting
+        return ApiError(503, str(exc), "engine_unavailable", {"retry-after": "1"})
+    if isinstance(exc, RequestTooLarge):  # over what one frame to the engine process carries
+        return ApiError(413, str(exc), "too_large")
+    assert isinstance(exc, ApiError), exc
+    return exc
+
+
 def install(app, on_error) -> None:
     """Map every failure to the one shape; `on_error(status)` counts it."""
 
@@ -67,6 +84,14 @@ def install(app, on_error) -> None:
     async def _api_error(_: Request, exc: ApiError) -> Response:
         on_error(exc.status)
         return error_response(exc.status, exc.message, exc.code, exc.headers)
+
+    async def _domain(_: Request, exc: Exception) -> Response:
+        api = as_api_error(exc)
+        on_error(api.status)
+        return error_response(api.status, api.message, api.code, api.headers)
+
+    for kind in DOMAIN_ERRORS:
+        app.add_exception_handler(kind, _domain)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse
 
 from embedfleet.runtime.api import errors
 from embedfleet.runtime.api.gate import ARRIVED, WHOLE, tenant_of
-from embedfleet.runtime.core.jobs import DeadlineUnmet, EngineUnavailable, QueueFull
+from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.oom import is_out_of_memory
 from embedfleet.runtime.core.tokenize import Tokenized
 from embedfleet.runtime.service import ClientGone, ModelService, RunResult
@@ -186,8 +186,6 @@ async def run(svc: ModelService, tokenized: list[Tokenized], request: Request,
                               {"retry-after": str(max(1, math.ceil(exc.retry_after)))}) from None
     except RequestOverQuota as exc:
         raise errors.ApiError(413, str(exc), "over_quota") from None
-    except EngineUnavailable as exc:  # split serving: the engine process died or is restarting
-        raise errors.ApiError(503, str(exc), "engine_unavailable", {"retry-after": "1"}) from None
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise

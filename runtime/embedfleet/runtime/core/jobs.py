@@ -27,6 +27,11 @@ class EngineUnavailable(RuntimeError):
     """The engine process cannot be reached (split serving, `--fronts`): it died or is restarting (503)."""
 
 
+class RequestTooLarge(ValueError):
+    """A request or its answer is over what the engine link carries in one frame (split serving): 413 for that
+    request alone."""
+
+
 class DeadlineUnmet(RuntimeError):
     """The request's deadline cannot be met (at admission) or has passed while it was queued (504)."""
 

@@ -25,6 +25,7 @@ from embedfleet.runtime.service import ClientGone, Models
 from embedfleet.runtime.split import link
 from embedfleet.runtime.tenants import RequestOverQuota
 from embedfleet.runtime.timing import RequestTiming
+from embedfleet.runtime.tracing import RuntimeTracing
 
 log = logging.getLogger(__name__)
 STATE_S = 0.05  # how stale a front's view of the engine's load may be (it only refuses early on it)
@@ -79,9 +80,10 @@ class _Front:
 class LinkServer:
     """Serves fronts on a Unix socket at `path` (in a directory only this user can enter)."""
 
-    def __init__(self, models: Models, path: str) -> None:
+    def __init__(self, models: Models, path: str, tracing: RuntimeTracing | None = None) -> None:
         self.models = models
         self.path = path
+        self.tracing = tracing  # --otel: a traced front request's engine spans join its trace
         self.fronts: set[_Front] = set()
         self._server: asyncio.AbstractServer | None = None
         self._pusher: asyncio.Task | None = None
@@ -170,6 +172,8 @@ class LinkServer:
             return
         tokenized = inputs_of(sub)
         timing = RequestTiming().begin()
+        carrier = meta.get("trace")
+        trace = self.tracing.continued(carrier) if self.tracing is not None and isinstance(carrier, dict) else None
         try:
             result = await svc.run(tokenized, gone.wait, urgent=meta.get("urgent"), bounded=bool(meta.get("bounded")),
                                    deadline=meta.get("deadline"), tenant=tenant, arrived=meta.get("arrived"))
@@ -194,6 +198,8 @@ class LinkServer:
                 log.exception("engine error on a front's request")
                 front.send(link.error(request_id, "internal", f"{type(exc).__name__}: {exc}"))
         finally:
+            if trace is not None:
+                trace.end()
             timing.end()
             front.gone.pop(request_id, None)
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedfleet.runtime.api.errors import ApiError
 from embedfleet.runtime.core.jobs import DeadlineUnmet, EngineUnavailable, QueueFull
 from embedfleet.runtime.core.multivector import Marked
 from embedfleet.runtime.core.quantize import Calibration, calibration_file
@@ -31,6 +30,7 @@ from embedfleet.runtime.service import WATCH_AFTER_S, ClientGone, Models, ModelS
 from embedfleet.runtime.split import link
 from embedfleet.runtime.tenants import RequestOverQuota, Tenant
 from embedfleet.runtime.timing import current_timing
+from embedfleet.runtime.tracing import current_trace
 
 log = logging.getLogger(__name__)
 RECONNECT_S = 0.1
@@ -65,7 +65,7 @@ def _refusal(payload: dict) -> Exception:
     if kind == "unavailable":
         return EngineUnavailable(message)
     if kind == "too_large":
-        return ApiError(413, message, "too_large")
+        return link.TooLarge(message)
     return RuntimeError(f"engine: {message}")
 
 
@@ -211,12 +211,9 @@ class FrontService(ModelService):
             async with self._calibrating:
                 if self.calibration is None:
                     question = {"op": "calibration", "model": self.name}
-                    try:
-                        _, future = self.link.send(lambda i: link.frame(link.CALL, link.ID.pack(i),
-                                                                        link.orjson.dumps(question)))
-                        payload, data = await future
-                    except EngineUnavailable as exc:
-                        raise ApiError(503, str(exc), "engine_unavailable", {"retry-after": "1"}) from None
+                    _, future = self.link.send(lambda i: link.frame(link.CALL, link.ID.pack(i),
+                                                                    link.orjson.dumps(question)))
+                    payload, data = await future  # EngineUnavailable: 503 (api/errors.py)
                     if "error" in payload:
                         raise RuntimeError(f"engine: {payload['error']}")
                     rows = np.frombuffer(data, dtype=np.float32).reshape(payload["shape"]).copy()
@@ -229,14 +226,15 @@ class FrontService(ModelService):
         """The engine runs `ModelService.run` with these arguments (quota, admission, deadline, batching);
         a client that leaves while the work is expected to take a while is told to the engine (CANCEL)."""
         ids = [t.ids for t in tokenized]
-        try:
-            link.check_size(len(ids), sum(map(len, ids)))
-        except link.TooLarge as exc:
-            raise ApiError(413, str(exc), "too_large") from None
+        link.check_size(len(ids), sum(map(len, ids)))  # RequestTooLarge: 413 (api/errors.py)
         pairs = bool(tokenized) and all(t.type_ids is not None for t in tokenized)
         marked = bool(tokenized) and isinstance(tokenized[0], Marked)  # ColBERT inputs (core/multivector.py)
         meta = {"model": self.name, "urgent": urgent, "bounded": bounded, "deadline": deadline, "arrived": arrived,
                 "tenant": tenant.name if tenant is not None else None, "pairs": pairs, "marked": marked}
+        trace = current_trace()
+        if trace is not None:  # the engine's spans (queue wait, engine batch) continue this request's trace
+            trace.span.set_attributes({"embedfleet.inputs": len(ids), "embedfleet.tokens": sum(map(len, ids))})
+            meta["trace"] = trace.carrier()
         types = [t.type_ids for t in tokenized] if pairs else None
         if marked:  # a Marked input says only whether it was truncated: one token more says it was
             lengths = [len(t) + int(t.truncated) for t in tokenized]

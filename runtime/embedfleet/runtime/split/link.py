@@ -31,6 +31,7 @@ import numpy as np
 import orjson
 
 from embedfleet.runtime.core import wire
+from embedfleet.runtime.core.jobs import RequestTooLarge
 from embedfleet.runtime.core.wire import WireError
 
 HEADER = struct.Struct("<BI")  # kind, body bytes
@@ -48,8 +49,7 @@ MAX_REQUEST_FRAME = 4 * (3 * LIMITS.max_inputs + 2 + 2 * LIMITS.max_tokens) + MA
 MAX_REPLY_FRAME = 4 * (LIMITS.max_reply_values + LIMITS.max_inputs) + LIMITS.max_message + 64
 
 
-class TooLarge(ValueError):
-    """A request or answer over what one frame may carry (LIMITS): refused (413) before it is sent."""
+TooLarge = RequestTooLarge  # over what one frame may carry (LIMITS): refused (413) before it is sent
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def build(role: str, settings: RuntimeSettings, gate, metrics, Server):
 
         models = Models(settings, metrics)
         server = Server(None, settings, gate, metrics,
-                        Role(uds=http_path(run_dir), link=LinkServer(models, link_path(run_dir))))
+                        Role(uds=http_path(run_dir), link=LinkServer(models, link_path(run_dir), gate.tracing)))
         server.app = create_app(models, gate, on_load_failed=server.load_failed, count_requests=False)
         return models, server
     if role != "front":
