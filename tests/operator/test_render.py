@@ -46,6 +46,7 @@ CONTRACT_ENV = {
     "EMBEDFLEET_PAYLOAD_LIMIT",
     "EMBEDFLEET_API_KEY",
     "EMBEDFLEET_TOKENIZER_WORKERS",
+    "EMBEDFLEET_FRONTS",
     "EMBEDFLEET_MAX_QUEUE_SECONDS",
     "EMBEDFLEET_MAX_QUEUE_SECONDS_BULK",
     "EMBEDFLEET_DRAIN_TIMEOUT",
@@ -139,6 +140,20 @@ def test_queue_bounds_reach_the_runtime_as_its_settings_read_them(monkeypatch: p
     assert (read.max_queue_seconds, read.max_queue_seconds_bulk) == (2.5, 12.0)
     plain = by_kind(render("minilm", "ml", "uid-1", spec_of()))["ConfigMap"]["data"]
     assert "EMBEDFLEET_MAX_QUEUE_SECONDS" not in plain and "EMBEDFLEET_MAX_QUEUE_SECONDS_BULK" not in plain
+
+
+def test_fronts_reach_the_runtime_as_its_own_setting(monkeypatch) -> None:
+    """spec.runtime.fronts is the runtime's --fronts (split serving); unset, the runtime's default (one
+    process) stands, and the schema bounds it as the runtime does."""
+    data = by_kind(render("minilm", "ml", "uid-1", spec_of(runtime={"fronts": 4})))["ConfigMap"]["data"]
+    monkeypatch.setenv("EMBEDFLEET_FRONTS", data["EMBEDFLEET_FRONTS"])  # as envFrom hands it to the pod
+    runtime_settings = pytest.importorskip("embedfleet.runtime.settings")
+    assert runtime_settings.RuntimeSettings().front_processes() == 4
+    plain = by_kind(render("minilm", "ml", "uid-1", spec_of()))["ConfigMap"]["data"]
+    assert "EMBEDFLEET_FRONTS" not in plain
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="fronts"):
+            spec_of(runtime={"fronts": bad})
 
 
 def test_a_tenants_keys_file_is_mounted_from_its_secret() -> None:

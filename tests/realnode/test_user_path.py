@@ -328,6 +328,45 @@ def test_an_int8_build_is_made_once_on_the_node_and_loaded_by_the_next_pod(relea
         served.close()
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (the container's processes seen from the host)."""
+    found, todo = [], [pid]
+    while todo:
+        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
+        found += map(int, out)
+        todo += map(int, out)
+    return found
+
+
+def test_a_split_runtime_runs_in_the_read_only_non_root_pod(release: RealNode) -> None:
+    """spec.runtime.fronts on the real kubelet: the runtime container (non-root, read-only root filesystem,
+    /tmp an emptyDir) runs its engine process and its front beside the supervisor, and answers with the
+    in-process vectors."""
+    name = "minilm-split"
+    doc = example()
+    doc["metadata"]["name"] = name
+    doc["spec"]["model"]["servedModelName"] = name
+    doc["spec"]["runtime"]["fronts"] = 1
+    doc["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
+    release.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    pod = wait_until(lambda: ready_runtimes(release, name), 600, f"{name} Ready")[0]
+    top = release.container_pid(pod, "runtime")
+    roles: dict[str, list[int]] = {"engine": [], "front": []}
+    for pid in descendants(top):
+        roles["engine" if "libtorch" in Path(f"/proc/{pid}/maps").read_text() else "front"].append(pid)
+    assert len(roles["engine"]) == 1 and len(roles["front"]) == 1, roles
+    uids = {int(line.split()[1]) for pid in [top, *roles["engine"], *roles["front"]]
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Uid:")}
+    assert 0 not in uids, uids
+    reply = embed(pod["status"]["podIP"], RUNTIME_PORT, TEXTS, model=name)
+    assert reply.status_code == 200, reply.text
+    got = np.array([row["embedding"] for row in sorted(reply.json()["data"], key=lambda d: d["index"])])
+    want = reference_vectors(TEXTS)
+    cosines = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosines.min() >= 0.9999, cosines
+    release.kubectl("delete", "embeddingdeployment", name, "--wait=true", timeout=300)
+
+
 def test_helm_upgrade_to_a_new_runtime_tag_rolls_the_runtime_with_no_failed_request(release: RealNode) -> None:
     """The example names no image, so the chart's runtimeImage applies: a new tag rolls the runtime pods."""
     name = example()["metadata"]["name"]

@@ -194,6 +194,12 @@ class RuntimeSpec(CamelModel):
     max_input_tokens: int | None = Field(default=None, ge=1, le=1_048_576)
     payload_limit: int | None = Field(default=None, ge=1024, description="Request body limit in bytes.")
     tokenizer_workers: int | None = Field(default=None, ge=1, le=256)
+    fronts: int | None = Field(
+        default=None, ge=0, le=64,
+        description="Front processes (the runtime's --fronts): HTTP, validation, tokenization and encoding run "
+        "in this many processes beside one engine process that batches and runs the model (docs/runtime.md, "
+        "split serving). Unset or 0: one process, which is the faster on two cores or fewer; give the pod "
+        "CPUs for the fronts and the engine.")
     drain_timeout_seconds: int = Field(
         default=30, ge=1, le=3600, description="SIGTERM drain; the pod grace period is longer than this."
     )

@@ -54,6 +54,7 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[
         "EMBEDFLEET_MAX_INPUT_TOKENS": rt.max_input_tokens,
         "EMBEDFLEET_PAYLOAD_LIMIT": rt.payload_limit,
         "EMBEDFLEET_TOKENIZER_WORKERS": rt.tokenizer_workers,
+        "EMBEDFLEET_FRONTS": rt.fronts,
         # the same bounds the gateway sheds by for this deployment (gateway/bounds.py)
         "EMBEDFLEET_MAX_QUEUE_SECONDS": rt.max_queue_seconds,
         "EMBEDFLEET_MAX_QUEUE_SECONDS_BULK": rt.max_queue_seconds_bulk,
