@@ -8,6 +8,10 @@ own cold-start phases (`embedfleet_cold_start_seconds{phase}`: engine_load, warm
 
 Prints one JSON line, also appended to bench/results/serve-start-cpu.jsonl: per way the medians over the
 rounds, and native ÷ transformers for ready seconds and CPU seconds.
+
+`--baseline-tree DIR` (a checkout of another commit: `git worktree add DIR <commit>`) compares that tree's
+`embedfleet serve` with this tree's instead, both the default way, in the same alternating rounds: the
+row then holds `baseline` and `this_tree` and this tree ÷ the baseline.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -35,14 +40,15 @@ def phases(url: str) -> dict[str, float]:
             for m in re.finditer(r'^embedfleet_cold_start_seconds_sum\{phase="(\w+)"\} (\S+)$', text, re.M)}
 
 
-def one_start(impl: str) -> dict[str, float]:
+def one_start(impl: str, tree: Path = ROOT) -> dict[str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(SOURCE_PATHS), HF_HUB_OFFLINE="1")
+    paths = [str(tree / Path(p).relative_to(ROOT)) for p in SOURCE_PATHS]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1")
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1",
                              "--port", str(port), "--log-level", "warning", "--model-impl", impl],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(url, proc, timeout=300, interval=0.01)
         ready = time.monotonic() - started
@@ -65,19 +71,31 @@ def one_start(impl: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--baseline-tree", type=Path, help="compare this checkout's serve with this tree's")
+    parser.add_argument("--note", help="a note added to the row (e.g. what else ran on the machine)")
     add_results_dir(parser, "serve-start-cpu.jsonl")
     args = parser.parse_args()
-    runs: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
+    if args.baseline_tree is not None:
+        if not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
+            sys.exit(f"{args.baseline_tree} is not a checkout of this repository: git worktree add DIR <commit>")
+        sides = {"baseline": ("auto", args.baseline_tree.resolve()), "this_tree": ("auto", ROOT)}
+    else:
+        sides = {way: (impl, ROOT) for way, impl in WAYS.items()}
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for r in range(args.rounds):
-        order = list(WAYS) if r % 2 == 0 else list(reversed(WAYS))
-        for way in order:
-            runs[way].append(one_start(WAYS[way]))
-    row: dict = {"bench": "serve_start", "rounds": args.rounds}
-    for way, samples in runs.items():
-        row[way] = {key: round(statistics.median(s[key] for s in samples), 3) for key in samples[0]}
-        row[way]["ready_s_all"] = [round(s["ready_s"], 3) for s in samples]
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for side in order:
+            runs[side].append(one_start(*sides[side]))
+    row: dict = {"bench": "serve_start", "rounds": args.rounds, **({"note": args.note} if args.note else {})}
+    for side, samples in runs.items():
+        row[side] = {key: round(statistics.median(s[key] for s in samples), 3) for key in samples[0]}
+        row[side]["ready_s_all"] = [round(s["ready_s"], 3) for s in samples]
+    top, bottom = ("this_tree", "baseline") if args.baseline_tree is not None else ("native", "transformers")
     for key in ("ready_s", "cpu_at_ready_s"):
-        row[f"native_over_transformers_{key}"] = round(row["native"][key] / row["transformers"][key], 3)
+        row[f"{top}_over_{bottom}_{key}"] = round(row[top][key] / row[bottom][key], 3)
+    if args.baseline_tree is not None:
+        row["baseline_commit"] = subprocess.run(["git", "-C", str(args.baseline_tree), "rev-parse", "--short=12",
+                                                 "HEAD"], capture_output=True, text=True).stdout.strip()
     record("serve-start", row, results_dir=args.results_dir)
     print(json.dumps(row))
 

@@ -165,15 +165,17 @@ def test_a_config_with_impossible_values_falls_back_with_its_reason(tiny, tmp_pa
     assert shape is None and reason is not None and why in reason, reason
 
 
-def test_a_cpu_start_never_imports_transformers_model_code():
-    """What the native modules are for: the engine built as `embedfleet serve` builds it, in a fresh
-    interpreter, with no transformers module imported (its model code was most of a start's CPU)."""
+def test_a_cpu_start_never_imports_transformers_model_code_nor_torch_dynamo():
+    """What the native modules are for: the engine built and warmed up as `embedfleet serve` does it, in a
+    fresh interpreter, with no transformers module imported (its model code was most of a start's CPU) and
+    no torch._dynamo (initialising parameters on the meta device imported it: about 2 s of a start)."""
     code = ("import sys\n"
             "from embedfleet.runtime.settings import RuntimeSettings\n"
             "from embedfleet.runtime.service import build_engine\n"
             "from embedfleet.runtime.models.spec import load_spec\n"
             "s = RuntimeSettings(); e = s.models()[0]\n"
-            "engine = build_engine(s, load_spec(e.path, e.name, e.task))\n"
-            "print(engine.implementation, sorted(m for m in sys.modules if m.startswith('transformers')))\n")
+            "engine = build_engine(s, load_spec(e.path, e.name, e.task)); engine.warmup()\n"
+            "print(engine.implementation, sorted(m for m in sys.modules if m.startswith('transformers')),\n"
+            "      'torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split("\n")[0] == "native []", out.stdout + out.stderr
+    assert out.stdout.split("\n")[0] == "native [] False", out.stdout + out.stderr

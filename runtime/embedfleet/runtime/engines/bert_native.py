@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 from torch.nn import functional
+from torch.overrides import TorchFunctionMode
 
 from embedfleet.runtime.models.spec import ModelSpec
 
@@ -257,6 +258,19 @@ class BertClassifier(nn.Module):
         return SimpleNamespace(logits=self.classifier(self.bert.pooler(hidden)))
 
 
+class _SkipInit(TorchFunctionMode):
+    """Builds modules without initialising their parameters (torch.nn.init's functions return the tensor
+    as it is). Every parameter is replaced from the weights file at once, so the random init is wasted;
+    on the meta device it also reaches torch's reference implementations, whose first call imports
+    torch._dynamo: about 2 s of a server's start on two cores, for nothing. A mode, so it holds for this
+    thread alone (another thread building a model to use as initialised is unaffected)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 class NativeLoadError(ValueError):
     """The checkpoint's tensors do not fit the native modules (the engine falls back to transformers)."""
 
@@ -277,7 +291,7 @@ def load(spec: ModelSpec, dtype: torch.dtype, shape: BertShape | None = None) ->
                               f"{len(stored)} (numbered {min(stored, default=0)}..{max(stored, default=-1)})")
     # built on the meta device: no memory is taken until the file's tensors are checked and assigned, so a
     # config.json that names enormous sizes fails on the shapes below instead of allocating them
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model: nn.Module = BertEncoder(shape) if spec.task == "embed" else BertClassifier(shape)
     tensors = load_file(str(Path(spec.path) / WEIGHTS))
     if spec.task == "embed":  # a BertForX checkpoint served as an encoder keeps its weights under `bert.`
