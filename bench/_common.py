@@ -162,12 +162,22 @@ class Server:
             raise
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(60)
+        stop_process(self.proc)
 
     def card(self) -> dict:
         """The served model's /v1/models entry (dtype served, batching, packed, gate figures)."""
         return httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGINT (the server drains and exits), then SIGKILL if it has not within a minute."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None = None, path: str = "/ready", timeout: float = 300,
@@ -190,10 +200,14 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, path: str = "/rea
 
 def thread_cpu_seconds(pid: int) -> tuple[float, float]:
     """(the main thread's, all other threads') CPU seconds of a process so far, from /proc: for the server,
-    its event loop against its tokenizer, engine and library threads."""
+    its event loop against its tokenizer, engine and library threads. (0, 0) once the process is gone."""
     tick = os.sysconf("SC_CLK_TCK")
     main = rest = 0.0
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return main, rest
+    for task in tasks:
         try:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):

@@ -54,7 +54,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -63,7 +62,7 @@ from pathlib import Path
 
 import httpx
 
-from _common import ROOT, add_results_dir, corpus, free_port, pinned_to, record, wait_ready
+from _common import ROOT, add_results_dir, corpus, free_port, pinned_to, record, stop_process, wait_ready
 
 LAUNCHER = """
 import sys, time
@@ -110,13 +109,7 @@ class NullServer:
         return ticks(f"/proc/{pid}/stat"), ticks(f"/proc/{pid}/task/{pid}/stat")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop_process(self.proc)
 
 
 async def load(url: str, texts: list[str], per_request: int, concurrency: int) -> float:

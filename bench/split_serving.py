@@ -35,7 +35,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import SOURCE_PATHS, add_results_dir, corpus, free_port, pinned_to, record, run_meta, wait_ready
+from _common import (
+    SOURCE_PATHS,
+    add_results_dir,
+    corpus,
+    free_port,
+    pinned_to,
+    record,
+    run_meta,
+    stop_process,
+    thread_cpu_seconds,
+    wait_ready,
+)
 from host_path import load
 
 # Loaded by every process of the server (sitecustomize): the engine process (or the single process) gets the
@@ -53,7 +64,6 @@ if os.environ.get("_EMBEDFLEET_SPLIT_ROLE") != "front" and os.environ.get("BENCH
     torch_engine.TorchEngine.embed = embed
 """
 FLAGS = ("--max-batch-requests", "1024", "--max-batch-tokens", "65536", "--log-level", "warning")
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_list(text: str) -> set[int]:
@@ -62,26 +72,6 @@ def cpu_list(text: str) -> set[int]:
         low, _, high = part.partition("-")
         out.update(range(int(low), int(high or low) + 1))
     return out
-
-
-def ticks(pid: int) -> tuple[int, int]:
-    """(main thread, other threads) CPU ticks of a process (0, 0 once it is gone)."""
-    main = rest = 0
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return 0, 0
-    for task in tasks:
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        used = int(fields[11]) + int(fields[12])
-        if task.name == str(pid):
-            main += used
-        else:
-            rest += used
-    return main, rest
 
 
 class SplitServer:
@@ -113,31 +103,25 @@ class SplitServer:
             roles[pid] = "front" if b"_EMBEDFLEET_SPLIT_ROLE=front" in environ else "engine"
         return roles
 
-    def cpu(self) -> dict[str, list[int]]:
-        """role -> [main thread, other threads] ticks, summed over the role's processes."""
-        out: dict[str, list[int]] = {}
+    def cpu(self) -> dict[str, list[float]]:
+        """role -> [main thread, other threads] CPU seconds, summed over the role's processes."""
+        out: dict[str, list[float]] = {}
         for pid, role in self.roles().items():
-            main, rest = ticks(pid)
+            main, rest = thread_cpu_seconds(pid)
             acc = out.setdefault(role, [0, 0])
             acc[0] += main
             acc[1] += rest
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(2)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop_process(self.proc)
 
 
 def measure(server: SplitServer, texts: list[str], per_request: int, concurrency: int) -> dict:
     before = server.cpu()
     seconds = asyncio.run(load(server.url, texts, per_request, concurrency))
     after = server.cpu()
-    per_1k = 1000 / len(texts) * 1000 / TICK
+    per_1k = 1000 / len(texts) * 1000  # ms per 1,000 embeddings
     by_role = {role: {"loop": round((after[role][0] - before.get(role, [0, 0])[0]) * per_1k, 1),
                       "threads": round((after[role][1] - before.get(role, [0, 0])[1]) * per_1k, 1)}
                for role in after}
