@@ -89,6 +89,19 @@ def test_the_fronts_hold_no_torch_and_answer_as_one_process(split, server):
         {k: want[k] for k in ("id", "fingerprint", "vector_space", "dimensions", "digest")}
 
 
+def test_load_reports_the_engines_cold_start_with_the_fronts_first_answer(split, server):
+    """/load's `startup` is what the operator's cold-start Event reads when the pod turns Ready: through a
+    front it is the engine process's (weights, engine load, warm-up, ready), not the front's, which loads
+    no model; the first answer is the front's."""
+    want = server.client().get("/load").json()["startup"]
+    assert fresh(split, "POST", "/v1/embeddings", json={"input": "x"}).status_code == 200
+    got = fresh(split, "GET", "/load").json()["startup"]
+    assert {"engine_load", "warmup", "ready"} <= set(got["phases"]), got
+    model = got["models"][MODEL]
+    assert model["engine_load"] is not None and model["warmup"] is not None, got
+    assert got["weights_source"] == want["weights_source"], (got, want)
+
+
 def test_a_body_on_a_proxied_route_is_bounded_like_any_other(split):
     """GET /v1/models and /metrics pass the gate without its body count; the proxy bounds them itself."""
     answer = fresh(split, "GET", "/v1/models", content=b"x" * 2_000_001)

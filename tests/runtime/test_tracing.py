@@ -404,6 +404,7 @@ def test_a_split_server_exports_one_trace_across_its_processes(runtime_factory, 
     # the engine's own span of the batch (a trace of its own) links back to the request
     batch = [s for s in collector.spans if s["name"] == "batch"]
     assert batch and all(s["trace_id"] != trace for s in batch)
+    assert {s["attributes"]["embedfleet.model"].string_value for s in batch} == {MODEL}
     untraced = httpx.post(f"{srv.url}/v1/embeddings", json={"input": TEXTS},
                           headers={"traceparent": f"00-{trace[::-1]}-{CLIENT_SPAN}-00"}, timeout=120)
     assert untraced.status_code == 200

@@ -483,6 +483,10 @@ class Models:
     def loaded(self) -> bool:
         return all(s.loaded for s in self.services.values())
 
+    def startup_report(self) -> dict:
+        """The `startup` section of GET /load: this process's cold start by phase (cold_start.py)."""
+        return self.metrics.cold_start.report()
+
     @property
     def saturated(self) -> bool:
         """A hard cap is reached (the gate refuses everything before reading the body)."""

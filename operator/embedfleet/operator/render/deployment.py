@@ -49,7 +49,7 @@ API_KEYS_MODE = 0o440
 #: Seconds preStop waits so endpoints drop the pod before SIGTERM starts the runtime's drain.
 PRESTOP_SLEEP_SECONDS = 5
 READY_PERIOD_SECONDS = 1  # the kubelet's shortest probe period
-NOT_READY_AFTER_SECONDS = 10  # of failed /ready reads before a serving pod leaves its Service
+NOT_READY_AFTER_SECONDS = 5  # of failed /ready reads in a row before a serving pod leaves its Service
 #: Margin on top of preStop + drain so the kubelet never SIGKILLs a pod that is still draining.
 GRACE_MARGIN_SECONDS = 10
 
@@ -202,9 +202,10 @@ def render_deployment(
         "env": env,
         "resources": _resources(spec),
         # The kubelet reads /ready every second, so a pod is Ready within a second of being able to answer
-        # (at every 5 s, a cold start waited up to 5 s more for its probe); it takes the same 10 s of
-        # failed reads as before to turn a serving pod NotReady, so a moment's overload does not churn the
-        # endpoints. /ready is an open path answered from memory: a second's read costs the pod ~0.1 ms.
+        # (at every 5 s, a cold start waited up to 5 s more for its probe). A serving pod turns NotReady
+        # after 5 s of failed reads in a row (two reads 5 s apart before: 5 to 10 s), so a moment's
+        # overload does not churn the endpoints; one good read brings it back (within 1 s, was up to 5).
+        # /ready is an open path answered from memory: a read costs the pod about 0.1 ms.
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": 1,

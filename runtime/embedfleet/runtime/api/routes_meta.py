@@ -129,7 +129,7 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
         now = state()
         return JSON({"ready": now == "ready", "status": now, "draining": gate_state.draining,
                      "in_flight": gate_state.in_flight, "models": models.load_report(),
-                     "startup": metrics.cold_start.report()})
+                     "startup": models.startup_report()})
 
     @router.get("/metrics", tags=["probes"], response_class=PlainTextResponse)
     async def prometheus_metrics():

@@ -25,7 +25,7 @@ from embedfleet.runtime.service import ClientGone, Models
 from embedfleet.runtime.split import link
 from embedfleet.runtime.tenants import RequestOverQuota
 from embedfleet.runtime.timing import RequestTiming
-from embedfleet.runtime.tracing import RuntimeTracing
+from embedfleet.runtime.tracing import RequestTrace, RuntimeTracing
 
 log = logging.getLogger(__name__)
 STATE_S = 0.05  # how stale a front's view of the engine's load may be (it only refuses early on it)
@@ -51,7 +51,8 @@ def state_of(models: Models) -> dict:
                         "max_batch_tokens": s.settings.max_batch_tokens,
                         "max_batch_requests": s.settings.max_batch_requests, "vector_space": s.vector_space,
                         "fingerprint": s.fingerprint, "effective_dtype": s.effective_dtype}
-    return {"loaded": models.loaded, "load_error": models.load_error, "models": report}
+    return {"loaded": models.loaded, "load_error": models.load_error, "models": report,
+            "startup": models.startup_report()}
 
 
 def inputs_of(sub: link.Submitted) -> list[Tokenized] | list[Marked]:
@@ -149,6 +150,20 @@ class LinkServer:
                 event.set()
             writer.close()
 
+    def _trace_of(self, carrier: object, model: str) -> RequestTrace | None:
+        """The front's request trace continued here (--otel), or None: not traced, or a carrier that does not
+        parse (never a reason to fail the request)."""
+        if self.tracing is None or not isinstance(carrier, dict):
+            return None
+        try:
+            trace = self.tracing.continued({str(k): str(v) for k, v in carrier.items()})
+        except Exception:  # a malformed context loses the spans, not the request
+            log.debug("a front's trace context did not parse", exc_info=True)
+            return None
+        if trace is not None:
+            trace.model = model  # the batch span names it (a front's trace learnt it at tokenization)
+        return trace
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -172,8 +187,7 @@ class LinkServer:
             return
         tokenized = inputs_of(sub)
         timing = RequestTiming().begin()
-        carrier = meta.get("trace")
-        trace = self.tracing.continued(carrier) if self.tracing is not None and isinstance(carrier, dict) else None
+        trace = self._trace_of(meta.get("trace"), svc.name)
         try:
             result = await svc.run(tokenized, gone.wait, urgent=meta.get("urgent"), bounded=bool(meta.get("bounded")),
                                    deadline=meta.get("deadline"), tenant=tenant, arrived=meta.get("arrived"))

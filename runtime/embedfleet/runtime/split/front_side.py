@@ -283,7 +283,24 @@ class FrontModels(Models):
 
     _loaded_event: asyncio.Event | None = None  # set when the engine first says it has loaded (load waits)
 
+    _engine_startup: dict | None = None  # the engine process's cold start (its STATE), for /load
+
+    def startup_report(self) -> dict:
+        """The engine's cold start (weights, engine load, warm-up, ready: what the operator's cold-start
+        Event reads from /load), with this front's first answer; the front's own until the engine has said."""
+        own = super().startup_report()
+        if not self._engine_startup:
+            return own
+        report = dict(self._engine_startup)
+        phases = dict(report.get("phases") or {})
+        if "first_request" in own["phases"]:
+            phases.setdefault("first_request", own["phases"]["first_request"])
+        report["phases"] = phases
+        return report
+
     def _on_state(self, state: dict | None) -> None:
+        if state is not None and state.get("startup"):
+            self._engine_startup = state["startup"]
         models = (state or {}).get("models", {})
         for name, service in self.services.items():
             service.update(models.get(name))  # type: ignore[attr-defined]
