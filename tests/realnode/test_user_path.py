@@ -360,6 +360,8 @@ def test_a_split_runtime_runs_in_the_read_only_non_root_pod(release: RealNode) -
     assert 0 not in uids, uids
     reply = embed(pod["status"]["podIP"], RUNTIME_PORT, TEXTS, model=name)
     assert reply.status_code == 200, reply.text
+    startup = httpx.get(f"http://{pod['status']['podIP']}:{RUNTIME_PORT}/load", timeout=10).json()["startup"]
+    assert startup["models"] and all(m["engine_load"] is not None for m in startup["models"].values()), startup
     got = np.array([row["embedding"] for row in sorted(reply.json()["data"], key=lambda d: d["index"])])
     want = reference_vectors(TEXTS)
     cosines = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
