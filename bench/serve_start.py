@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from _common import ROOT, SOURCE_PATHS, add_results_dir, free_port, record, thread_cpu_seconds, wait_ready
+from _common import ROOT, SOURCE_PATHS, add_results_dir, free_port, record, stop_process, thread_cpu_seconds, wait_ready
 
 WAYS = {"native": "auto", "transformers": "transformers"}
 
@@ -60,12 +59,7 @@ def one_start(impl: str, tree: Path = ROOT) -> dict[str, float]:
         return {"ready_s": ready, "first_answer_s": answered, "cpu_at_ready_s": cpu,
                 "engine_load_s": found.get("engine_load", 0.0), "warmup_s": found.get("warmup", 0.0)}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        stop_process(proc)
 
 
 def main() -> None:
