@@ -238,6 +238,28 @@ def test_no_drift_against_its_own_reference(tiny, embed_a, runtime_factory, tmp_
     assert steady.metric("embedfleet_probe_checks_total", outcome="error") == 0
     fp = card(steady, "emb")["fingerprint"]
     assert steady.metric("embedfleet_model_info", model="emb", revision="r4", vector_space="r4", fingerprint=fp) == 1
+    # with a reference the start-up probe precedes readiness (a reference that does not fit refuses the start)
+    assert log_position(steady, "probe probe-v1 of emb") < log_position(steady, "ready ")
+
+
+def log_position(srv: RuntimeServer, words: str) -> int:
+    """Where `words` first appear in the server's log (fails naming them when absent)."""
+    found = srv.log().find(words)
+    assert found >= 0, f"{words!r} not in the log"
+    return found
+
+
+def test_the_first_answer_does_not_wait_for_the_start_up_probe(tiny, runtime_factory):
+    """Without --probe-reference the probe runs once the model serves, as bulk work; the routes that read
+    what it measures wait for it, and its series come when it is done."""
+    srv = runtime_factory("--model", f"emb={tiny['bert-embed']}", "--revision", "r7")
+    body = probe(srv, "emb")  # waits for the start-up probe if it is still running
+    assert log_position(srv, "ready ") < log_position(srv, "probe probe-v1 of emb")
+    assert body["fingerprint"].startswith("sha256:") and body["vector_space"] == "r7"
+    assert card(srv, "emb")["fingerprint"] == body["fingerprint"]
+    assert srv.metric("embedfleet_model_info", model="emb", revision="r7", vector_space="r7",
+                      fingerprint=body["fingerprint"]) == 1
+    assert srv.metric("embedfleet_probe_checks_total", outcome="error") == 0
 
 
 def test_without_a_reference_the_start_up_probe_is_the_reference(tiny, runtime_factory):

@@ -24,9 +24,11 @@ OUTCOMES = ("ok", "drift", "error")
 
 
 class DriftMonitor:
-    """One model's periodic check. `probe()` re-runs the probe (through the batch manager)."""
+    """One model's periodic check. `probe()` re-runs the probe (through the batch manager). `reference` may
+    be None when made (the start-up probe, the default reference, runs once the model serves): it is set
+    before `start`."""
 
-    def __init__(self, model: str, reference: ProbeOutputs, probe: Callable[[], Awaitable[ProbeOutputs]],
+    def __init__(self, model: str, reference: ProbeOutputs | None, probe: Callable[[], Awaitable[ProbeOutputs]],
                  interval: float, min_cosine: float, metrics: RuntimeMetrics) -> None:
         self.model = model
         self.reference = reference
@@ -41,6 +43,7 @@ class DriftMonitor:
 
     def record(self, outputs: ProbeOutputs) -> GateResult:
         """Compare `outputs` with the reference, export the figures, warn on drift."""
+        assert self.reference is not None, "the reference is set before the monitor starts"
         result = compare(self.reference, outputs, self.min_cosine)
         self.last = result
         # no cosine at all (outputs of another shape) is the worst drift there is: 0

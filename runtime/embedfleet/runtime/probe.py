@@ -1,11 +1,11 @@
 """Running the canonical probe set through a loaded model: the revision's fingerprint and vector space.
 
-The model runs on its one engine thread, and the probe never beside that: at start-up, before the batch
-manager starts and before the model counts as loaded (so /ready waits for the fingerprint), it runs
-directly on the engine thread, as the start-up timing batch does, in batches within the configured
-limits; nothing else is queued then. Once serving, a re-run (drift check, ?fresh=1) goes through the
-batch manager as bulk work, so its engine time and queue wait are counted where admission and the
-autoscaler look, and it waits behind queries instead of delaying them unseen.
+The model runs on its one engine thread, and the probe never beside that. The start-up probe runs once the
+model serves, so the first answer does not wait for it: through the batch manager as bulk work, like every
+re-run (drift check, ?fresh=1), so its engine time and queue wait are counted where admission and the
+autoscaler look, and it waits behind queries instead of delaying them unseen. With --probe-reference it
+runs before the model counts as loaded, directly on the engine thread in batches within the configured
+limits (nothing else is queued then), so a reference that does not fit the model fails the start.
 
 What a row is for each task, and how the fingerprint is taken: core/probe.py.
 """

@@ -56,6 +56,10 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+class ProbeUnavailable(Exception):
+    """The start-up probe failed: the model serves, its fingerprint is unknown (503 on GET .../probe)."""
+
+
 def engine_fn(engine: Engine, task: Task) -> Callable[[list], np.ndarray | list[np.ndarray]]:
     """The engine method that serves `task`: what the batch manager runs. Only the one asked for is
     looked up: an engine without sparse or per-token outputs (trtllm) is refused those tasks earlier."""
@@ -157,6 +161,9 @@ class ModelService:
         self._calibrating = asyncio.Lock()
         self.created = int(time.time())
         self.probe: probing.ProbeState | None = None  # fingerprint and vector space, from the start-up probe
+        self._probing: asyncio.Task | None = None  # the start-up probe, run once the model serves
+        self.probe_error: str | None = None  # why the start-up probe failed
+        self._vector_space: str | None = None
         self.drift: DriftMonitor | None = None
         self.batching: sizing.Batching | None = None  # on CUDA: the batching sized for the GPU
 
@@ -238,37 +245,76 @@ class ModelService:
                                self.settings.shared_batch_seconds, self.settings.max_queue_seconds)
         if self.settings.preempt_bulk and getattr(engine, "preemptible", False):
             batcher.preemptible_in(engine.between_layers(batcher.preempt_point))  # type: ignore[attr-defined]
-        tokens, seconds = await loop.run_in_executor(self.engine_thread, self._timed_batch, run)
-        batcher.seed_rate(tokens, seconds)
-        await self._fingerprint(run)
+        s = self.settings
+        self._vector_space = probing.vector_space_of(s.vector_space, s.revision, spec.digest)
+        reference = s.reference()
+        # made now, before /ready, so its series are exported (at zero) from the start
+        self.drift = DriftMonitor(self.name, reference, self.run_probe, s.probe_interval, s.probe_min_cosine,
+                                  self._runtime_metrics)
+        if reference is not None:  # a reference that does not fit this model fails the start, before /ready
+            await self._fingerprint(probing.on_engine_thread(run, self.engine_thread, s.max_batch_requests,
+                                                             s.max_batch_tokens), reference)
         batcher.start()
         self.batcher = batcher
         cold.warmed_up(self.name, time.perf_counter() - built)
-        if self.drift is not None:
+        if self.probe is None:
+            self._probing = asyncio.get_running_loop().create_task(self._probe_after_start(),
+                                                                   name=f"startup-probe-{self.name}")
+        else:
             self.drift.start()
         log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,
                  spec.model_type, ",".join(spec.architectures), spec.pooling, self.input_limit,
                  self.settings.device, self.effective_dtype)
 
-    async def _fingerprint(self, run) -> None:
-        """The start-up probe (before the model counts as loaded, so /ready waits for it), straight on the
-        engine thread (nothing else runs yet): fingerprint, vector space, the `embedfleet_model_info`
-        series, and the drift monitor. With --probe-reference the start-up outputs are its first check, at
-        no extra engine cost."""
+    async def _fingerprint(self, execute: probing.Execute, reference: ProbeOutputs | None) -> None:
+        """The start-up probe through `execute`: fingerprint, the `embedfleet_model_info` series, and the
+        drift monitor. With --probe-reference the start-up outputs are its first check, at no extra engine
+        cost."""
         assert self.spec is not None and self.tokenizer is not None
         s = self.settings
-        execute = probing.on_engine_thread(run, self.engine_thread, s.max_batch_requests, s.max_batch_tokens)
+        started = time.perf_counter()
         outputs = await probing.run_probe(self.spec.task, self.tokenizer, execute, self.input_limit)
-        self.probe = probing.startup_state(outputs, s.vector_space, s.revision, s.reference(),
-                                            self.spec.digest)
+        self.probe = probing.startup_state(outputs, s.vector_space, s.revision, reference, self.spec.digest)
         self._runtime_metrics.model_info.labels(self.name, s.revision, self.probe.vector_space,
                                                 self.probe.fingerprint).set(1)
-        log.info("probe %s of %s: fingerprint %s, vector space %s%s", outputs.probe_set, self.name,
-                 self.probe.fingerprint, self.probe.vector_space, f", revision {s.revision}" if s.revision else "")
-        self.drift = DriftMonitor(self.name, self.probe.reference, self.run_probe, s.probe_interval,
-                                  s.probe_min_cosine, self._runtime_metrics)
-        if s.probe_reference is not None:
+        log.info("probe %s of %s in %.2fs: fingerprint %s, vector space %s%s", outputs.probe_set, self.name,
+                 time.perf_counter() - started, self.probe.fingerprint, self.probe.vector_space,
+                 f", revision {s.revision}" if s.revision else "")
+        assert self.drift is not None
+        self.drift.reference = self.probe.reference
+        if reference is not None:
             self.drift.record(outputs)
+
+    async def _probe_after_start(self) -> None:
+        """The start-up probe once the model serves, so the first answer does not wait for it: through
+        the batch manager as bulk work with no bound (queries go first; it waits its turn, never refused
+        for its wait). Its batches are also the first the drain rate is measured on. Retried while the
+        token cap refuses it; any other failure is logged and kept for GET .../probe (503 naming it)."""
+        assert self.batcher is not None
+        while True:
+            try:
+                await self._fingerprint(probing.through_batcher(self.batcher), None)
+            except QueueFull as exc:
+                await asyncio.sleep(max(1.0, exc.retry_after))
+                continue
+            except Exception as exc:
+                self.probe_error = f"{type(exc).__name__}: {exc}"
+                log.error("the start-up probe of %s failed: %s", self.name, self.probe_error)
+                return
+            assert self.drift is not None
+            self.drift.start()
+            return
+
+    async def startup_probe(self) -> probing.ProbeState | None:
+        """The start-up probe's state, once it is done (it runs after the start); ProbeUnavailable when it
+        failed; None only for a model not loaded."""
+        task = self._probing
+        if self.probe is None and task is not None and not task.done():
+            await asyncio.shield(task)
+        if self.probe is None and self.probe_error is not None:
+            raise ProbeUnavailable(f"the start-up probe of {self.name} failed ({self.probe_error}); "
+                                   "the model serves, but its fingerprint is unknown")
+        return self.probe
 
     async def run_probe(self) -> ProbeOutputs:
         """The probe set through this model's batch manager, now (drift checks, GET .../probe?fresh=1)."""
@@ -282,7 +328,8 @@ class ModelService:
 
     @property
     def vector_space(self) -> str | None:
-        return self.probe.vector_space if self.probe is not None else None
+        """Known once the model is read (--vector-space, else --revision, else the weights' digest)."""
+        return self._vector_space
 
     @property
     def fingerprint(self) -> str | None:
@@ -315,21 +362,9 @@ class ModelService:
                  time.perf_counter() - started)
         return Calibration(np.vstack(rows).astype(np.float32), f"builtin:{len(tokenized)} texts")
 
-    def _timed_batch(self, run) -> tuple[int, float]:
-        """Tokens and seconds of one engine batch of mid-length inputs, to seed the drain rate that
-        admission divides by. Run twice and timed the second time: the first call at a new shape pays
-        one-off allocations. Costs about half a second of start-up on two CPU cores; the rate it gives
-        is replaced within a few batches of real traffic."""
-        assert self.spec is not None
-        length = max(2, min(128, self.input_limit))
-        count = max(1, min(16, self.settings.max_batch_requests, self.settings.max_batch_tokens // length))
-        batch = [[self.spec.pad_token_id + 1] * length for _ in range(count)]
-        run(batch)
-        started = time.perf_counter()
-        run(batch)
-        return length * count, time.perf_counter() - started
-
     async def close(self) -> None:
+        if self._probing is not None:
+            self._probing.cancel()
         if self.drift is not None:
             await self.drift.stop()
         if self.batcher:

@@ -19,7 +19,7 @@ from embedfleet.runtime.api.schemas import ModelCard, ModelList, ProbeAnswer, Si
 from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.probe import fingerprint, probe_body
 from embedfleet.runtime.core.tokenize import TooManyTokens
-from embedfleet.runtime.service import Models, ModelService
+from embedfleet.runtime.service import Models, ModelService, ProbeUnavailable
 
 
 def fp8_required_cosine(svc: ModelService) -> float | None:
@@ -80,8 +80,11 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
         comparison with the drift reference. What an operator's drift gate compares between revisions."""
         # the start-up outputs are open (api/gate.py is_startup_probe): no tenant then
         svc = select(models, model, "/v1/models/{model}/probe", request.scope.get(TENANT))
-        state = svc.probe
-        assert state is not None  # a loaded model has been probed
+        try:
+            state = await svc.startup_probe()
+        except ProbeUnavailable as exc:
+            raise errors.ApiError(503, str(exc), "probe_failed") from None
+        assert state is not None  # a loaded model's start-up probe ends in a state or ProbeUnavailable
         outputs, gate = state.outputs, None
         if fresh:
             try:
