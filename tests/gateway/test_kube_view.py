@@ -21,15 +21,18 @@ def slice_of(*endpoints: dict, port: int = 8080, port_name: str = "http") -> dic
     return {"ports": [{"name": port_name, "port": port}], "endpoints": list(endpoints)}
 
 
-def test_only_ready_endpoints_that_are_not_terminating_take_work():
+def test_endpoints_that_are_not_terminating_are_replicas_starting_ones_too():
+    """A starting endpoint is a replica the gateway polls; it gets work once its own /load says ready."""
     s = slice_of(
         {"addresses": ["198.18.0.5"], "conditions": {"ready": True}},
         {"addresses": ["198.18.0.6"], "conditions": {"ready": False}},  # starting
         {"addresses": ["198.18.0.7"], "conditions": {"ready": True, "terminating": True}},  # being deleted
+        {"addresses": ["198.18.0.9"], "conditions": {"ready": False, "terminating": True}},  # being deleted
         {"addresses": ["198.18.0.8"]},  # no conditions: ready, as the API defines it
         {"addresses": ["fd00::1"], "conditions": {"ready": True}},
     )
-    assert replica_urls(s) == ["http://198.18.0.5:8080", "http://198.18.0.8:8080", "http://[fd00::1]:8080"]
+    assert replica_urls(s) == ["http://198.18.0.5:8080", "http://198.18.0.6:8080", "http://198.18.0.8:8080",
+                               "http://[fd00::1]:8080"]
     assert replica_urls({"ports": [], "endpoints": s["endpoints"]}) == [], "no port: no replica"
     assert replica_urls(slice_of({"addresses": ["198.18.0.5"]}, port_name="other")) == ["http://198.18.0.5:8080"]
 

@@ -11,9 +11,13 @@ reached) feed the same `Fleet` the static `--upstream` flags feed:
   space its requests are pinned to, from the deployment's status (pinning.py), and the deployment's own
   shed and spill bounds (`spec.runtime.maxQueueSeconds`, `maxQueueSecondsBulk`,
   `spec.placement.spillAfterSeconds`: bounds.py), the same for its main and its revision Services.
-* EndpointSlices of those Services: the addresses that may take work. An endpoint that is not `ready`,
-  or is `terminating`, is dropped at once: a pod being deleted leaves the slice before its runtime's
-  own /ready turns false, so draining replicas stop getting new requests first.
+* EndpointSlices of those Services: the addresses that may take work. An endpoint that is `terminating`
+  is dropped at once: a pod being deleted leaves the slice before its runtime's own /ready turns false, so
+  draining replicas stop getting new requests first. One that is not `ready` yet (starting) is kept and
+  polled like the others, and gets work once its own `GET /load` says it is ready (upstreams.py): a cold
+  start is routed within --held-poll-interval of the runtime being able to answer, not after the kubelet's
+  next readiness probe and the EndpointSlice's update on top of it. A replica that is not ready for load
+  says so on the same poll (busy: the last resort), as it tells the kubelet.
 
 Waking from zero: when the gateway holds a request for a deployment with no ready replica, it sets the
 EmbeddingDeployment's scale subresource to 1 if it is at 0 (the operator's autoscaler acts on that change
@@ -73,8 +77,8 @@ def spill_annotation(obj: Mapping[str, Any]) -> str:
 
 
 def replica_urls(slice_: Mapping[str, Any], port_name: str = "http") -> list[str]:
-    """http://ADDRESS:PORT of every endpoint of an EndpointSlice that may take new work: ready (an
-    absent condition counts as ready, per the API) and not terminating."""
+    """http://ADDRESS:PORT of every endpoint of an EndpointSlice that may take new work, now or once its
+    own /load says it is ready: every one that is not terminating, ready or still starting."""
     ports = slice_.get("ports") or []
     port = next((p.get("port") for p in ports if p.get("name") == port_name), None)
     if port is None and len(ports) == 1:
@@ -84,7 +88,7 @@ def replica_urls(slice_: Mapping[str, Any], port_name: str = "http") -> list[str
     out = []
     for endpoint in slice_.get("endpoints") or []:
         conditions = endpoint.get("conditions") or {}
-        if conditions.get("ready") is False or conditions.get("terminating") is True:
+        if conditions.get("terminating") is True:
             continue
         for address in endpoint.get("addresses") or []:
             host = f"[{address}]" if ":" in address else address
