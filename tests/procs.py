@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +129,15 @@ class RuntimeServer:
 
         if not wait_url_ready(self.url, timeout, exited):
             raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()[-3000:]}")
+        self.wait_probed(timeout)
+
+    def wait_probed(self, timeout: float = 120) -> None:
+        """Wait for each model's start-up probe, which runs once the model serves (bulk work of its batch
+        manager): tests then count engine work (batches, inputs, tokens) from a settled start. GET .../probe
+        answers once the probe is done; it needs no key."""
+        models = httpx.get(f"{self.url}/load", timeout=10).json().get("models") or {}
+        for name in models:
+            httpx.get(f"{self.url}/v1/models/{urllib.parse.quote(name, safe='')}/probe", timeout=timeout)
 
     def stop(self) -> None:
         stop_process(self.proc, signal.SIGINT)

@@ -1,11 +1,12 @@
 """Running the canonical probe set through a loaded model: the revision's fingerprint and vector space.
 
-The model runs on its one engine thread, and the probe never beside that. The start-up probe runs once the
-model serves, so the first answer does not wait for it: through the batch manager as bulk work, like every
-re-run (drift check, ?fresh=1), so its engine time and queue wait are counted where admission and the
-autoscaler look, and it waits behind queries instead of delaying them unseen. With --probe-reference it
-runs before the model counts as loaded, directly on the engine thread in batches within the configured
-limits (nothing else is queued then), so a reference that does not fit the model fails the start.
+The model runs on its one engine thread, and the probe never beside that. The start-up probe runs directly
+on the engine thread, in batches within the configured limits: once the model serves, so the first answer
+does not wait for it (its batches take turns with the batch manager's on the engine thread, so a request
+arriving meanwhile waits for at most one probe batch, once per start); with --probe-reference, before the
+model counts as loaded, so a reference that does not fit the model fails the start. Once serving, a re-run
+(drift check, ?fresh=1) goes through the batch manager as bulk work, so its engine time and queue wait are
+counted where admission and the autoscaler look, and it waits behind queries instead of delaying them unseen.
 
 What a row is for each task, and how the fingerprint is taken: core/probe.py.
 """

@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # torch comes with it, and a front process (split/) never nee
     from embedfleet.runtime.engines import gpu_batching as sizing
 
 log = logging.getLogger(__name__)
+SEED_BATCH_CPU = (8, 32)  # rows x tokens of the batch timed at start-up to seed the drain rate (_timed_batch)
+SEED_BATCH_GPU = (16, 128)
 WATCH_AFTER_S = 0.05  # work expected to finish sooner is not watched for a client leaving (see ModelService._rows)
 
 
@@ -245,20 +247,22 @@ class ModelService:
                                self.settings.shared_batch_seconds, self.settings.max_queue_seconds)
         if self.settings.preempt_bulk and getattr(engine, "preemptible", False):
             batcher.preemptible_in(engine.between_layers(batcher.preempt_point))  # type: ignore[attr-defined]
+        tokens, seconds = await loop.run_in_executor(self.engine_thread, self._timed_batch, run)
+        batcher.seed_rate(tokens, seconds)
         s = self.settings
         self._vector_space = probing.vector_space_of(s.vector_space, s.revision, spec.digest)
         reference = s.reference()
         # made now, before /ready, so its series are exported (at zero) from the start
         self.drift = DriftMonitor(self.name, reference, self.run_probe, s.probe_interval, s.probe_min_cosine,
                                   self._runtime_metrics)
+        execute = probing.on_engine_thread(run, self.engine_thread, s.max_batch_requests, s.max_batch_tokens)
         if reference is not None:  # a reference that does not fit this model fails the start, before /ready
-            await self._fingerprint(probing.on_engine_thread(run, self.engine_thread, s.max_batch_requests,
-                                                             s.max_batch_tokens), reference)
+            await self._fingerprint(execute, reference)
         batcher.start()
         self.batcher = batcher
         cold.warmed_up(self.name, time.perf_counter() - built)
         if self.probe is None:
-            self._probing = asyncio.get_running_loop().create_task(self._probe_after_start(),
+            self._probing = asyncio.get_running_loop().create_task(self._probe_after_start(execute),
                                                                    name=f"startup-probe-{self.name}")
         else:
             self.drift.start()
@@ -285,25 +289,19 @@ class ModelService:
         if reference is not None:
             self.drift.record(outputs)
 
-    async def _probe_after_start(self) -> None:
-        """The start-up probe once the model serves, so the first answer does not wait for it: through
-        the batch manager as bulk work with no bound (queries go first; it waits its turn, never refused
-        for its wait). Its batches are also the first the drain rate is measured on. Retried while the
-        token cap refuses it; any other failure is logged and kept for GET .../probe (503 naming it)."""
-        assert self.batcher is not None
-        while True:
-            try:
-                await self._fingerprint(probing.through_batcher(self.batcher), None)
-            except QueueFull as exc:
-                await asyncio.sleep(max(1.0, exc.retry_after))
-                continue
-            except Exception as exc:
-                self.probe_error = f"{type(exc).__name__}: {exc}"
-                log.error("the start-up probe of %s failed: %s", self.name, self.probe_error)
-                return
-            assert self.drift is not None
-            self.drift.start()
+    async def _probe_after_start(self, execute: probing.Execute) -> None:
+        """The start-up probe once the model serves, so the first answer does not wait for it: its batches
+        go onto the engine thread between the batch manager's (a request arriving meanwhile waits for at most
+        one probe batch), uncounted as traffic, as before the model served. A failure is logged and kept
+        for GET .../probe (503 naming it); the model goes on serving."""
+        try:
+            await self._fingerprint(execute, None)
+        except Exception as exc:
+            self.probe_error = f"{type(exc).__name__}: {exc}"
+            log.error("the start-up probe of %s failed: %s", self.name, self.probe_error)
             return
+        assert self.drift is not None
+        self.drift.start()
 
     async def startup_probe(self) -> probing.ProbeState | None:
         """The start-up probe's state, once it is done (it runs after the start); ProbeUnavailable when it
@@ -361,6 +359,23 @@ class ModelService:
         log.info("calibrated int8/uint8 ranges of %s on %d texts in %.2f s", self.name, len(tokenized),
                  time.perf_counter() - started)
         return Calibration(np.vstack(rows).astype(np.float32), f"builtin:{len(tokenized)} texts")
+
+    def _timed_batch(self, run) -> tuple[int, float]:
+        """Tokens and seconds of one small engine batch, to seed the drain rate that admission divides by,
+        so the first requests are judged by a measurement instead of being admitted blind. Run twice and
+        timed the second time: the first call at a new shape pays one-off allocations. On a CPU the batch
+        is small (8 x 32 tokens: tens of milliseconds of a start on two cores; its rate is on the low
+        side, since a small batch carries the per-batch overhead over fewer tokens); on a GPU, where that
+        overhead would dominate, 16 x 128. Either is replaced within a few batches of real traffic."""
+        assert self.spec is not None
+        rows, width = SEED_BATCH_GPU if self.settings.device == "cuda" else SEED_BATCH_CPU
+        length = max(2, min(width, self.input_limit))
+        count = max(1, min(rows, self.settings.max_batch_requests, self.settings.max_batch_tokens // length))
+        batch = [[self.spec.pad_token_id + 1] * length for _ in range(count)]
+        run(batch)
+        started = time.perf_counter()
+        run(batch)
+        return length * count, time.perf_counter() - started
 
     async def close(self) -> None:
         if self._probing is not None:

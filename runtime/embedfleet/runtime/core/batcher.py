@@ -184,10 +184,8 @@ class BatchManager:
         return self.ahead_of(urgent) / rate if rate else 0.0
 
     def seed_rate(self, tokens: int, seconds: float) -> None:
-        """Start the drain rate from a figure known before any batch ran (a timed batch, a test's known
-        rate). A server does not seed it: until its first batches are measured (the start-up probe's, run
-        once the model serves) an unmeasured rate admits, the hard caps hold, and `_refuse_late` judges
-        the queue from the first measured batch on."""
+        """Start the drain rate from a timed batch (ModelService.load runs one at start-up), so the
+        first requests are judged by a measurement instead of being admitted blind."""
         self._books.seed(tokens, seconds)
 
     def submit(self, inputs: Sequence, urgent: bool, max_wait: float | None = None,

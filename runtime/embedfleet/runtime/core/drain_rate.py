@@ -80,7 +80,7 @@ class DrainRate:
         self._window_seconds = 0.0
 
     def seed(self, tokens: int, seconds: float) -> None:
-        """A timed batch before any traffic: the long-run rate only, forgotten after a few seconds of
+        """A timed batch before any traffic (start-up): the long-run rate only, forgotten after a few seconds of
         real draining; the recent figures are measured, never seeded."""
         self._decay_in(tokens, seconds)
 
