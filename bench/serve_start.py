@@ -85,7 +85,7 @@ def main() -> None:
         row[side] = {key: round(statistics.median(s[key] for s in samples), 3) for key in samples[0]}
         row[side]["ready_s_all"] = [round(s["ready_s"], 3) for s in samples]
     top, bottom = ("this_tree", "baseline") if args.baseline_tree is not None else ("native", "transformers")
-    for key in ("ready_s", "cpu_at_ready_s"):
+    for key in ("ready_s", "first_answer_s", "cpu_at_ready_s"):
         row[f"{top}_over_{bottom}_{key}"] = round(row[top][key] / row[bottom][key], 3)
     if args.baseline_tree is not None:
         row["baseline_commit"] = subprocess.run(["git", "-C", str(args.baseline_tree), "rev-parse", "--short=12",
