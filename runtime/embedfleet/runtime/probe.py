@@ -2,8 +2,8 @@
 
 The model runs on its one engine thread, and the probe never beside that. The start-up probe runs directly
 on the engine thread, in batches within the configured limits: once the model serves, so the first answer
-does not wait for it (its batches take turns with the batch manager's on the engine thread, so a request
-arriving meanwhile waits for at most one probe batch, once per start); with --probe-reference, before the
+does not wait for it (each of its small batches waits for the engine to have no request's work, so a
+request arriving meanwhile waits for at most one of them, once per start); with --probe-reference, before the
 model counts as loaded, so a reference that does not fit the model fails the start. Once serving, a re-run
 (drift check, ?fresh=1) goes through the batch manager as bulk work, so its engine time and queue wait are
 counted where admission and the autoscaler look, and it waits behind queries instead of delaying them unseen.
@@ -27,6 +27,9 @@ from embedfleet.runtime.core.batcher import BatchManager
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.models.spec import Task
 
+YIELD_ROWS = 8  # the start-up probe's batches once the model serves: small, so a request waits little
+YIELD_S = 2.0  # the longest a start-up probe batch waits for the engine to have no request's work
+IDLE_POLL_S = 0.005
 PROBE_TENANT = "embedfleet-probe"  # the batch manager's fairness and per-tenant wait histogram name it so
 Rows = np.ndarray | list[np.ndarray]
 Execute = Callable[[list], Awaitable[Rows]]  # engine inputs -> the engine's rows, in input order
@@ -50,14 +53,25 @@ def through_batcher(batcher: BatchManager) -> Execute:
 
 
 def on_engine_thread(run: Callable[[list], Rows], engine_thread: Executor, max_requests: int,
-                     max_tokens: int) -> Execute:
-    """Straight onto the engine thread in batches within --max-batch-requests and --max-batch-tokens (a
-    model not serving yet: nothing else is queued)."""
+                     max_tokens: int, idle: Callable[[], bool] | None = None) -> Execute:
+    """Straight onto the engine thread in batches within --max-batch-requests and --max-batch-tokens. For a
+    model already serving, `idle` (its batch manager's) says when the engine has no request's work: each
+    batch waits for that, polled every IDLE_POLL_S, for at most YIELD_S (then it runs anyway, so steady
+    traffic cannot starve it), and is at most YIELD_ROWS inputs, so a request arriving meanwhile waits
+    for one small batch at most."""
     async def execute(inputs: list) -> Rows:
         size = max(1, min(max_requests, max_tokens // max(len(x) for x in inputs)))
+        if idle is not None:
+            size = min(size, YIELD_ROWS)
         loop = asyncio.get_running_loop()
-        parts = [await loop.run_in_executor(engine_thread, run, inputs[i:i + size])
-                 for i in range(0, len(inputs), size)]
+        parts = []
+        for i in range(0, len(inputs), size):
+            if idle is not None:
+                until = loop.time() + YIELD_S
+                # a poll, once per start: simpler than an Event the batch manager would set on every batch
+                while not idle() and loop.time() < until:  # noqa: ASYNC110
+                    await asyncio.sleep(IDLE_POLL_S)
+            parts.append(await loop.run_in_executor(engine_thread, run, inputs[i:i + size]))
         if isinstance(parts[0], np.ndarray):
             return np.vstack(parts)
         return [row for part in parts for row in part]

@@ -255,13 +255,15 @@ class ModelService:
         # made now, before /ready, so its series are exported (at zero) from the start
         self.drift = DriftMonitor(self.name, reference, self.run_probe, s.probe_interval, s.probe_min_cosine,
                                   self._runtime_metrics)
-        execute = probing.on_engine_thread(run, self.engine_thread, s.max_batch_requests, s.max_batch_tokens)
         if reference is not None:  # a reference that does not fit this model fails the start, before /ready
-            await self._fingerprint(execute, reference)
+            await self._fingerprint(probing.on_engine_thread(run, self.engine_thread, s.max_batch_requests,
+                                                             s.max_batch_tokens), reference)
         batcher.start()
         self.batcher = batcher
         cold.warmed_up(self.name, time.perf_counter() - built)
         if self.probe is None:
+            execute = probing.on_engine_thread(run, self.engine_thread, s.max_batch_requests, s.max_batch_tokens,
+                                               idle=lambda: batcher.idle)
             self._probing = asyncio.get_running_loop().create_task(self._probe_after_start(execute),
                                                                    name=f"startup-probe-{self.name}")
         else:
@@ -290,9 +292,9 @@ class ModelService:
             self.drift.record(outputs)
 
     async def _probe_after_start(self, execute: probing.Execute) -> None:
-        """The start-up probe once the model serves, so the first answer does not wait for it: its batches
-        go onto the engine thread between the batch manager's (a request arriving meanwhile waits for at most
-        one probe batch), uncounted as traffic, as before the model served. A failure is logged and kept
+        """The start-up probe once the model serves, so the first answer does not wait for it: its small
+        batches go onto the engine thread when no request's work is there (probe.on_engine_thread; a request
+        arriving meanwhile waits for at most one of them), uncounted as traffic. A failure is logged and kept
         for GET .../probe (503 naming it); the model goes on serving."""
         try:
             await self._fingerprint(execute, None)

@@ -29,11 +29,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 from opentelemetry import propagate
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer, get_current_span, set_span_in_context
+
+if TYPE_CHECKING:  # the SDK is imported where tracing is set up (--otel), not by every start
+    from opentelemetry.sdk.trace import TracerProvider
 
 # Wall-clock nanoseconds of a time.perf_counter() value: the batcher times batches with perf_counter,
 # and a span made after the fact needs epoch times.

@@ -147,6 +147,12 @@ class BatchManager:
         return len(self._jobs)
 
     @property
+    def idle(self) -> bool:
+        """Nothing queued, posted or on the engine: the server's own work (the start-up probe) may take the
+        engine thread now without delaying a request."""
+        return not self._jobs and not self._running_tokens and not self._posted_tokens
+
+    @property
     def saturated(self) -> bool:
         return self._queued_tokens >= self.max_queue_tokens
 

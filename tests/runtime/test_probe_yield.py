@@ -1,0 +1,73 @@
+"""The start-up probe once the model serves (probe.on_engine_thread with `idle`): small batches, each run
+only when the batch manager has no request's work, and never starved by steady traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from embedfleet.runtime import probe
+
+
+def rows(batch: list) -> np.ndarray:
+    return np.array([[float(len(x))] for x in batch])
+
+
+def test_probe_batches_are_small_and_wait_for_the_engine_to_have_no_requests_work() -> None:
+    busy = {"until": 0.0}
+    ran: list[tuple[int, float]] = []
+
+    def run(batch: list) -> np.ndarray:
+        ran.append((len(batch), time.monotonic()))
+        return rows(batch)
+
+    async def scenario() -> np.ndarray:
+        with ThreadPoolExecutor(1) as engine:
+            execute = probe.on_engine_thread(run, engine, 64, 8192, idle=lambda: time.monotonic() >= busy["until"])
+            busy["until"] = time.monotonic() + 0.3  # a request's work on the engine for the next 0.3 s
+            started = time.monotonic()
+            out = await execute([[1] * n for n in range(1, 21)])
+            assert ran[0][1] - started >= 0.29, "the first probe batch waited for the request's work"
+            return out
+
+    out = asyncio.run(scenario())
+    assert [n for n, _ in ran] == [probe.YIELD_ROWS, probe.YIELD_ROWS, 20 - 2 * probe.YIELD_ROWS]
+    assert out[:, 0].tolist() == [float(n) for n in range(1, 21)], "rows in input order"
+
+
+def test_steady_traffic_cannot_starve_the_probe(monkeypatch) -> None:
+    monkeypatch.setattr(probe, "YIELD_S", 0.2)
+    ran: list[int] = []
+
+    def run(batch: list) -> np.ndarray:
+        ran.append(len(batch))
+        return rows(batch)
+
+    async def scenario() -> float:
+        with ThreadPoolExecutor(1) as engine:
+            execute = probe.on_engine_thread(run, engine, 64, 8192, idle=lambda: False)
+            started = time.monotonic()
+            await execute([[1, 2, 3]] * 10)
+            return time.monotonic() - started
+
+    took = asyncio.run(scenario())
+    assert ran == [probe.YIELD_ROWS, 10 - probe.YIELD_ROWS]
+    assert 0.39 <= took < 5.0, "each batch waited its bound, then ran"
+
+
+def test_before_the_model_serves_batches_are_the_configured_limits() -> None:
+    ran: list[int] = []
+
+    def run(batch: list) -> np.ndarray:
+        ran.append(len(batch))
+        return rows(batch)
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as engine:
+            await probe.on_engine_thread(run, engine, 16, 8192)([[1, 2]] * 20)
+
+    asyncio.run(scenario())
+    assert ran == [16, 4]
