@@ -12,6 +12,10 @@ import numpy as np
 from embedfleet.runtime import probe
 
 
+def chunks(n: int, size: int) -> list[int]:
+    return [size] * (n // size) + ([n % size] if n % size else [])
+
+
 def rows(batch: list) -> np.ndarray:
     return np.array([[float(len(x))] for x in batch])
 
@@ -34,7 +38,7 @@ def test_probe_batches_are_small_and_wait_for_the_engine_to_have_no_requests_wor
             return out
 
     out = asyncio.run(scenario())
-    assert [n for n, _ in ran] == [probe.YIELD_ROWS, probe.YIELD_ROWS, 20 - 2 * probe.YIELD_ROWS]
+    assert [n for n, _ in ran] == chunks(20, probe.YIELD_ROWS)
     assert out[:, 0].tolist() == [float(n) for n in range(1, 21)], "rows in input order"
 
 
@@ -54,8 +58,8 @@ def test_steady_traffic_cannot_starve_the_probe(monkeypatch) -> None:
             return time.monotonic() - started
 
     took = asyncio.run(scenario())
-    assert ran == [probe.YIELD_ROWS, 10 - probe.YIELD_ROWS]
-    assert 0.39 <= took < 5.0, "each batch waited its bound, then ran"
+    assert ran == chunks(10, probe.YIELD_ROWS)
+    assert 0.2 * len(ran) - 0.01 <= took < 10.0, "each batch waited its bound, then ran"
 
 
 def test_before_the_model_serves_batches_are_the_configured_limits() -> None:
@@ -70,4 +74,4 @@ def test_before_the_model_serves_batches_are_the_configured_limits() -> None:
             await probe.on_engine_thread(run, engine, 16, 8192)([[1, 2]] * 20)
 
     asyncio.run(scenario())
-    assert ran == [16, 4]
+    assert ran == chunks(20, 16)

@@ -27,7 +27,8 @@ from embedfleet.runtime.core.batcher import BatchManager
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.models.spec import Task
 
-YIELD_ROWS = 8  # the start-up probe's batches once the model serves: small, so a request waits little
+AFTER_READY_S = 1.0  # the start-up probe begins this long after the model serves: the first requests go first
+YIELD_ROWS = 4  # the start-up probe's batches once the model serves: small, so a request waits little
 YIELD_S = 2.0  # the longest a start-up probe batch waits for the engine to have no request's work
 IDLE_POLL_S = 0.005
 PROBE_TENANT = "embedfleet-probe"  # the batch manager's fairness and per-tenant wait histogram name it so

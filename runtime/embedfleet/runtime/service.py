@@ -292,10 +292,11 @@ class ModelService:
             self.drift.record(outputs)
 
     async def _probe_after_start(self, execute: probing.Execute) -> None:
-        """The start-up probe once the model serves, so the first answer does not wait for it: its small
-        batches go onto the engine thread when no request's work is there (probe.on_engine_thread; a request
-        arriving meanwhile waits for at most one of them), uncounted as traffic. A failure is logged and kept
+        """The start-up probe a second after the model serves, so the first answers do not wait for it: its
+        small batches go onto the engine thread when no request's work is there (probe.on_engine_thread; a
+        request arriving meanwhile waits for at most one of them), uncounted as traffic. A failure is logged and kept
         for GET .../probe (503 naming it); the model goes on serving."""
+        await asyncio.sleep(probing.AFTER_READY_S)
         try:
             await self._fingerprint(execute, None)
         except Exception as exc:
