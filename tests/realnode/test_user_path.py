@@ -8,6 +8,7 @@ duration: waits are bounded only so a broken step fails instead of hanging.
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import socket
 import subprocess
@@ -156,6 +157,15 @@ def test_example_serves_through_the_gateway_with_the_in_process_vectors(release:
     name = example()["metadata"]["name"]
     wait_until(lambda: ready_runtimes(release, name), 600, f"a Ready runtime pod of {name} (its real probes)")
     release.kubectl("wait", "--for=condition=Available", f"embeddingdeployment/{name}", "--timeout=300s", timeout=320)
+    pod, runtime = cold_start_of(release, name)
+    assert list(pod) == ["scheduling", "init", "image_pull", "runtime_start"], pod
+    assert {"engine_load", "warmup", "ready"} <= set(runtime), runtime
+    assert all(v >= 0 for v in (*pod.values(), *runtime.values())), (pod, runtime)
+    # the runtime's parts lie inside its process start -> ready (the Event rounds each to a tenth: 0.2 s of slack);
+    # its ready inside the pod's runtime_start (whole seconds there: one second of slack)
+    parts = sum(runtime.get(p, 0.0) for p in ("weights", "weights_verify", "engine_load", "warmup"))
+    assert parts <= runtime["ready"] + 0.2, runtime
+    assert runtime["ready"] <= pod["runtime_start"] + 1.0, (pod, runtime)
     gw = gateway_ip(release)
     reply = wait_until(lambda: (r := embed(gw, GATEWAY_PORT, TEXTS)).status_code == 200 and r, 120,
                      "a 200 from the gateway pod")
@@ -180,6 +190,24 @@ def test_example_serves_through_the_gateway_with_the_in_process_vectors(release:
     finally:
         forward.terminate()
         forward.wait(10)
+
+
+def cold_start_of(node: RealNode, deployment: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The operator's ColdStart Event on `deployment` (operator/cold_start.py event_message): the pod-visible
+    phases and the runtime's own, in seconds, in the order the Event names them."""
+    def event() -> str | None:
+        found = node.get("events", "-n", "default", "--field-selector",
+                         f"reason=ColdStart,involvedObject.name={deployment}") or {"items": []}
+        return next((e["message"] for e in found["items"]), None)
+
+    message = wait_until(event, 120, f"the operator's ColdStart Event on {deployment}")
+    head, _, inner = message.partition("; runtime: ")
+    assert inner, f"the runtime's phases were not read: {message}"
+
+    def seconds(text: str) -> dict[str, float]:
+        return {m[1]: float(m[2]) for m in re.finditer(r"(\w+) ([\d.]+)s", text)}
+
+    return seconds(head.split(": ", 1)[1]), seconds(re.sub(r" \([^)]*\)", "", inner))
 
 
 def test_no_accepted_request_fails_while_scaling_1_3_1_and_a_runtime_is_killed(release: RealNode) -> None:
