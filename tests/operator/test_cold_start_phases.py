@@ -15,8 +15,10 @@ from embedfleet.operator.cold_start import (
     event_message,
     pod_phases,
     pod_times,
+    refined,
     runtime_phases,
     should_report,
+    sight,
     weights_source,
 )
 
@@ -133,3 +135,48 @@ def test_the_engine_builds_source_is_read_and_said_beside_engine_load() -> None:
     text = event_message("web-1", phases, {"engine_load": 2.1, "ready": 3.9}, "cache", "peer")
     assert "engine_load 2.1s (build: peer)" in text
     assert "(build:" not in event_message("web-1", phases, {"engine_load": 2.1}, "cache")
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def test_boundaries_seen_happening_are_timed_by_the_watch_to_the_sub_second() -> None:
+    """The pod's ADDED event, then events showing it scheduled, initialized, started, Ready: each boundary is
+    the arrival of the first event that shows it; the Pod's whole seconds give way."""
+    seen = sight(None, pod_times(pod(scheduled=None, initialized=None, started=[None], ready=None)), at(0.2))
+    seen = sight(seen, pod_times(pod(initialized=None, started=[None], ready=None)), at(0.45))
+    seen = sight(seen, pod_times(pod(started=[None], ready=None)), at(1.3))
+    seen = sight(seen, pod_times(pod(started=[12], ready=None)), at(3.05))
+    seen = sight(seen, pod_times(pod(started=[12], ready=None)), at(3.5))  # nothing new: nothing moves
+    times = pod_times(pod(started=[12]))
+    seen = sight(seen, times, at(5.25))
+    phases = pod_phases(refined(times, seen))
+    assert phases == {"scheduling": 0.25, "init": 0.85, "image_pull": 1.75, "runtime_start": 2.2}
+
+
+def test_a_pod_first_seen_already_under_way_keeps_its_own_timestamps_for_what_had_passed() -> None:
+    # first seen scheduled (the operator started after the pod): creation and scheduling as the Pod says
+    seen = sight(None, pod_times(pod(initialized=None, started=[None], ready=None)), at(4.4))
+    times = pod_times(pod())
+    seen = sight(seen, times, at(20.6))  # initialized, started and Ready all in one event
+    assert refined(times, seen) == PodTimes(T0, at(2), at(20.6), at(20.6), at(20.6))
+    assert pod_phases(refined(times, seen)) == {"scheduling": 2, "init": 18.6, "image_pull": 0, "runtime_start": 0}
+    assert refined(times, None) == times
+
+
+@given(created=moments, scheduled=moments, initialized=moments, started=moments, ready=moments,
+       arrivals=st.lists(st.floats(0, 7200), min_size=1, max_size=6))
+def test_refined_phases_still_partition_creation_to_ready(created, scheduled, initialized, started, ready,
+                                                          arrivals) -> None:
+    times = PodTimes(created, scheduled, initialized, started, ready)
+    seen = None
+    for when in sorted(arrivals):
+        seen = sight(seen, times, at(when))
+    better = refined(times, seen)
+    phases = pod_phases(better)
+    if better.created is None or better.ready is None:
+        assert phases is None
+        return
+    assert phases is not None and all(v >= 0 for v in phases.values())
+    assert abs(sum(phases.values()) - max(0.0, (better.ready - better.created).total_seconds())) < 1e-6

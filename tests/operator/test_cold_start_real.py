@@ -22,7 +22,7 @@ from tests.procs import free_port
 from embedfleet.operator.cold_start import POD_PHASES
 
 NAME = "cold"
-MESSAGE = re.compile(r"^pod (?P<pod>\S+) Ready (?P<total>\d+)s after creation: (?P<phases>.*); "
+MESSAGE = re.compile(r"^pod (?P<pod>\S+) Ready (?P<total>[\d.]+)s after creation: (?P<phases>.*); "
                      r"runtime phases not read \(the pod did not answer GET /load\)$")
 
 
@@ -65,9 +65,13 @@ def check_events(cluster: Cluster, ns: str, expected: dict[str, dict]) -> None:
     for name, (match,) in by_pod.items():
         phases = dict(part.rsplit(" ", 1) for part in match["phases"].split(", "))
         assert list(phases) == list(POD_PHASES), match["phases"]  # kwok writes every condition the kubelet does
-        seconds = [int(v.removesuffix("s")) for v in phases.values()]
+        seconds = [float(v.removesuffix("s")) for v in phases.values()]
         assert all(s >= 0 for s in seconds)
-        assert sum(seconds) == int(match["total"]) == seconds_between(expected[name], "Ready")
+        # each figure is rounded to a tenth (whole seconds from 10 s): the sum within that of the total
+        assert abs(sum(seconds) - float(match["total"])) <= 0.05 * (len(seconds) + 1) + 1e-9, match.group(0)
+        # the operator times what its watch saw happen (sub-second, its own clock); the Pod's timestamps are
+        # whole seconds: the two agree within a second, plus the watch's delivery and kopf's 0.1 s batching
+        assert abs(float(match["total"]) - seconds_between(expected[name], "Ready")) <= 1.5, match.group(0)
 
 
 def test_each_new_pod_is_reported_once(kube_cluster: Cluster, unique: str, tmp_path: Path) -> None:

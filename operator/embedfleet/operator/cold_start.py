@@ -13,8 +13,9 @@ The operator sees a pod from the outside, through the timestamps Kubernetes reco
   and the operator adds them to its Event when it can reach the pod).
 
 The phases partition the pod's time from creation to Ready: they are never negative and sum to
-``ready - created``. Timestamps come from different clocks (API server, scheduler, kubelet), to the second,
-so each boundary is clamped between the one before it and Ready; a boundary that is missing (no
+``ready - created``. Timestamps come from different clocks (API server, scheduler, kubelet), to the second;
+a boundary the operator saw happen through its watch is timed by its own clock instead (`sight`,
+`refined`: sub-second). Each boundary is clamped between the one before it and Ready; a boundary that is missing (no
 ``Initialized`` condition, a container without ``startedAt``) leaves its phase out, and that time goes to
 the next phase. No cold start without both creation and Ready.
 
@@ -80,6 +81,46 @@ def pod_times(pod: Mapping[str, Any]) -> PodTimes:
                     scheduled=_condition_time(status, "PodScheduled"),
                     initialized=_condition_time(status, "Initialized"),
                     started=started, ready=_condition_time(status, "Ready"))
+
+
+#: A pod's boundaries by name, in the order of ``PodTimes``' fields.
+BOUNDARIES = ("created", "scheduled", "initialized", "started", "ready")
+
+
+@dataclass(frozen=True)
+class Seen:
+    """When this operator saw each boundary of one pod happen, by its own clock (microseconds, where the Pod's
+    timestamps are whole seconds from several clocks). ``at``: boundary -> the first sight of the pod with it
+    passed; ``passed``: the boundaries already passed at the first sight of the pod (their time is unknown
+    here: the Pod's own timestamp stands)."""
+
+    at: Mapping[str, datetime]
+    passed: frozenset[str]
+
+
+def _passed(times: PodTimes) -> set[str]:
+    return {name for name in BOUNDARIES if getattr(times, name) is not None}
+
+
+def sight(seen: Seen | None, times: PodTimes, now: datetime) -> Seen:
+    """`seen` updated with one sight of the pod (`times`, read from it) at `now`. Creation is stamped only at a
+    first sight with nothing else passed yet (the pod's ADDED event: it was created a moment ago); a boundary
+    is stamped at the first sight that shows it passed, if it was not passed at the first sight."""
+    passed = _passed(times)
+    if seen is None:
+        if passed <= {"created"}:
+            return Seen({"created": now}, frozenset())
+        return Seen({}, frozenset(passed))
+    new = {name: now for name in passed - seen.passed - set(seen.at)}
+    return Seen({**seen.at, **new}, seen.passed) if new else seen
+
+
+def refined(times: PodTimes, seen: Seen | None) -> PodTimes:
+    """`times` with each boundary this operator saw happen at the time it saw it (sub-second); the rest as the
+    Pod says. Phases from it still partition creation -> Ready (`pod_phases` clamps any mix of clocks)."""
+    if seen is None:
+        return times
+    return PodTimes(**{name: seen.at.get(name, getattr(times, name)) for name in BOUNDARIES})
 
 
 def pod_phases(times: PodTimes) -> dict[str, float] | None:

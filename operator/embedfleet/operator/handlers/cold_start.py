@@ -10,7 +10,10 @@ pod-visible phases when the pod does not answer. The histogram takes only the po
 runtime exports its own under the same name, so nothing is counted twice.
 
 Once per pod per operator process, and only for a Ready seen while this process watched: after a restart
-or a leader change, pods that were Ready already are not reported again.
+or a leader change, pods that were Ready already are not reported again. Each boundary this process saw
+happen (the pod created, scheduled, initialized, its containers started, Ready) is timed by when its watch
+event arrived (operator/cold_start.py `sight`), to about a tenth of a second (kopf's batching of an object's
+events), where the Pod's own timestamps are whole seconds.
 """
 
 from __future__ import annotations
@@ -65,6 +68,28 @@ class _Reported:
 REPORTED = _Reported()
 
 
+class _Sightings:
+    """Per pod (by uid), when this process saw each of its boundaries happen (cold_start.Seen); kept until the
+    pod is reported or deleted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[str, cold_start.Seen] = {}
+
+    def update(self, uid: str, times: cold_start.PodTimes) -> cold_start.Seen:
+        with self._lock:
+            seen = cold_start.sight(self._seen.get(uid), times, datetime.now(UTC))
+            self._seen[uid] = seen
+            return seen
+
+    def forget(self, uid: str) -> None:
+        with self._lock:
+            self._seen.pop(uid, None)
+
+
+SIGHTINGS = _Sightings()
+
+
 @kopf.on.startup()
 def _watching(**_: Any) -> None:
     """Pods become news from when kopf starts watching (a standby's wait for the Lease does not count)."""
@@ -101,12 +126,16 @@ def runtime_pod_changed(event: Mapping[str, Any], body: kopf.Body, namespace: st
     uid = body.get("metadata", {}).get("uid") or ""
     if event.get("type") == "DELETED":
         REPORTED.forget(uid)
+        SIGHTINGS.forget(uid)
         return
     pod = dict(body)
     times = cold_start.pod_times(pod)
+    seen = SIGHTINGS.update(uid, times)
+    if times.ready is not None:
+        SIGHTINGS.forget(uid)  # reported now, or Ready before this process watched: nothing more to time
     if not REPORTED.claim(uid, times.ready):
         return
-    phases = cold_start.pod_phases(times)
+    phases = cold_start.pod_phases(cold_start.refined(times, seen))
     if phases is None:
         return
     owner = next(iter(embedding_index.get((namespace, labels.get(naming.INSTANCE_LABEL, "")), [])), None)
