@@ -129,15 +129,19 @@ class RuntimeServer:
 
         if not wait_url_ready(self.url, timeout, exited):
             raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()[-3000:]}")
-        self.wait_probed(timeout)
 
     def wait_probed(self, timeout: float = 120) -> None:
-        """Wait for each model's start-up probe, which runs once the model serves (bulk work of its batch
-        manager): tests then count engine work (batches, inputs, tokens) from a settled start. GET .../probe
-        answers once the probe is done; it needs no key."""
+        """Wait for each model's start-up probe, which runs a second after the models serve, on the engine
+        thread: tests then time and count engine work from a settled start. GET .../probe answers once the
+        probe is done (503 `probe_pending` while it runs); it needs no key."""
+        deadline = time.monotonic() + timeout
         models = httpx.get(f"{self.url}/load", timeout=10).json().get("models") or {}
         for name in models:
-            httpx.get(f"{self.url}/v1/models/{urllib.parse.quote(name, safe='')}/probe", timeout=timeout)
+            url = f"{self.url}/v1/models/{urllib.parse.quote(name, safe='')}/probe"
+            while (answer := httpx.get(url, timeout=timeout)).status_code == 503 and \
+                    answer.json()["error"]["code"] == "probe_pending" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert answer.status_code == 200, f"the start-up probe of {name}: {answer.text[:300]}"
 
     def stop(self) -> None:
         stop_process(self.proc, signal.SIGINT)
@@ -170,4 +174,5 @@ def start_runtime(*flags: str, env: dict[str, str | None] | None = None, wait_re
     srv = RuntimeServer(proc, port, Path(log_file.name))
     if wait_ready:
         srv.wait_ready()
+        srv.wait_probed()
     return srv

@@ -250,10 +250,11 @@ def log_position(srv: RuntimeServer, words: str) -> int:
 
 
 def test_the_first_answer_does_not_wait_for_the_start_up_probe(tiny, runtime_factory):
-    """Without --probe-reference the probe runs once the model serves, as bulk work; the routes that read
-    what it measures wait for it, and its series come when it is done."""
+    """Without --probe-reference the probe runs once the model serves, on the engine thread between the
+    requests' batches; GET .../probe waits for it (503 probe_pending past a few seconds), and its series come
+    when it is done."""
     srv = runtime_factory("--model", f"emb={tiny['bert-embed']}", "--revision", "r7")
-    body = probe(srv, "emb")  # waits for the start-up probe if it is still running
+    body = probe(srv, "emb")  # the harness waited for the start-up probe (tests/procs.py wait_probed)
     assert log_position(srv, "ready ") < log_position(srv, "probe probe-v1 of emb")
     assert body["fingerprint"].startswith("sha256:") and body["vector_space"] == "r7"
     assert card(srv, "emb")["fingerprint"] == body["fingerprint"]

@@ -114,6 +114,7 @@ class Upstreams:
         self.deployments: dict[str, dict[str, Replica]] = {}
         self.models: dict[str, str] = {}  # deployment -> the model name its requests ask for (a card's id)
         self._wake = asyncio.Event()
+        self._down_polls: dict[str, asyncio.Task] = {}  # URL -> its poll in flight, for replicas that are down
 
     def set_replicas(self, deployment: str, urls: Iterable[str]) -> None:
         """The replicas of `deployment` are now exactly `urls`; known ones keep their state, new ones
@@ -171,19 +172,28 @@ class Upstreams:
 
     async def run(self) -> None:
         """Poll every replica until cancelled."""
-        while True:
-            self._wake.clear()
-            try:
-                await self.poll_once()
-            except Exception:  # a bug here must not stop every later poll
-                log.exception("poll failed")
-            interval = self.held_poll_interval if self.holding() else self.poll_interval
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except TimeoutError:
-                pass
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    await self.poll_once()
+                except Exception:  # a bug here must not stop every later poll
+                    log.exception("poll failed")
+                interval = self.held_poll_interval if self.holding() else self.poll_interval
+                try:
+                    await asyncio.wait_for(self._wake.wait(), interval)
+                except TimeoutError:
+                    pass
+        finally:
+            for task in list(self._down_polls.values()):
+                task.cancel()
 
     async def poll_once(self) -> None:
+        """One round: the replicas that are up are polled together and waited for; each one that is down is
+        polled on its own (at most one poll per address at a time) and never waited for, so an address that
+        does not answer (a starting pod's endpoint on a node that went NotReady stays in its EndpointSlice
+        until the pod is evicted) cannot hold every round for --poll-timeout. Either way a result counts when
+        it arrives."""
         by_url: dict[str, list[Replica]] = {}
         for replicas in self.deployments.values():
             for replica in replicas.values():
@@ -191,10 +201,32 @@ class Upstreams:
         if not by_url:
             return
         started = self.now()
-        results = await asyncio.gather(*(self._fetch_load(url) for url in by_url))
+        up = {url: group for url, group in by_url.items() if any(r.state is not State.DOWN for r in group)}
+        for url in by_url.keys() - up.keys() - self._down_polls.keys():
+            task = asyncio.get_running_loop().create_task(self._poll_down(url), name=f"poll-{url}")
+            self._down_polls[url] = task
+            task.add_done_callback(lambda _task, url=url: self._down_polls.pop(url, None))
+        if up:
+            await self._apply(list(up.values()), await asyncio.gather(*(self._fetch_load(url) for url in up)),
+                              started)
+
+    async def _poll_down(self, url: str) -> None:
+        """One poll of a replica that is down, applied when it answers (or fails) to the replicas at `url` then."""
+        started = self.now()
+        result = await self._fetch_load(url)
+        group = [replica for replicas in self.deployments.values() if (replica := replicas.get(url)) is not None]
+        if group:
+            try:
+                await self._apply([group], [result], started)
+            except Exception:  # a bug here must not go unseen in a task nobody awaits
+                log.exception("poll of %s failed", url)
+
+    async def _apply(self, groups: list[list[Replica]], results: list[tuple[Any, str | None]],
+                     started: float) -> None:
+        """What a round's polls begun at `started` found, for each group of replicas sharing a URL."""
         changed: set[str] = set()
         seen: list[tuple[Replica, State, str]] = []
-        for replicas, (doc, problem) in zip(by_url.values(), results, strict=True):
+        for replicas, (doc, problem) in zip(groups, results, strict=True):
             for replica in replicas:
                 if problem is None:
                     state, wait, detail = read_load(doc, replica.deployment)

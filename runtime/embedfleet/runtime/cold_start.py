@@ -12,7 +12,7 @@ module records that part, for one process:
   earlier on this node, ``peer``: copied from another node by the node agent) and its folder
   (engines/cache_dir.py `BuildSource`);
 * ``warmup``: everything after that until the model serves (warm-up batches, GPU batch sizing, the
-  drain-rate seed, the start-up probe);
+  drain-rate seed; the start-up probe only with --probe-reference: otherwise it runs after the start);
 * ``ready``: from process start to every model serving (interpreter start and imports included);
 * ``first_request``: from process start to the first request answered with a 2xx.
 

@@ -8,6 +8,7 @@ per served model; each has its own queue and limits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # torch comes with it, and a front process (split/) never nee
     from embedfleet.runtime.engines import gpu_batching as sizing
 
 log = logging.getLogger(__name__)
+PROBE_ATTEMPTS = 3  # runs of a start-up probe that fails before GET .../probe answers 503 for good
 SEED_BATCH_CPU = (8, 32)  # rows x tokens of the batch timed at start-up to seed the drain rate (_timed_batch)
 SEED_BATCH_GPU = (16, 128)
 WATCH_AFTER_S = 0.05  # work expected to finish sooner is not watched for a client leaving (see ModelService._rows)
@@ -60,6 +62,10 @@ class ClientGone(Exception):
 
 class ProbeUnavailable(Exception):
     """The start-up probe failed: the model serves, its fingerprint is unknown (503 on GET .../probe)."""
+
+
+class ProbePending(Exception):
+    """The start-up probe is still running (503 with Retry-After on GET .../probe)."""
 
 
 def engine_fn(engine: Engine, task: Task) -> Callable[[list], np.ndarray | list[np.ndarray]]:
@@ -261,12 +267,7 @@ class ModelService:
         batcher.start()
         self.batcher = batcher
         cold.warmed_up(self.name, time.perf_counter() - built)
-        if self.probe is None:
-            execute = probing.on_engine_thread(run, self.engine_thread, s.max_batch_requests, s.max_batch_tokens,
-                                               idle=lambda: batcher.idle)
-            self._probing = asyncio.get_running_loop().create_task(self._probe_after_start(execute),
-                                                                   name=f"startup-probe-{self.name}")
-        else:
+        if self.probe is not None:
             self.drift.start()
         log.info("serving %s: %s %s (%s, pooling=%s, max_tokens=%d) on %s/%s", spec.name, spec.task,
                  spec.model_type, ",".join(spec.architectures), spec.pooling, self.input_limit,
@@ -291,31 +292,58 @@ class ModelService:
         if reference is not None:
             self.drift.record(outputs)
 
-    async def _probe_after_start(self, execute: probing.Execute) -> None:
-        """The start-up probe a second after the model serves, so the first answers do not wait for it: its
-        small batches go onto the engine thread when no request's work is there (probe.on_engine_thread; a
-        request arriving meanwhile waits for at most one of them), uncounted as traffic. A failure is logged and kept
-        for GET .../probe (503 naming it); the model goes on serving."""
-        await asyncio.sleep(probing.AFTER_READY_S)
-        try:
-            await self._fingerprint(execute, None)
-        except Exception as exc:
-            self.probe_error = f"{type(exc).__name__}: {exc}"
-            log.error("the start-up probe of %s failed: %s", self.name, self.probe_error)
+    def start_probe(self) -> None:
+        """Start the start-up probe (Models.load calls it once every model serves; a no-op when it ran before
+        /ready, with --probe-reference)."""
+        if self.probe is not None or self._probing is not None or self.batcher is None:
             return
-        assert self.drift is not None
-        self.drift.start()
+        s, batcher = self.settings, self.batcher
+        execute = probing.on_engine_thread(batcher.engine_fn, self.engine_thread, s.max_batch_requests,
+                                           s.max_batch_tokens, idle=lambda: batcher.idle)
+        self._probing = asyncio.get_running_loop().create_task(self._probe_after_start(execute),
+                                                               name=f"startup-probe-{self.name}")
 
-    async def startup_probe(self) -> probing.ProbeState | None:
-        """The start-up probe's state, once it is done (it runs after the start); ProbeUnavailable when it
-        failed; None only for a model not loaded."""
+    async def _probe_after_start(self, execute: probing.Execute) -> None:
+        """The start-up probe a second after the models serve, so the first answers do not wait for it: its
+        small batches go onto the engine thread when no request's work is there (probe.on_engine_thread; a
+        request arriving meanwhile waits for at most one of them), uncounted as traffic. A failure counts as
+        a drift check's `error`, is logged, and is tried again (PROBE_ATTEMPTS in all, backing off); after the
+        last, GET .../probe answers 503 naming the failure's kind and the model goes on serving."""
+        await asyncio.sleep(probing.AFTER_READY_S)
+        for attempt in range(PROBE_ATTEMPTS):
+            try:
+                await self._fingerprint(execute, None)
+            except Exception as exc:
+                self.probe_error = type(exc).__name__
+                self._runtime_metrics.probe_checks.labels(self.name, "error").inc()
+                log.error("the start-up probe of %s failed (attempt %d of %d): %s: %s", self.name, attempt + 1,
+                          PROBE_ATTEMPTS, type(exc).__name__, exc)
+                if attempt + 1 < PROBE_ATTEMPTS:
+                    await asyncio.sleep(2.0 ** attempt)
+                continue
+            self.probe_error = None
+            assert self.drift is not None
+            self.drift.start()
+            return
+
+    async def startup_probe(self, wait_s: float) -> probing.ProbeState:
+        """The start-up probe's state, waiting up to `wait_s` seconds for it while it runs. ProbePending when
+        it is not done by then; ProbeUnavailable when it failed, or the server stopped it."""
         task = self._probing
         if self.probe is None and task is not None and not task.done():
-            await asyncio.shield(task)
-        if self.probe is None and self.probe_error is not None:
-            raise ProbeUnavailable(f"the start-up probe of {self.name} failed ({self.probe_error}); "
-                                   "the model serves, but its fingerprint is unknown")
-        return self.probe
+            try:
+                await asyncio.wait_for(asyncio.shield(task), wait_s)
+            except TimeoutError:
+                raise ProbePending(f"the start-up probe of {self.name} is still running; retry shortly") from None
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # this caller was cancelled (its client left), not the probe
+        if self.probe is not None:
+            return self.probe
+        why = self.probe_error or ("stopped: the server is shutting down" if task is not None and task.cancelled()
+                                   else "not run")
+        raise ProbeUnavailable(f"the start-up probe of {self.name} failed ({why}); the model serves, but its "
+                               "fingerprint is unknown")
 
     async def run_probe(self) -> ProbeOutputs:
         """The probe set through this model's batch manager, now (drift checks, GET .../probe?fresh=1)."""
@@ -383,6 +411,8 @@ class ModelService:
     async def close(self) -> None:
         if self._probing is not None:
             self._probing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probing  # off the engine thread before it shuts down
         if self.drift is not None:
             await self.drift.stop()
         if self.batcher:
@@ -587,6 +617,8 @@ class Models:
                 log.error("model failed to load: %s", self.load_error)
                 raise
         self.metrics.cold_start.all_ready()
+        for service in self.services.values():  # once every model serves: no probe beside another's load
+            service.start_probe()
 
     async def close(self) -> None:
         for service in self.services.values():

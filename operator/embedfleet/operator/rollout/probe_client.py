@@ -18,7 +18,8 @@ import httpx
 from embedfleet.operator.crd import naming
 from embedfleet.operator.rollout.revisions import ProbeRead
 
-#: Seconds one probe read may take (connect and answer); the runtime serves it from memory.
+#: Seconds one probe read may take (connect and answer); the runtime serves it from memory, or answers 503
+#: `probe_pending` within 3 s while its start-up probe still runs (read again on the next converge).
 TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 1.0
 #: Pods of one revision tried before its read counts as failed for this converge.

@@ -78,7 +78,7 @@ def create_app(models: Models, gate_state: GateState,
         async def load() -> None:
             try:
                 await models.load()
-                gate_state.pinning.serve(settings.revision, models.vector_spaces())  # fingerprints known now
+                gate_state.pinning.serve(settings.revision, models.vector_spaces())  # the weights' spaces known now
                 metrics.ready.set(1)
             except Exception:
                 if on_load_failed:

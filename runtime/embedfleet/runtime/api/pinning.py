@@ -7,7 +7,7 @@ membership test per request; every answer it lets through names the revision and
 answered (`x-embedfleet-revision`, `x-embedfleet-vector-space`).
 
 The spaces are known before the model loads when --vector-space or --revision names them, else once the
-start-up probe has computed the fingerprint (`serve` is called again then). Until they are known no
+model's files are read (the weights' digest names the space; `serve` is called again then). Until they are known no
 request is refused for its space: the model routes answer 503 "loading" anyway.
 """
 

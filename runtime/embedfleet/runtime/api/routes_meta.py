@@ -19,7 +19,9 @@ from embedfleet.runtime.api.schemas import ModelCard, ModelList, ProbeAnswer, Si
 from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.probe import fingerprint, probe_body
 from embedfleet.runtime.core.tokenize import TooManyTokens
-from embedfleet.runtime.service import Models, ModelService, ProbeUnavailable
+from embedfleet.runtime.service import Models, ModelService, ProbePending, ProbeUnavailable
+
+PROBE_WAIT_S = 3.0  # GET .../probe waits this long for a start-up probe still running, then answers 503 (retry)
 
 
 def fp8_required_cosine(svc: ModelService) -> float | None:
@@ -81,10 +83,11 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
         # the start-up outputs are open (api/gate.py is_startup_probe): no tenant then
         svc = select(models, model, "/v1/models/{model}/probe", request.scope.get(TENANT))
         try:
-            state = await svc.startup_probe()
+            state = await svc.startup_probe(PROBE_WAIT_S)
+        except ProbePending as exc:
+            raise errors.ApiError(503, str(exc), "probe_pending", {"retry-after": "1"}) from None
         except ProbeUnavailable as exc:
             raise errors.ApiError(503, str(exc), "probe_failed") from None
-        assert state is not None  # a loaded model's start-up probe ends in a state or ProbeUnavailable
         outputs, gate = state.outputs, None
         if fresh:
             try:
