@@ -82,6 +82,13 @@ def test_helm_apply_traffic_scale_up_down_delete(kube_cluster: Cluster, pod_netw
                        "scale-down after the load")
             wait_until(lambda: len(kubelet.runtimes) == 1, 60, "the extra runtimes stopped with their pods")
 
+            # A runtime's start-up probe runs after its start, between the requests' batches; what it measures
+            # (its fingerprint, the drift figures) is news the operator may write once: the steady state
+            # begins when every runtime left has finished it.
+            for ip in kubelet.ready_ips():
+                wait_until(lambda ip=ip: all(probed(ip, m) for m in httpx.get(f"http://{ip}:{PORT}/load",
+                                                                               timeout=5).json()["models"]),
+                           60, f"the start-up probe of the runtime at {ip}")
             # Idle, with real metrics flowing: the operator writes nothing but its Lease.
             time.sleep(5)
             cluster.audit_mark()
@@ -93,6 +100,11 @@ def test_helm_apply_traffic_scale_up_down_delete(kube_cluster: Cluster, pod_netw
         wait_until(lambda: not cluster.get_json("all", "-n", ns, "-l", "app.kubernetes.io/instance=web")["items"],
                    60, "everything owned gone")
         assert proc.unexpected_errors() == []
+
+
+def probed(ip: str, model: str) -> bool:
+    """Whether the runtime at `ip` has finished `model`'s start-up probe (GET .../probe answers 200)."""
+    return httpx.get(f"http://{ip}:{PORT}/v1/models/{model}/probe", timeout=10).status_code == 200
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,8 @@ from embedfleet.runtime.models.spec import Task
 
 AFTER_READY_S = 1.0  # the start-up probe begins this long after the model serves: the first requests go first
 YIELD_ROWS = 4  # the start-up probe's batches once the model serves: small, so a request waits little
-YIELD_S = 2.0  # the longest a start-up probe batch waits for the engine to have no request's work
+YIELD_S = 0.5  # the longest a start-up probe batch waits for the engine to have no request's work: under steady
+#                traffic the probe (6 batches of the 24 texts) is done a few seconds after the start
 IDLE_POLL_S = 0.005
 PROBE_TENANT = "embedfleet-probe"  # the batch manager's fairness and per-tenant wait histogram name it so
 Rows = np.ndarray | list[np.ndarray]
