@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from tests import parallel
 from tests.procs import RuntimeServer, start_runtime
+
+# OpenVINO's usage telemetry, blocked in every test process the way the int8 engine blocks it in the runtime
+# (engines/int8_cpu.py no_telemetry): `import openvino` loads it, so a test module's importorskip("openvino")
+# at collection would load it before the engine can block it, and nncf.quantize would then report usage by
+# forking a sender from a thread of a process full of torch's and OpenVINO's threads (a child that can abort).
+sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.kube.fixtures"]

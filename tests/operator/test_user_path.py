@@ -89,6 +89,12 @@ def test_helm_apply_traffic_scale_up_down_delete(kube_cluster: Cluster, pod_netw
                 wait_until(lambda ip=ip: all(probed(ip, m) for m in httpx.get(f"http://{ip}:{PORT}/load",
                                                                                timeout=5).json()["models"]),
                            60, f"the start-up probe of the runtime at {ip}")
+            # The cluster settled at one replica: the Deployment's controller has counted the stopped pods
+            # out (a status the operator mirrors in its Scaling condition and replica counts: news it writes
+            # once) and the mirror shows it.
+            wait_until(lambda: settled(cluster.get_json("deployment", "web", "-n", ns))
+                       and (cluster.get_json("ed", "web", "-n", ns)["status"].get("replicas") or {}).items()
+                       >= {"current": 1, "ready": 1}.items(), 60, "the Deployment and its status at one replica")
             # Idle, with real metrics flowing: the operator writes nothing but its Lease.
             time.sleep(5)
             cluster.audit_mark()
@@ -100,6 +106,15 @@ def test_helm_apply_traffic_scale_up_down_delete(kube_cluster: Cluster, pod_netw
         wait_until(lambda: not cluster.get_json("all", "-n", ns, "-l", "app.kubernetes.io/instance=web")["items"],
                    60, "everything owned gone")
         assert proc.unexpected_errors() == []
+
+
+def settled(deployment: dict) -> bool:
+    """The Deployment's controller has caught up with one replica: observed its spec, and counts one
+    pod, ready, available and of the current template, with none terminating."""
+    status = deployment.get("status") or {}
+    return (status.get("observedGeneration") == deployment["metadata"]["generation"]
+            and all(status.get(f) == 1 for f in ("replicas", "readyReplicas", "availableReplicas", "updatedReplicas"))
+            and not status.get("terminatingReplicas"))
 
 
 def probed(ip: str, model: str) -> bool:

@@ -8,12 +8,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedfleet.runtime.core.admission import decide
 from embedfleet.runtime.core.batcher import BatchManager
-from embedfleet.runtime.core.drain_rate import BATCHES, DrainRate, estimate
+from embedfleet.runtime.core.drain_rate import BATCHES, SEED_RUNS, DrainRate, estimate, timed_seed
 from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
 from embedfleet.runtime.metrics import RuntimeMetrics
 
@@ -298,3 +298,22 @@ def test_only_a_request_admitted_past_its_bound_on_an_empty_queue_is_exempt_from
             assert over.alone
 
     asyncio.run(scenario())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 2000), min_size=SEED_RUNS + 1, max_size=SEED_RUNS + 1), st.integers(0, SEED_RUNS))
+def test_the_seed_is_the_fastest_timed_run_and_one_slow_run_does_not_set_it(durations, slow):
+    """The start-up seed runs the batch once untimed, then SEED_RUNS times; one run held up (a busy
+    machine's scheduler) does not become the engine's rate."""
+    durations = list(durations)
+    durations[slow] = 5000  # any one run held up, the untimed first one included (milliseconds: exact sums)
+    now = [0]
+    calls: list[int] = []
+
+    def run(batch: list) -> None:
+        now[0] += durations[len(calls)]
+        calls.append(len(batch))
+
+    tokens, seconds = timed_seed(run, [[1] * 32] * 8, clock=lambda: now[0])
+    assert tokens == 256 and calls == [8] * (SEED_RUNS + 1)
+    assert seconds == min(durations[1:]) < 5000

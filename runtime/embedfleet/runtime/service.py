@@ -24,6 +24,7 @@ from embedfleet.compat.names import split_model, with_revision
 from embedfleet.runtime import probe as probing
 from embedfleet.runtime.cold_start import read_weights_source
 from embedfleet.runtime.core.batcher import BatchManager
+from embedfleet.runtime.core.drain_rate import timed_seed
 from embedfleet.runtime.core.engine_thread import EngineThread
 from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.quantize import CALIBRATION_TEXTS, Calibration, calibration_file
@@ -393,20 +394,16 @@ class ModelService:
 
     def _timed_batch(self, run) -> tuple[int, float]:
         """Tokens and seconds of one small engine batch, to seed the drain rate that admission divides by,
-        so the first requests are judged by a measurement instead of being admitted blind. Run twice and
-        timed the second time: the first call at a new shape pays one-off allocations. On a CPU the batch
-        is small (8 x 32 tokens: tens of milliseconds of a start on two cores; its rate is on the low
-        side, since a small batch carries the per-batch overhead over fewer tokens); on a GPU, where that
-        overhead would dominate, 16 x 128. Either is replaced within a few batches of real traffic."""
+        so the first requests are judged by a measurement instead of being admitted blind (`timed_seed`:
+        the fastest of a few runs). On a CPU the batch is small (8 x 32 tokens: tens of milliseconds of a
+        start on two cores; its rate is on the low side, since a small batch carries the per-batch overhead
+        over fewer tokens); on a GPU, where that overhead would dominate, 16 x 128. Either is replaced
+        within a few batches of real traffic."""
         assert self.spec is not None
         rows, width = SEED_BATCH_GPU if self.settings.device == "cuda" else SEED_BATCH_CPU
         length = max(2, min(width, self.input_limit))
         count = max(1, min(rows, self.settings.max_batch_requests, self.settings.max_batch_tokens // length))
-        batch = [[self.spec.pad_token_id + 1] * length for _ in range(count)]
-        run(batch)
-        started = time.perf_counter()
-        run(batch)
-        return length * count, time.perf_counter() - started
+        return timed_seed(run, [[self.spec.pad_token_id + 1] * length for _ in range(count)])
 
     async def close(self) -> None:
         if self._probing is not None:

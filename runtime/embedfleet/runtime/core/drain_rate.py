@@ -25,13 +25,16 @@ pessimistic for a moment; it only ever happens on a short queue, which admission
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
 SMOOTH_S = 2.0  # the long-run rate decays over about this much draining
 WINDOW_S = 3.0  # the recent rate: batches that ended in about this much wall clock
 BATCHES = 2  # ... and the last this many batches in that window alone
+SEED_RUNS = 3  # timed runs of the start-up seed batch; the fastest is believed (`timed_seed`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,3 +119,24 @@ class DrainRate:
         self._sum_tokens = keep * self._sum_tokens + tokens
         self._sum_seconds = keep * self._sum_seconds + seconds
         self.long_run = self._sum_tokens / self._sum_seconds
+
+
+def timed_seed(run: Callable[[list], object], batch: Sequence, runs: int = SEED_RUNS,
+               clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
+    """Tokens and seconds of `batch` on the engine (`run`), to seed the drain rate at start-up.
+
+    Run once untimed (the first call at a new shape pays one-off allocations), then `runs` times, and the
+    fastest run is the figure: a start-up batch is tens of milliseconds, and one scheduler hiccup on a
+    busy machine (another process holding a core for a time slice) can make a single run several times
+    slower than the engine is. Seeded from that run, admission would refuse the first requests for a
+    wait the engine never had; the recent and running figures still lower the rate within a batch when
+    the machine really is slow.
+    """
+    tokens = sum(len(row) for row in batch)
+    run(list(batch))
+    fastest = math.inf
+    for _ in range(max(1, runs)):
+        started = clock()
+        run(list(batch))
+        fastest = min(fastest, clock() - started)
+    return tokens, fastest
