@@ -77,26 +77,24 @@ def test_before_the_model_serves_batches_are_the_configured_limits() -> None:
     assert ran == chunks(20, 16)
 
 
-def bare_service(task: asyncio.Task | None, error: str | None = None):
-    """A ModelService with only what `startup_probe` reads (no model: the states are set by hand)."""
-    from embedfleet.runtime.service import ModelService
-
-    svc = object.__new__(ModelService)
-    svc.name, svc.probe, svc.probe_error, svc._probing = "m", None, error, task
-    return svc
+def startup(task: asyncio.Task | None, error: str | None = None) -> probe.StartupProbe:
+    """A model's start-up probe in a given state (set by hand: no model)."""
+    state = probe.StartupProbe("m")
+    state._task, state.error = task, error
+    return state
 
 
 def test_reading_the_start_up_probe_while_it_runs_fails_or_is_stopped() -> None:
-    from embedfleet.runtime.service import ProbePending, ProbeUnavailable
+    from embedfleet.runtime.probe import ProbePending, ProbeUnavailable
 
     async def scenario() -> list[str]:
         seen = []
         running = asyncio.create_task(asyncio.sleep(60))
         try:
-            await bare_service(running).startup_probe(0.05)
+            await startup(running).wait(0.05)
         except ProbePending as exc:
             seen.append(f"pending: {exc}")
-        reader = asyncio.create_task(bare_service(running).startup_probe(30))
+        reader = asyncio.create_task(startup(running).wait(30))
         await asyncio.sleep(0.05)
         running.cancel()  # the server closes while a reader waits: the reader is told, not cancelled
         try:
@@ -104,7 +102,7 @@ def test_reading_the_start_up_probe_while_it_runs_fails_or_is_stopped() -> None:
         except ProbeUnavailable as exc:
             seen.append(f"stopped: {exc}")
         try:
-            await bare_service(None, error="RuntimeError").startup_probe(1)
+            await startup(None, error="RuntimeError").wait(1)
         except ProbeUnavailable as exc:
             seen.append(f"failed: {exc}")
         return seen

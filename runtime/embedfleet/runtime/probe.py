@@ -14,6 +14,8 @@ What a row is for each task, and how the fingerprint is taken: core/probe.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -27,11 +29,13 @@ from embedfleet.runtime.core.batcher import BatchManager
 from embedfleet.runtime.core.tokenize import TokenizerPool
 from embedfleet.runtime.models.spec import Task
 
+log = logging.getLogger(__name__)
 AFTER_READY_S = 1.0  # the start-up probe begins this long after the model serves: the first requests go first
 YIELD_ROWS = 4  # the start-up probe's batches once the model serves: small, so a request waits little
 YIELD_S = 0.5  # the longest a start-up probe batch waits for the engine to have no request's work: under steady
 #                traffic the probe (6 batches of the 24 texts) is done a few seconds after the start
 IDLE_POLL_S = 0.005
+PROBE_ATTEMPTS = 3  # runs of a start-up probe that fails before GET .../probe answers 503 for good
 PROBE_TENANT = "embedfleet-probe"  # the batch manager's fairness and per-tenant wait histogram name it so
 Rows = np.ndarray | list[np.ndarray]
 Execute = Callable[[list], Awaitable[Rows]]  # engine inputs -> the engine's rows, in input order
@@ -45,6 +49,82 @@ class ProbeState:
     fingerprint: str
     vector_space: str
     reference: ProbeOutputs  # what drift is measured against: --probe-reference, else `outputs`
+
+
+class ProbeUnavailable(Exception):
+    """The start-up probe failed: the model serves, its fingerprint is unknown (503 on GET .../probe)."""
+
+
+class ProbePending(Exception):
+    """The start-up probe is still running (503 with Retry-After on GET .../probe)."""
+
+
+class StartupProbe:
+    """One model's start-up probe once the model serves: its result (`state`), the task running it, and why
+    it failed. The probe itself (`attempt`: run it and set `state`) is the model's (service.py)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.state: ProbeState | None = None  # fingerprint and vector space, once measured
+        self.error: str | None = None  # why the last attempt failed
+        self._task: asyncio.Task | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.state is not None or self._task is not None
+
+    def start(self, attempt: Callable[[], Awaitable[None]], failed: Callable[[], None],
+              done: Callable[[], None]) -> None:
+        """AFTER_READY_S from now, `attempt` until it succeeds (PROBE_ATTEMPTS in all, backing off), so the
+        first answers do not wait for it. `failed` is told of each failure (a drift check's `error`), `done`
+        of the success. After the last failure GET .../probe answers 503 naming the failure's kind and the
+        model goes on serving."""
+        self._task = asyncio.get_running_loop().create_task(self._run(attempt, failed, done),
+                                                            name=f"startup-probe-{self.model}")
+
+    async def _run(self, attempt: Callable[[], Awaitable[None]], failed: Callable[[], None],
+                   done: Callable[[], None]) -> None:
+        await asyncio.sleep(AFTER_READY_S)
+        for n in range(PROBE_ATTEMPTS):
+            try:
+                await attempt()
+            except Exception as exc:
+                self.error = type(exc).__name__
+                failed()
+                log.error("the start-up probe of %s failed (attempt %d of %d): %s: %s", self.model, n + 1,
+                          PROBE_ATTEMPTS, type(exc).__name__, exc)
+                if n + 1 < PROBE_ATTEMPTS:
+                    await asyncio.sleep(2.0 ** n)
+                continue
+            self.error = None
+            done()
+            return
+
+    async def wait(self, wait_s: float) -> ProbeState:
+        """The state, waiting up to `wait_s` seconds for the probe while it runs. ProbePending when it is not
+        done by then; ProbeUnavailable when it failed, or the server stopped it."""
+        task = self._task
+        if self.state is None and task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), wait_s)
+            except TimeoutError:
+                raise ProbePending(f"the start-up probe of {self.model} is still running; retry shortly") from None
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # this caller was cancelled (its client left), not the probe
+        if self.state is not None:
+            return self.state
+        why = self.error or ("stopped: the server is shutting down" if task is not None and task.cancelled()
+                             else "not run")
+        raise ProbeUnavailable(f"the start-up probe of {self.model} failed ({why}); the model serves, but its "
+                               "fingerprint is unknown")
+
+    async def close(self) -> None:
+        """Stop a probe still running and wait until it is off the engine thread (before it shuts down)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
 
 def through_batcher(batcher: BatchManager) -> Execute:

@@ -8,7 +8,6 @@ per served model; each has its own queue and limits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -43,7 +42,6 @@ if TYPE_CHECKING:  # torch comes with it, and a front process (split/) never nee
     from embedfleet.runtime.engines import gpu_batching as sizing
 
 log = logging.getLogger(__name__)
-PROBE_ATTEMPTS = 3  # runs of a start-up probe that fails before GET .../probe answers 503 for good
 SEED_BATCH_CPU = (8, 32)  # rows x tokens of the batch timed at start-up to seed the drain rate (_timed_batch)
 SEED_BATCH_GPU = (16, 128)
 WATCH_AFTER_S = 0.05  # work expected to finish sooner is not watched for a client leaving (see ModelService._rows)
@@ -59,14 +57,6 @@ class RunResult:
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
-
-
-class ProbeUnavailable(Exception):
-    """The start-up probe failed: the model serves, its fingerprint is unknown (503 on GET .../probe)."""
-
-
-class ProbePending(Exception):
-    """The start-up probe is still running (503 with Retry-After on GET .../probe)."""
 
 
 def engine_fn(engine: Engine, task: Task) -> Callable[[list], np.ndarray | list[np.ndarray]]:
@@ -169,9 +159,7 @@ class ModelService:
         self.calibration: Calibration | None = None  # int8/uint8 ranges (core/quantize.py): see calibrated()
         self._calibrating = asyncio.Lock()
         self.created = int(time.time())
-        self.probe: probing.ProbeState | None = None  # fingerprint and vector space, from the start-up probe
-        self._probing: asyncio.Task | None = None  # the start-up probe, run once the model serves
-        self.probe_error: str | None = None  # why the start-up probe failed
+        self.startup = probing.StartupProbe(entry.name)  # run once the model serves (or before, with a reference)
         self._vector_space: str | None = None
         self.drift: DriftMonitor | None = None
         self.batching: sizing.Batching | None = None  # on CUDA: the batching sized for the GPU
@@ -282,69 +270,39 @@ class ModelService:
         s = self.settings
         started = time.perf_counter()
         outputs = await probing.run_probe(self.spec.task, self.tokenizer, execute, self.input_limit)
-        self.probe = probing.startup_state(outputs, s.vector_space, s.revision, reference, self.spec.digest)
-        self._runtime_metrics.model_info.labels(self.name, s.revision, self.probe.vector_space,
-                                                self.probe.fingerprint).set(1)
+        state = self.startup.state = probing.startup_state(outputs, s.vector_space, s.revision, reference,
+                                                           self.spec.digest)
+        self._runtime_metrics.model_info.labels(self.name, s.revision, state.vector_space, state.fingerprint).set(1)
         log.info("probe %s of %s in %.2fs: fingerprint %s, vector space %s%s", outputs.probe_set, self.name,
-                 time.perf_counter() - started, self.probe.fingerprint, self.probe.vector_space,
+                 time.perf_counter() - started, state.fingerprint, state.vector_space,
                  f", revision {s.revision}" if s.revision else "")
         assert self.drift is not None
-        self.drift.reference = self.probe.reference
+        self.drift.reference = state.reference
         if reference is not None:
             self.drift.record(outputs)
 
+    @property
+    def probe(self) -> probing.ProbeState | None:
+        """Fingerprint and vector space, once the start-up probe measured them."""
+        return self.startup.state
+
     def start_probe(self) -> None:
         """Start the start-up probe (Models.load calls it once every model serves; a no-op when it ran before
-        /ready, with --probe-reference)."""
-        if self.probe is not None or self._probing is not None or self.batcher is None:
+        /ready, with --probe-reference). Its small batches go onto the engine thread when no request's work
+        is there (probe.on_engine_thread; a request arriving meanwhile waits for at most one of them),
+        uncounted as traffic."""
+        if self.startup.started or self.batcher is None:
             return
         s, batcher = self.settings, self.batcher
         execute = probing.on_engine_thread(batcher.engine_fn, self.engine_thread, s.max_batch_requests,
                                            s.max_batch_tokens, idle=lambda: batcher.idle)
-        self._probing = asyncio.get_running_loop().create_task(self._probe_after_start(execute),
-                                                               name=f"startup-probe-{self.name}")
-
-    async def _probe_after_start(self, execute: probing.Execute) -> None:
-        """The start-up probe a second after the models serve, so the first answers do not wait for it: its
-        small batches go onto the engine thread when no request's work is there (probe.on_engine_thread; a
-        request arriving meanwhile waits for at most one of them), uncounted as traffic. A failure counts as
-        a drift check's `error`, is logged, and is tried again (PROBE_ATTEMPTS in all, backing off); after the
-        last, GET .../probe answers 503 naming the failure's kind and the model goes on serving."""
-        await asyncio.sleep(probing.AFTER_READY_S)
-        for attempt in range(PROBE_ATTEMPTS):
-            try:
-                await self._fingerprint(execute, None)
-            except Exception as exc:
-                self.probe_error = type(exc).__name__
-                self._runtime_metrics.probe_checks.labels(self.name, "error").inc()
-                log.error("the start-up probe of %s failed (attempt %d of %d): %s: %s", self.name, attempt + 1,
-                          PROBE_ATTEMPTS, type(exc).__name__, exc)
-                if attempt + 1 < PROBE_ATTEMPTS:
-                    await asyncio.sleep(2.0 ** attempt)
-                continue
-            self.probe_error = None
-            assert self.drift is not None
-            self.drift.start()
-            return
+        failed = self._runtime_metrics.probe_checks.labels(self.name, "error").inc
+        assert self.drift is not None
+        self.startup.start(lambda: self._fingerprint(execute, None), failed, self.drift.start)
 
     async def startup_probe(self, wait_s: float) -> probing.ProbeState:
-        """The start-up probe's state, waiting up to `wait_s` seconds for it while it runs. ProbePending when
-        it is not done by then; ProbeUnavailable when it failed, or the server stopped it."""
-        task = self._probing
-        if self.probe is None and task is not None and not task.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(task), wait_s)
-            except TimeoutError:
-                raise ProbePending(f"the start-up probe of {self.name} is still running; retry shortly") from None
-            except asyncio.CancelledError:
-                if not task.cancelled():
-                    raise  # this caller was cancelled (its client left), not the probe
-        if self.probe is not None:
-            return self.probe
-        why = self.probe_error or ("stopped: the server is shutting down" if task is not None and task.cancelled()
-                                   else "not run")
-        raise ProbeUnavailable(f"the start-up probe of {self.name} failed ({why}); the model serves, but its "
-                               "fingerprint is unknown")
+        """The start-up probe's state (probe.StartupProbe.wait)."""
+        return await self.startup.wait(wait_s)
 
     async def run_probe(self) -> ProbeOutputs:
         """The probe set through this model's batch manager, now (drift checks, GET .../probe?fresh=1)."""
@@ -406,10 +364,7 @@ class ModelService:
         return timed_seed(run, [[self.spec.pad_token_id + 1] * length for _ in range(count)])
 
     async def close(self) -> None:
-        if self._probing is not None:
-            self._probing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probing  # off the engine thread before it shuts down
+        await self.startup.close()  # off the engine thread before it shuts down
         if self.drift is not None:
             await self.drift.stop()
         if self.batcher:

@@ -19,7 +19,8 @@ from embedfleet.runtime.api.schemas import ModelCard, ModelList, ProbeAnswer, Si
 from embedfleet.runtime.core.jobs import QueueFull
 from embedfleet.runtime.core.probe import fingerprint, probe_body
 from embedfleet.runtime.core.tokenize import TooManyTokens
-from embedfleet.runtime.service import Models, ModelService, ProbePending, ProbeUnavailable
+from embedfleet.runtime.probe import ProbePending, ProbeUnavailable
+from embedfleet.runtime.service import Models, ModelService
 
 PROBE_WAIT_S = 3.0  # GET .../probe waits this long for a start-up probe still running, then answers 503 (retry)
 
