@@ -148,8 +148,8 @@ def test_queue_bounds_reach_the_runtime_as_its_settings_read_them(monkeypatch: p
 
 
 def test_fronts_reach_the_runtime_as_its_own_setting(monkeypatch) -> None:
-    """spec.runtime.fronts is the runtime's --fronts (split serving); unset, the runtime's default (one
-    process) stands, and the schema bounds it as the runtime does."""
+    """spec.runtime.fronts is the runtime's --fronts (split serving); unset, the runtime's default (auto)
+    stands, and the schema bounds it as the runtime does."""
     data = by_kind(render("minilm", "ml", "uid-1", spec_of(runtime={"fronts": 4})))["ConfigMap"]["data"]
     monkeypatch.setenv("EMBEDFLEET_FRONTS", data["EMBEDFLEET_FRONTS"])  # as envFrom hands it to the pod
     runtime_settings = pytest.importorskip("embedfleet.runtime.settings")

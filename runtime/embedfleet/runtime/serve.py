@@ -143,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
         return settings
     role_name = os.environ.get("_EMBEDFLEET_SPLIT_ROLE")
     fronts = settings.front_processes()
+    if role_name is None:
+        from embedfleet.runtime.cpus import summary
+
+        log.info("sizing by %s: %s", summary(), f"{fronts} fronts and one engine process" if fronts
+                 else "one process (--fronts 0)" if settings.fronts == 0 else "one process (--fronts auto)")
     if fronts and role_name is None:  # split serving: this process supervises the engine and the fronts
         from embedfleet.runtime.split.supervisor import run as supervise
 

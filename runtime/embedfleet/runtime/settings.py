@@ -23,10 +23,13 @@ from embedfleet.compat import probe_set
 from embedfleet.compat.gate import ProbeOutputs
 from embedfleet.compat.names import REVISION_PATTERN
 from embedfleet.runtime.core.probe import load_reference
+from embedfleet.runtime.cpus import available_cores
 from embedfleet.runtime.models.spec import TASKS, Task
 from embedfleet.runtime.tenants import Tenants
 
 Device = Literal["cpu", "cuda"]
+MAX_FRONTS = 64
+AUTO_MAX_FRONTS = 8  # --fronts auto: at most this many fronts (a GPU node's cores beyond it serve the engine)
 DType = Literal["float32", "bfloat16", "float16", "fp8", "int8"]
 EngineName = Literal["torch", "trtllm"]
 
@@ -75,7 +78,8 @@ class RuntimeSettings(BaseSettings):
         "auto", description="torch engine: auto serves BERT checkpoints on CPU (float32, bfloat16) with the "
         "runtime's own modules (engines/bert_native.py: the same outputs, a start without importing "
         "transformers' model code) and everything else with transformers; transformers: always transformers")
-    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = all cores")
+    num_threads: int = Field(
+        0, ge=0, description="torch intra-op threads; 0 = all cores (a CPU-limited pod's quota counts)")
     max_batch_tokens: int = Field(
         16384, ge=1, description="token budget of one engine batch (padded: longest x count)")
     max_batch_requests: int = Field(32, ge=1, description="most inputs in one engine batch")
@@ -111,10 +115,11 @@ class RuntimeSettings(BaseSettings):
         4, ge=0, description="requests with at most this many inputs jump ahead of bulk work (more: bulk, "
         "bounded by --max-queue-seconds-bulk)")
     tokenizer_workers: int = Field(0, ge=0, description="tokenizer threads; 0 = number of cores")
-    fronts: int = Field(
-        0, ge=0, le=64, description="front processes that take HTTP, validate, tokenize and encode answers, "
+    fronts: int | Literal["auto"] = Field(
+        "auto", description="front processes that take HTTP, validate, tokenize and encode answers, "
         "beside one engine process that batches and runs the model (docs/runtime.md, Split serving); 0: one "
-        "process does everything")
+        "process does everything; auto: one process on a CPU, and on a GPU one front per core but two, "
+        "at most 8, from 4 cores up")
     api_key: SecretStr | None = Field(
         None, description="if set, every route but /health, /ready and /metrics needs `Authorization: Bearer KEY` "
         "(one tenant, `default`)")
@@ -223,6 +228,21 @@ class RuntimeSettings(BaseSettings):
         0.999, gt=0, le=1, description="a drift check passes when every probe output keeps at least this cosine "
         "with the reference and the order holds")
 
+    @field_validator("fronts", mode="before")
+    @classmethod
+    def _fronts(cls, value: Any) -> int | str:
+        """One clear message for both forms, rather than one per member of the union."""
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            count = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number of front processes (0 to {MAX_FRONTS}) or 'auto', "
+                             f"got {value!r}") from None
+        if isinstance(value, bool) or not 0 <= count <= MAX_FRONTS or str(count) != str(value).strip():
+            raise ValueError(f"expected a number of front processes (0 to {MAX_FRONTS}) or 'auto', got {value!r}")
+        return count
+
     @field_validator("revision")
     @classmethod
     def _revision_name(cls, value: str) -> str:
@@ -311,10 +331,23 @@ class RuntimeSettings(BaseSettings):
 
     def front_processes(self) -> int:
         """How many front processes `serve` starts (0: the single-process server)."""
-        return self.fronts
+        return auto_fronts(self.device, self.cores()) if self.fronts == "auto" else self.fronts
 
     def cores(self) -> int:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        """Cores to size threads and processes by: the CPUs this process may run on, bounded by its cgroup's
+        CPU quota (a pod's CPU limit; runtime/cpus.py)."""
+        return available_cores()
+
+
+def auto_fronts(device: str, cores: int) -> int:
+    """--fronts auto. On a CPU, one process: the model's own threads use every core, and on two cores the
+    split's hand-off costs more than its fronts give back (docs/performance.md, Split serving). On a GPU,
+    where the model runs on the device and the host's Python sets the rate, one front per core but two
+    (one for the engine's loop, one for the supervisor and the system), at most AUTO_MAX_FRONTS; below
+    4 cores, one process."""
+    if device != "cuda" or cores < 4:
+        return 0
+    return min(AUTO_MAX_FRONTS, cores - 2)
 
 
 def _plain_type(annotation: Any) -> tuple[Any, tuple[Any, ...] | None]:

@@ -198,8 +198,8 @@ class RuntimeSpec(CamelModel):
         default=None, ge=0, le=64,
         description="Front processes (the runtime's --fronts): HTTP, validation, tokenization and encoding run "
         "in this many processes beside one engine process that batches and runs the model (docs/runtime.md, "
-        "split serving). Unset or 0: one process, which is the faster on two cores or fewer; give the pod "
-        "CPUs for the fronts and the engine.")
+        "split serving). 0: one process. Unset: the runtime chooses (--fronts auto): one process on a CPU; "
+        "on a GPU from 4 cores (the pod's CPU limit counts) one front per core but two, at most 8.")
     drain_timeout_seconds: int = Field(
         default=30, ge=1, le=3600, description="SIGTERM drain; the pod grace period is longer than this."
     )
