@@ -9,6 +9,10 @@ Root only; builds nothing (run `bash scripts/setup.sh --test` as root first). On
   download  an http:// model with pre-pull, node cache empty: the init container downloads and verifies
   cached    the same deployment re-created once the node agent cached the weights: the init container links
   kill      `kill -9` of the Ready pod's runtime process -> its first 200 again -> the pod Ready again
+  crash     the same deployment with `runtime.standby: true`, `kill -9` of its serving process (the standby
+            parent's child; what an OOM kill or a crash does) -> its first 200 and /ready again, whether the
+            pod stayed Ready and the container unrestarted; and the runtime container's memory with and
+            without the standby parent
   wake      scaled to zero, one request through the gateway's hold until it is answered
 The first answer and Ready are seen from here, to a fraction of a second: the pod's IP polled every 20 ms,
 and a `kubectl get pods -w` whose events are stamped on arrival. Each cold start also keeps the Pod's own
@@ -228,6 +232,52 @@ def killed(node: RealNode, name: str, model: str) -> dict[str, Any]:
             "runtime": startup(ip)}
 
 
+def server_pid(node: RealNode, pod: dict[str, Any]) -> int:
+    """The serving process of a standby runtime: the container's first process's only child."""
+    top = node.container_pid(pod, "runtime")
+    kids = [int(c) for task in Path(f"/proc/{top}/task").iterdir() for c in (task / "children").read_text().split()]
+    assert len(kids) == 1, f"a standby runtime has one server process under its parent {top}: {kids}"
+    return kids[0]
+
+
+def crashed(node: RealNode, name: str, model: str) -> dict[str, Any]:
+    """`kill -9` of the serving process of a `--standby` runtime (what an OOM kill or a crash does): kill ->
+    its first 200 again, its /ready again; whether the pod stayed Ready and the container unrestarted."""
+    pod = next(p for p in all_runtimes(node, name) if is_ready(p))
+    before, ip, pod_name = restarts(pod), pod["status"]["podIP"], pod["metadata"]["name"]
+    pid = server_pid(node, pod)
+    watch = PodWatch(node, runtime_selector(name))
+    try:
+        t0 = time.time()
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        answered = answered_at(ip, model)
+        ready = wait_until(lambda: _ready_at(ip), 300, f"{ip}/ready", interval=0.02)
+        time.sleep(6.0)  # past the readiness probe's failure window (5 s): would the pod have turned NotReady?
+        dropped = watch.first(t0, lambda n, ip_, r, c, d: n == pod_name and not r and not d)
+        restarted = watch.first(t0, lambda n, ip_, r, c, d: n == pod_name and c > before)
+    finally:
+        watch.close()
+    return {"kill_to_first_answer_s": round(answered - t0, 2), "kill_to_ready_s": round(ready - t0, 2),
+            "pod_stayed_ready": dropped is None, "container_restarted": restarted is not None,
+            "runtime": startup(ip)}
+
+
+def _standby_pod(node: RealNode, pod: dict[str, Any]) -> bool:
+    """Whether this runtime pod runs under a standby parent (its first process has a child)."""
+    try:
+        server_pid(node, pod)
+    except (AssertionError, OSError, subprocess.CalledProcessError):
+        return False
+    return True
+
+
+def _ready_at(ip: str) -> float | None:
+    try:
+        return time.time() if httpx.get(f"http://{ip}:{RUNTIME_PORT}/ready", timeout=2).status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
 def woken(node: RealNode, name: str) -> dict[str, Any]:
     """Scaled to zero: one request through the gateway, held until a replica answers it."""
     wait_until(lambda: not all_runtimes(node, name), 600, "scaled to zero")
@@ -287,7 +337,7 @@ def image_sizes() -> dict[str, int]:
             if "embedfleet" in line}
 
 
-SCENARIOS = ("present", "imported", "download", "cached", "kill", "wake")
+SCENARIOS = ("present", "imported", "download", "cached", "kill", "crash", "wake")
 
 
 def main() -> int:
@@ -327,6 +377,15 @@ def main() -> int:
                 rounds.append(killed(node, name, model))
             rows["kill"] = summary(rounds, ("kill_to_first_answer_s", "kill_to_ready_s"))
         mem = memory(node)
+        if "crash" in chosen:
+            standby = {**doc, "spec": {**doc["spec"], "runtime": {**doc["spec"]["runtime"], "standby": True}}}
+            node.kubectl("apply", "-f", "-", input=yaml.safe_dump(standby))
+            wait_until(lambda: [p for p in all_runtimes(node, name) if is_ready(p) and _standby_pod(node, p)], 600,
+                       f"{name} Ready with --standby")
+            rounds = [crashed(node, name, model) for _ in range(args.rounds)]
+            rows["crash"] = summary(rounds, ("kill_to_first_answer_s", "kill_to_ready_s"))
+            rows["crash"]["memory_mib"] = {"plain": mem.get("runtime"), "standby": memory(node).get("runtime")}
+            node.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
         if "wake" in chosen:
             node.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
             node.kubectl("patch", "embeddingdeployment", name, "--type", "merge", "-p",

@@ -161,6 +161,17 @@ def test_fronts_reach_the_runtime_as_its_own_setting(monkeypatch) -> None:
             spec_of(runtime={"fronts": bad})
 
 
+def test_standby_reaches_the_runtime_as_its_own_setting(monkeypatch) -> None:
+    """spec.runtime.standby is the runtime's --standby; unset, the runtime's default (off) stands."""
+    runtime_settings = pytest.importorskip("embedfleet.runtime.settings")
+    for wanted in (True, False):
+        data = by_kind(render("minilm", "ml", "uid-1", spec_of(runtime={"standby": wanted})))["ConfigMap"]["data"]
+        monkeypatch.setenv("EMBEDFLEET_STANDBY", data["EMBEDFLEET_STANDBY"])  # as envFrom hands it to the pod
+        assert runtime_settings.RuntimeSettings().standby is wanted
+    plain = by_kind(render("minilm", "ml", "uid-1", spec_of()))["ConfigMap"]["data"]
+    assert "EMBEDFLEET_STANDBY" not in plain
+
+
 def test_a_tenants_keys_file_is_mounted_from_its_secret() -> None:
     """apiKeysSecret: the Secret's key as a read-only file named by EMBEDFLEET_API_KEYS; no single key."""
     spec = spec_of(runtime={"apiKeysSecret": {"name": "emb-tenants", "key": "tenants.yaml"}})

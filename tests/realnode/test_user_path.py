@@ -8,6 +8,7 @@ duration: waits are bounded only so a broken step fails instead of hanging.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import socket
@@ -369,12 +370,14 @@ def descendants(pid: int) -> list[int]:
 def test_a_split_runtime_runs_in_the_read_only_non_root_pod(release: RealNode) -> None:
     """spec.runtime.fronts on the real kubelet: the runtime container (non-root, read-only root filesystem,
     /tmp an emptyDir) runs its engine process and its front beside the supervisor, and answers with the
-    in-process vectors."""
+    in-process vectors. Its CPU limit of one core is what it sizes its threads by (runtime/cpus.py reads
+    the quota containerd set), not the node's CPUs."""
     name = "minilm-split"
     doc = example()
     doc["metadata"]["name"] = name
     doc["spec"]["model"]["servedModelName"] = name
     doc["spec"]["runtime"]["fronts"] = 1
+    doc["spec"]["runtime"]["resources"]["limits"]["cpu"] = "1"
     doc["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
     release.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     pod = wait_until(lambda: ready_runtimes(release, name), 600, f"{name} Ready")[0]
@@ -394,6 +397,53 @@ def test_a_split_runtime_runs_in_the_read_only_non_root_pod(release: RealNode) -
     want = reference_vectors(TEXTS)
     cosines = (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cosines.min() >= 0.9999, cosines
+    log = release.kubectl("logs", pod["metadata"]["name"], "-n", pod["metadata"]["namespace"], "-c", "runtime").stdout
+    sized = re.search(r"sizing by (\d+) cores( \(CPU quota ([\d.]+) of (\d+) CPUs\))?", log)
+    assert sized is not None, log[-2000:]
+    assert sized.group(1) == "1" and (sized.group(3) == "1" or len(os.sched_getaffinity(0)) == 1), sized.group(0)
+    release.kubectl("delete", "embeddingdeployment", name, "--wait=true", timeout=300)
+
+
+def test_a_standby_runtime_replaces_a_killed_server_without_a_container_restart(release: RealNode) -> None:
+    """spec.runtime.standby on the real kubelet: the container's first process is the standby parent and
+    the server its child, both non-root; `kill -9` of the server (an OOM kill's signal) brings a new server
+    that answers with the same vectors, in the same container (no restart), with no connection refused."""
+    name = "minilm-standby"
+    doc = example()
+    doc["metadata"]["name"] = name
+    doc["spec"]["model"]["servedModelName"] = name
+    doc["spec"]["runtime"]["standby"] = True
+    doc["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
+    release.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    pod = wait_until(lambda: ready_runtimes(release, name), 600, f"{name} Ready")[0]
+    ip = pod["status"]["podIP"]
+    top = release.container_pid(pod, "runtime")
+    (server,) = descendants(top)
+    uids = {int(line.split()[1]) for pid in (top, server)
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Uid:")}
+    assert 0 not in uids, uids
+    first = embed(ip, RUNTIME_PORT, TEXTS, model=name)
+    assert first.status_code == 200, first.text
+    subprocess.run(["kill", "-9", str(server)], check=True)
+    refused: list[str] = []
+
+    def answered() -> bool:
+        try:
+            return embed(ip, RUNTIME_PORT, TEXTS, model=name, timeout=30).status_code == 200
+        except httpx.ConnectError as exc:
+            refused.append(str(exc))
+        except httpx.HTTPError:  # the request that met the dying server
+            pass
+        return False
+
+    wait_until(answered, 120, "an answer from the new server")
+    again = embed(ip, RUNTIME_PORT, TEXTS, model=name)
+    assert again.status_code == 200 and not refused, (again.text[:200], refused)
+    assert descendants(top) and server not in descendants(top) and release.container_pid(pod, "runtime") == top
+    np.testing.assert_allclose(np.array([r["embedding"] for r in again.json()["data"]]),
+                               np.array([r["embedding"] for r in first.json()["data"]]), rtol=0, atol=1e-6)
+    now = next(p for p in release.pods(runtime_selector(name)) if p["metadata"]["name"] == pod["metadata"]["name"])
+    assert restarts(now) == 0, now["status"]["containerStatuses"]
     release.kubectl("delete", "embeddingdeployment", name, "--wait=true", timeout=300)
 
 

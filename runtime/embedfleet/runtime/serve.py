@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Coroutine
@@ -37,9 +38,10 @@ class Server:
     """The application on the HTTP server, with a graceful drain on SIGTERM and a clean stop on SIGINT."""
 
     def __init__(self, app, settings: RuntimeSettings, gate: GateState, metrics: RuntimeMetrics,
-                 role: Role | None = None) -> None:
+                 role: Role | None = None, sockets: list[socket.socket] | None = None) -> None:
         self.app = app
         self.role = role  # split serving (split/): where this process listens, and the engine's link
+        self.sockets = sockets  # a standby parent's listening socket (standby.py); None: bind host:port
         self.settings = settings
         self.gate = gate
         self.metrics = metrics
@@ -87,9 +89,10 @@ class Server:
                       uds=role.uds if role is not None else None)
         loop = asyncio.get_running_loop()
         try:
-            await http.startup(sockets=role.sockets if role is not None else None)
+            await http.startup(sockets=role.sockets if role is not None else self.sockets)
             if role is None:
-                log.info("listening on http://%s:%d", s.host, bound_port(http))
+                if self.sockets is None:
+                    log.info("listening on http://%s:%d", s.host, bound_port(http))
             elif role.link is not None:
                 await role.link.start()
             loop.add_signal_handler(signal.SIGTERM, self.on_sigterm)
@@ -151,7 +154,19 @@ def run(args: argparse.Namespace) -> int:
     if fronts and role_name is None:  # split serving: this process supervises the engine and the fronts
         from embedfleet.runtime.split.supervisor import run as supervise
 
+        if settings.standby:
+            log.info("--standby: the split's supervisor already replaces an engine that dies; not used")
         return supervise(settings, list(getattr(args, "argv", sys.argv[2:])), fronts)
+    if settings.standby and role_name is None:  # a parent that imports once and replaces a server that dies
+        from embedfleet.runtime.standby import run as standby
+
+        return standby(settings, lambda sock: serve_once(settings, None, fronts, [sock]))
+    return serve_once(settings, role_name, fronts)
+
+
+def serve_once(settings: RuntimeSettings, role_name: str | None, fronts: int,
+               sockets: list[socket.socket] | None = None) -> int:
+    """One server process: verify the model, build the application, serve until stopped."""
     if role_name == "front":  # the engine verified the model; a front reads only its config and tokenizer
         from embedfleet.runtime.split.roles import front_settings
 
@@ -187,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         models, server = build(role_name, settings, gate, metrics, Server)
     else:
         models = Models(settings, metrics)
-        server = Server(None, settings, gate, metrics)
+        server = Server(None, settings, gate, metrics, sockets=sockets)
         server.app = create_app(models, gate, on_load_failed=server.load_failed)
     run_loop(server.serve())
     if server.failed:

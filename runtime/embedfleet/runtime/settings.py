@@ -120,6 +120,10 @@ class RuntimeSettings(BaseSettings):
         "beside one engine process that batches and runs the model (docs/runtime.md, Split serving); 0: one "
         "process does everything; auto: one process on a CPU, and on a GPU one front per core but two, "
         "at most 8, from 4 cores up")
+    standby: bool = Field(
+        False, description="a parent process imports torch and the web stack once, holds the listening socket "
+        "and forks the server; a server that dies of a signal is replaced from it within the model's load "
+        "(docs/runtime.md, Standby); not with --fronts")
     api_key: SecretStr | None = Field(
         None, description="if set, every route but /health, /ready and /metrics needs `Authorization: Bearer KEY` "
         "(one tenant, `default`)")

@@ -200,6 +200,12 @@ class RuntimeSpec(CamelModel):
         "in this many processes beside one engine process that batches and runs the model (docs/runtime.md, "
         "split serving). 0: one process. Unset: the runtime chooses (--fronts auto): one process on a CPU; "
         "on a GPU from 4 cores (the pod's CPU limit counts) one front per core but two, at most 8.")
+    standby: bool | None = Field(
+        default=None,
+        description="The runtime's --standby: a parent process imports torch and the web stack once and holds "
+        "the listening socket; a server that dies of a signal (an OOM kill, a crash) is replaced from it within "
+        "the model's load, with no container restart and no connection refused. Costs the parent's memory "
+        "(docs/runtime.md, Standby). Not used with fronts, whose supervisor already replaces its engine.")
     drain_timeout_seconds: int = Field(
         default=30, ge=1, le=3600, description="SIGTERM drain; the pod grace period is longer than this."
     )

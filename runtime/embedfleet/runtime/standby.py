@@ -1,0 +1,154 @@
+"""`serve --standby`: a parent that has done the slow part of a start once, and replaces a server that dies.
+
+Most of a start on a CPU is not the model: the interpreter, torch's import (about a second on two cores)
+and the web stack come before the first weight is read. The standby parent imports all of that, binds the
+listening socket, and forks the server; the server loads the model and serves on the inherited socket.
+When the server dies of a signal (an OOM kill, a segfault in a native library, `kill -9`), the parent
+forks another at once: the new server starts from the imported state, so it answers within the model's
+own load and warm-up, and the socket never closed, so connections made meanwhile wait in its queue
+instead of being refused. The kubelet sees no restart; /ready answers 503 while the new server loads, and
+the pod stays Ready unless that takes longer than the readiness probe's failure window.
+
+What it does not change: the first start (the parent's imports are the same imports), and a crash of the
+parent itself (the container restarts, as without it). A server that exits by itself (status 1: its model
+failed to load; 2: a bad setting) ends the parent with the same status, as does a server that keeps dying
+(more than MAX_RESTARTS in RESTART_WINDOW_S). SIGTERM and SIGINT are passed to the server, whose drain is
+unchanged; the parent exits with its status.
+
+Costs (docs/runtime.md, Standby): the parent's memory, shared copy-on-write with the server until either
+writes it (`gc.freeze` keeps the collector from touching the imported objects); no new port, socket or
+right: the parent is the same user in the same container, and only ever waits for its child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+
+from embedfleet.runtime.settings import RuntimeSettings
+
+log = logging.getLogger("embedfleet.serve")
+#: What the server imports on its way to serving the torch engine: imported once, in the parent.
+PREIMPORT = ("numpy", "torch", "tokenizers", "safetensors.torch", "uvloop",
+             "embedfleet.runtime.engines.torch_engine", "embedfleet.runtime.engines.bert_native",
+             "embedfleet.runtime.service", "embedfleet.runtime.metrics", "embedfleet.runtime.api.app",
+             "embedfleet.runtime.api.gate", "embedfleet.runtime.lifespan", "embedfleet.runtime.tracing",
+             "embedfleet.httpserver", "embedfleet.otel")
+MAX_RESTARTS = 5  # servers that died of a signal within RESTART_WINDOW_S before the parent gives up
+RESTART_WINDOW_S = 600.0
+GENERATION = "_EMBEDFLEET_STANDBY_GENERATION"  # the child's count of servers before it (0: the first)
+PR_SET_PDEATHSIG = 1
+
+
+def preimport(names: tuple[str, ...] = PREIMPORT) -> list[str]:
+    """Import `names`; returns those that could not be (an optional part missing from this install)."""
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def listening_socket(settings: RuntimeSettings) -> socket.socket:
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    return socket.create_server((settings.host, settings.port), family=family, backlog=2048)
+
+
+class Standby:
+    """The parent: forks servers, passes signals on, and decides after each death whether to go on."""
+
+    def __init__(self, serve: Callable[[socket.socket], int], sock: socket.socket,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.serve = serve
+        self.sock = sock
+        self.clock = clock
+        self.child = 0
+        self.stopping = 0  # the signal being passed on (SIGTERM or SIGINT), once one came
+        self.deaths: deque[float] = deque()
+        self.generation = 0
+
+    def _signal(self, signum: int, _frame) -> None:
+        self.stopping = self.stopping or signum
+        if self.child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child, signum)
+
+    def _fork(self) -> int:
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:  # the server: default signal handling (it installs its own), and it dies with the parent
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            os.environ[GENERATION] = str(self.generation)
+            code = self.serve(self.sock)
+        except BaseException:  # whatever happened, the child must not return into the parent's loop
+            log.exception("the server failed")
+        finally:
+            logging.shutdown()
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+    def gives_up(self, now: float) -> bool:
+        """Record a death at `now`; True when more than MAX_RESTARTS fell within RESTART_WINDOW_S."""
+        self.deaths.append(now)
+        while self.deaths and self.deaths[0] < now - RESTART_WINDOW_S:
+            self.deaths.popleft()
+        return len(self.deaths) > MAX_RESTARTS
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._signal)
+        signal.signal(signal.SIGINT, self._signal)
+        while not self.stopping:
+            self.child = self._fork()
+            if self.stopping:  # a signal came during the fork: the new server is told too
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.child, self.stopping)
+            _, status = os.waitpid(self.child, 0)
+            pid, self.child = self.child, 0
+            if os.WIFEXITED(status):  # the server ended by itself: drained (0), or could not serve (1, 2)
+                return os.WEXITSTATUS(status)
+            died = os.WTERMSIG(status)
+            if self.stopping:
+                return 128 + died
+            name = signal.Signals(died).name if died in signal.Signals._value2member_map_ else str(died)
+            if self.gives_up(self.clock()):
+                log.error("the server (pid %d) died of %s, the %dth time in %.0fs: giving up", pid, name,
+                          len(self.deaths), RESTART_WINDOW_S)
+                return 1
+            self.generation += 1
+            log.warning("the server (pid %d) died of %s; starting another from the standby parent "
+                        "(%d in the last %.0fs)", pid, name, len(self.deaths), RESTART_WINDOW_S)
+        return 128 + self.stopping
+
+
+def run(settings: RuntimeSettings, serve: Callable[[socket.socket], int]) -> int:
+    """Import, listen, then serve in forked children until one ends by itself or a signal stops us."""
+    started = time.perf_counter()
+    missing = preimport()
+    sock = listening_socket(settings)
+    log.info("standby: imported in %.2fs%s; listening on http://%s:%d; the server runs in a child process, "
+             "replaced from here if it dies", time.perf_counter() - started,
+             f" (not installed: {', '.join(missing)})" if missing else "", settings.host, sock.getsockname()[1])
+    gc.freeze()  # the imported objects stay out of the collector's passes: fewer pages copied into each child
+    try:
+        return Standby(serve, sock).run()
+    finally:
+        sock.close()
