@@ -27,11 +27,59 @@ from dataclasses import dataclass
 from ipaddress import ip_address, ip_network
 
 GUARD_RANGE = "198.18.0.0/15"
-#: This process's pod range (kwok --cidr): distinct /24s let concurrent test runs each own theirs.
-POD_CIDR = f"198.18.{os.getpid() % 250 + 1}.0/24"
 LOCAL_RANGE = "198.18.0.0/16"
 HOST_ADDR = "198.19.255.254"
 INNER_ADDR = "198.19.255.253"
+NETNS_DIR = "/run/netns"
+PREFIX = "ef-pods-"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def _able() -> bool:
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+def reap_leftovers() -> list[str]:
+    """Delete the pod networks of test processes that no longer run (a run killed before its teardown):
+    their namespace, veth and routes, and the ``local`` routes `pod_ip_on_host` left in their range. A
+    leftover's route would make a later process's /24 collide with it ("File exists"). Returns the names."""
+    if not _able() or not os.path.isdir(NETNS_DIR):
+        return []
+    reaped = []
+    for name in sorted(os.listdir(NETNS_DIR)):
+        tag = name[len(PREFIX):]
+        if not name.startswith(PREFIX) or not tag.isdigit() or os.path.exists(f"/proc/{tag}"):
+            continue
+        host_if = f"efh{tag}"[:15]
+        routes = _ip("-o", "route", "show", "dev", host_if, check=False).stdout.split()
+        for cidr in (r for r in routes if r.startswith("198.18.") and r.endswith("/24")):
+            _ip("route", "flush", "table", "local", "root", cidr, check=False)
+        _ip("link", "del", host_if, check=False)  # its routes go with it
+        _ip("netns", "del", name, check=False)
+        reaped.append(name)
+    return reaped
+
+
+def _pick_pod_cidr() -> str:
+    """A /24 of 198.18.1-250 no live route uses, starting from this process's id (so concurrent runs start
+    apart), after reaping the networks of processes that are gone."""
+    start = os.getpid() % 250
+    if not _able():
+        return f"198.18.{start + 1}.0/24"
+    reap_leftovers()
+    used = set(_ip("-o", "route", "show", check=False).stdout.split())
+    for step in range(250):
+        cidr = f"198.18.{(start + step) % 250 + 1}.0/24"
+        if cidr not in used:
+            return cidr
+    raise RuntimeError("every 198.18.x.0/24 for test pods is routed: too many pod networks on this machine")
+
+
+#: This process's pod range (kwok --cidr): distinct /24s let concurrent test runs each own theirs.
+POD_CIDR = _pick_pod_cidr()
 
 
 def guard_pod_range() -> None:
@@ -52,10 +100,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
-
-
 @dataclass
 class PodNetwork:
     """A network namespace where every 198.18.x.y address is local; this process's POD_CIDR leads there."""
@@ -68,7 +112,7 @@ class PodNetwork:
     def create(cls, tag: str | None = None) -> PodNetwork:
         tag = tag or str(os.getpid())
         guard_pod_range()
-        net = cls(name=f"ef-pods-{tag}", host_if=f"efh{tag}"[:15], inner_if=f"efn{tag}"[:15])
+        net = cls(name=f"{PREFIX}{tag}", host_if=f"efh{tag}"[:15], inner_if=f"efn{tag}"[:15])
         net.delete()  # a leftover from a killed run
         try:
             _ip("netns", "add", net.name)

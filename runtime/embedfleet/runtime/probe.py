@@ -73,6 +73,16 @@ class StartupProbe:
     def started(self) -> bool:
         return self.state is not None or self._task is not None
 
+    @property
+    def status(self) -> str:
+        """done, pending (not started yet, or running), or failed (every attempt, or stopped): GET /load's
+        `probe`, which a client can poll without the errors a pending GET .../probe counts."""
+        if self.state is not None:
+            return "done"
+        if self._task is None or not self._task.done():
+            return "pending"
+        return "failed"
+
     def start(self, attempt: Callable[[], Awaitable[None]], failed: Callable[[], None],
               done: Callable[[], None]) -> None:
         """AFTER_READY_S from now, `attempt` until it succeeds (PROBE_ATTEMPTS in all, backing off), so the

@@ -286,6 +286,10 @@ class ModelService:
         """Fingerprint and vector space, once the start-up probe measured them."""
         return self.startup.state
 
+    @property
+    def probe_status(self) -> str:
+        return self.startup.status
+
     def start_probe(self) -> None:
         """Start the start-up probe (Models.load calls it once every model serves; a no-op when it ran before
         /ready, with --probe-reference). Its small batches go onto the engine thread when no request's work
@@ -557,7 +561,7 @@ class Models:
     def load_report(self) -> dict:
         """Per model: queued tokens, measured drain rate and expected wait (GET /load)."""
         return {name: {"queue_tokens": s.batcher.queued_tokens, "tokens_per_s": round(s.batcher.tokens_per_s, 1),
-                       "expected_wait_s": round(s.batcher.expected_wait(), 4)}
+                       "expected_wait_s": round(s.batcher.expected_wait(), 4), "probe": s.probe_status}
                 for name, s in self.services.items() if s.batcher is not None}
 
     async def load(self) -> None:

@@ -50,7 +50,8 @@ def state_of(models: Models) -> dict:
                         "queued_tokens": b.queued_tokens, "tokens_per_s": round(b.tokens_per_s, 1),
                         "max_batch_tokens": s.settings.max_batch_tokens,
                         "max_batch_requests": s.settings.max_batch_requests, "vector_space": s.vector_space,
-                        "fingerprint": s.fingerprint, "effective_dtype": s.effective_dtype}
+                        "fingerprint": s.fingerprint, "effective_dtype": s.effective_dtype,
+                        "probe": s.probe_status}
     return {"loaded": models.loaded, "load_error": models.load_error, "models": report,
             "startup": models.startup_report()}
 

@@ -205,6 +205,10 @@ class FrontService(ModelService):
     def fingerprint(self) -> str | None:
         return self.state["fingerprint"] if self.state else None
 
+    @property
+    def probe_status(self) -> str:
+        return self.state["probe"] if self.state else "pending"
+
     async def calibrated(self) -> Calibration:
         """The engine's int8/uint8 calibration (it embeds the texts once, for every front)."""
         if self.calibration is None:
