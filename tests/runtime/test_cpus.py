@@ -89,6 +89,9 @@ def test_fronts_setting_takes_a_count_or_auto_and_names_the_mistake(monkeypatch)
         assert RuntimeSettings().fronts == expected
     monkeypatch.delenv("EMBEDFLEET_FRONTS")
     assert RuntimeSettings().fronts == "auto" and RuntimeSettings().front_processes() == 0  # this CPU machine
+    # --standby asks for the single process: `auto` gives way to it; a count given outright does not
+    assert RuntimeSettings(device="cpu", standby=True).front_processes() == 0
+    assert RuntimeSettings(fronts=2, standby=True).front_processes() == 2
     for bad in ("65", "-1", "4.5", "many", ""):
         monkeypatch.setenv("EMBEDFLEET_FRONTS", bad)
         with pytest.raises(Exception) as caught:

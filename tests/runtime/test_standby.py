@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from embedfleet.runtime import standby
+from tests.kube.controlplane import wait_until
 from tests.procs import start_runtime
 
 TEXTS = ["a standby parent forks the server", "the socket stays open across a crash"]
@@ -31,14 +33,12 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+def process_start(pid: int) -> float:
+    """When `pid` started (Unix seconds), the way the runtime reads its own start: /proc/PID/stat's start time
+    against CLOCK_BOOTTIME, the clock it is counted on."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    ticks = int(stat[stat.rindex(")") + 2:].split()[19])
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def embed(client: httpx.Client) -> np.ndarray:
@@ -51,10 +51,14 @@ def test_a_killed_server_is_replaced_from_the_parent_and_no_request_is_refused()
     srv = start_runtime("--standby")
     try:
         parent = srv.proc.pid
-        (first,) = wait_for(lambda: children(parent), 30, "the server process")
+        (first,) = wait_until(lambda: children(parent), 30, "the server process", interval=0.02)
         with srv.client() as c:
             before = embed(c)
             started = c.get("/load").json()["startup"]["process_started"]
+        # the first server's cold start counts from its parent's start: the imports done for it are its start too
+        first_started = datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp()
+        assert abs(first_started - process_start(parent)) < 0.1, (started, process_start(parent), process_start(first))
+        assert process_start(first) - process_start(parent) > 0.2  # the parent's imports came between
         statuses: list[int | str] = []
         stop = threading.Event()
 
@@ -70,11 +74,12 @@ def test_a_killed_server_is_replaced_from_the_parent_and_no_request_is_refused()
         sender.start()
         time.sleep(0.3)
         os.kill(first, signal.SIGKILL)
-        second = wait_for(lambda: [p for p in children(parent) if p != first], 30, "a new server process")[0]
+        second = wait_until(lambda: [p for p in children(parent) if p != first], 30, "a new server process",
+                            interval=0.02)[0]
         srv.wait_ready()
         with srv.client() as c:
-            wait_for(lambda: c.post("/v1/embeddings", json={"input": TEXTS[:1]}).status_code == 200, 60,
-                     "the new server's first answer")
+            wait_until(lambda: c.post("/v1/embeddings", json={"input": TEXTS[:1]}).status_code == 200, 60,
+                       "the new server's first answer")
         time.sleep(0.3)
         stop.set()
         sender.join(60)
@@ -97,7 +102,7 @@ def test_a_killed_server_is_replaced_from_the_parent_and_no_request_is_refused()
 def test_sigterm_drains_through_the_parent_and_a_server_that_cannot_load_ends_it(tmp_path):
     srv = start_runtime("--standby")
     parent = srv.proc.pid
-    (server,) = wait_for(lambda: children(parent), 30, "the server process")
+    (server,) = wait_until(lambda: children(parent), 30, "the server process", interval=0.02)
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(60) == 0, srv.log()[-2000:]
     assert not Path(f"/proc/{server}").exists() or Path(f"/proc/{server}/stat").read_text().split()[2] == "Z"

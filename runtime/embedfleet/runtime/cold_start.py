@@ -142,9 +142,21 @@ def read_weights_source(path: Path) -> WeightsSource:
                             _read(path.with_name(path.name + SOURCE_RECORD)), _read(path / SOURCE_RECORD))
 
 
+#: Set by a standby parent (standby.py) for its first server: when the parent started (Unix seconds), so
+#: that the first start's phases include the imports the parent did for it.
+STARTED_ENV = "_EMBEDFLEET_PROCESS_STARTED"
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started, by the kernel's clock: ``/proc/self/stat``'s start time (clock
-    ticks since boot) against CLOCK_BOOTTIME, the clock it is counted on. None off Linux."""
+    ticks since boot) against CLOCK_BOOTTIME, the clock it is counted on. None off Linux. A standby
+    parent's first server counts from the parent's start (STARTED_ENV)."""
+    given = os.environ.get(STARTED_ENV)
+    if given:
+        try:
+            return max(0.0, time.time() - float(given))
+        except ValueError:
+            pass
     try:
         stat = Path("/proc/self/stat").read_text()
         fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces

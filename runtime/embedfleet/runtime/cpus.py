@@ -78,7 +78,10 @@ def cgroup_quotas(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> 
             continue
         for mount in mounts:
             for folder in _upwards(mount, inner):
-                if folder in seen or not folder.is_dir():
+                try:
+                    if folder in seen or not folder.is_dir():
+                        continue
+                except OSError:  # a folder this process may not look into (EACCES): no quota read there
                     continue
                 seen.add(folder)
                 if version == 2:
@@ -99,13 +102,22 @@ def affinity() -> int:
 
 
 def available_cores(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
-    """The cores the runtime sizes its threads and processes by (see the module's docstring)."""
-    return cores_from(affinity(), cgroup_quotas(root, proc_cgroup))
+    """The cores the runtime sizes its threads and processes by (see the module's docstring); the affinity
+    alone when the cgroup files cannot be read."""
+    try:
+        quotas = cgroup_quotas(root, proc_cgroup)
+    except OSError:
+        quotas = []
+    return cores_from(affinity(), quotas)
 
 
 def summary(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> str:
     """What `available_cores` found, for the start-up log: "2 cores" or "2 cores (CPU quota 1.5 of 16 CPUs)"."""
-    cpus, quotas = affinity(), cgroup_quotas(root, proc_cgroup)
+    cpus = affinity()
+    try:
+        quotas = cgroup_quotas(root, proc_cgroup)
+    except OSError:
+        quotas = []
     cores = cores_from(cpus, quotas)
     if cores == cpus:
         return f"{cores} cores"

@@ -334,8 +334,11 @@ class RuntimeSettings(BaseSettings):
         return entries
 
     def front_processes(self) -> int:
-        """How many front processes `serve` starts (0: the single-process server)."""
-        return auto_fronts(self.device, self.cores()) if self.fronts == "auto" else self.fronts
+        """How many front processes `serve` starts (0: the single-process server). --standby asks for the
+        single process, so with it `auto` is 0; a number of fronts given outright wins over --standby."""
+        if self.fronts == "auto":
+            return 0 if self.standby else auto_fronts(self.device, self.cores())
+        return self.fronts
 
     def cores(self) -> int:
         """Cores to size threads and processes by: the CPUs this process may run on, bounded by its cgroup's

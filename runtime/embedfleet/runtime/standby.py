@@ -3,7 +3,8 @@
 Most of a start on a CPU is not the model: the interpreter, torch's import (about a second on two cores)
 and the web stack come before the first weight is read. The standby parent imports all of that, binds the
 listening socket, and forks the server; the server loads the model and serves on the inherited socket.
-When the server dies of a signal (an OOM kill, a segfault in a native library, `kill -9`), the parent
+When the server dies of a signal (a segfault in a native library, `kill -9`, an OOM kill that takes the
+server alone: on cgroup v2 the kubelet makes an OOM kill take the whole container), the parent
 forks another at once: the new server starts from the imported state, so it answers within the model's
 own load and warm-up, and the socket never closed, so connections made meanwhile wait in its queue
 instead of being refused. The kubelet sees no restart; /ready answers 503 while the new server loads, and
@@ -35,6 +36,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from embedfleet.runtime.cold_start import STARTED_ENV as STARTED
+from embedfleet.runtime.cold_start import process_age_s
 from embedfleet.runtime.settings import RuntimeSettings
 
 log = logging.getLogger("embedfleet.serve")
@@ -66,6 +69,9 @@ def listening_socket(settings: RuntimeSettings) -> socket.socket:
     return socket.create_server((settings.host, settings.port), family=family, backlog=2048)
 
 
+SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
 class Standby:
     """The parent: forks servers, passes signals on, and decides after each death whether to go on."""
 
@@ -78,32 +84,55 @@ class Standby:
         self.stopping = 0  # the signal being passed on (SIGTERM or SIGINT), once one came
         self.deaths: deque[float] = deque()
         self.generation = 0
+        self.pid = os.getpid()
+        self.started = time.time() - (process_age_s() or 0.0)  # the first server's cold start counts from here
 
     def _signal(self, signum: int, _frame) -> None:
         self.stopping = self.stopping or signum
         if self.child:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child, signum)
+        # the server closes its copy of the socket when it stops; with ours closed too, new connections are
+        # refused from then on instead of waiting in the queue for a server that will not take them
+        with contextlib.suppress(OSError):
+            self.sock.close()
 
     def _fork(self) -> int:
+        """Fork a server. SIGTERM and SIGINT are blocked across the fork, so one that comes meanwhile is
+        neither handled by the child's copy of the parent's handler nor lost: the parent handles it once it
+        knows the child (and passes it on), the child once its own default handling is in place."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         pid = os.fork()
         if pid:
+            self.child = pid
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
             return pid
         code = 1
-        try:  # the server: default signal handling (it installs its own), and it dies with the parent
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            with contextlib.suppress(OSError, AttributeError):
-                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            os.environ[GENERATION] = str(self.generation)
-            code = self.serve(self.sock)
-        except BaseException:  # whatever happened, the child must not return into the parent's loop
-            log.exception("the server failed")
-        finally:
-            logging.shutdown()
-            with contextlib.suppress(Exception):
+        try:
+            try:  # the server: default signal handling (it installs its own), and it dies with the parent
+                for signum in SIGNALS:
+                    signal.signal(signum, signal.SIG_DFL)
+                with contextlib.suppress(OSError, AttributeError):
+                    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+                if os.getppid() != self.pid:  # the parent died before the line above: no one to serve for
+                    return 1
+                os.environ[GENERATION] = str(self.generation)
+                if self.generation == 0:  # the first server's start includes the parent's imports
+                    os.environ[STARTED] = repr(self.started)
+                else:
+                    os.environ.pop(STARTED, None)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+                code = self.serve(self.sock)
+            except BaseException:  # whatever happened, the child must not return into the parent's loop
+                log.exception("the server failed")
+            try:
+                signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+                logging.shutdown()
                 sys.stdout.flush()
                 sys.stderr.flush()
+            except BaseException:  # exiting regardless
+                pass
+        finally:
             os._exit(code)
 
     def gives_up(self, now: float) -> bool:
@@ -113,16 +142,24 @@ class Standby:
             self.deaths.popleft()
         return len(self.deaths) > MAX_RESTARTS
 
+    def _wait(self, child: int) -> int:
+        """The child's wait status. As a container's first process the parent also inherits whatever the
+        server started and left behind when it died: those are reaped here too, and otherwise ignored."""
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == child:
+                return status
+
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._signal)
-        signal.signal(signal.SIGINT, self._signal)
+        for signum in SIGNALS:
+            signal.signal(signum, self._signal)
         while not self.stopping:
-            self.child = self._fork()
-            if self.stopping:  # a signal came during the fork: the new server is told too
+            child = self._fork()
+            if self.stopping:  # a signal came before the child was known: the new server is told too
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.child, self.stopping)
-            _, status = os.waitpid(self.child, 0)
-            pid, self.child = self.child, 0
+                    os.kill(child, self.stopping)
+            status = self._wait(child)
+            self.child = 0
             if os.WIFEXITED(status):  # the server ended by itself: drained (0), or could not serve (1, 2)
                 return os.WEXITSTATUS(status)
             died = os.WTERMSIG(status)
@@ -130,12 +167,12 @@ class Standby:
                 return 128 + died
             name = signal.Signals(died).name if died in signal.Signals._value2member_map_ else str(died)
             if self.gives_up(self.clock()):
-                log.error("the server (pid %d) died of %s, the %dth time in %.0fs: giving up", pid, name,
+                log.error("the server (pid %d) died of %s, the %dth time in %.0fs: giving up", child, name,
                           len(self.deaths), RESTART_WINDOW_S)
                 return 1
             self.generation += 1
             log.warning("the server (pid %d) died of %s; starting another from the standby parent "
-                        "(%d in the last %.0fs)", pid, name, len(self.deaths), RESTART_WINDOW_S)
+                        "(%d in the last %.0fs)", child, name, len(self.deaths), RESTART_WINDOW_S)
         return 128 + self.stopping
 
 

@@ -203,9 +203,10 @@ class RuntimeSpec(CamelModel):
     standby: bool | None = Field(
         default=None,
         description="The runtime's --standby: a parent process imports torch and the web stack once and holds "
-        "the listening socket; a server that dies of a signal (an OOM kill, a crash) is replaced from it within "
-        "the model's load, with no container restart and no connection refused. Costs the parent's memory "
-        "(docs/runtime.md, Standby). Not used with fronts, whose supervisor already replaces its engine.")
+        "the listening socket; a server that dies of a signal (a crash, kill -9; an OOM kill where it takes "
+        "the server alone) is replaced from it within the model's load, with no container restart and no "
+        "connection refused. Costs the parent's memory (docs/runtime.md, Standby). With fronts unset it "
+        "means one process; with fronts set it is not used (their supervisor already replaces its engine).")
     drain_timeout_seconds: int = Field(
         default=30, ge=1, le=3600, description="SIGTERM drain; the pod grace period is longer than this."
     )
