@@ -34,7 +34,7 @@ from itertools import islice
 SMOOTH_S = 2.0  # the long-run rate decays over about this much draining
 WINDOW_S = 3.0  # the recent rate: batches that ended in about this much wall clock
 BATCHES = 2  # ... and the last this many batches in that window alone
-SEED_RUNS = 3  # timed runs of the start-up seed batch; the fastest is believed (`timed_seed`)
+SEED_RUNS = 2  # timed runs of the start-up seed batch, the faster believed (`timed_seed`); each adds to a start
 
 
 @dataclass(frozen=True, slots=True)
