@@ -125,15 +125,15 @@ def timed_seed(run: Callable[[list], object], batch: Sequence, runs: int = SEED_
                clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
     """Tokens and seconds of `batch` on the engine (`run`), to seed the drain rate at start-up.
 
-    Run once untimed (the first call at a new shape pays one-off allocations), then `runs` times, and the
-    fastest run is the figure: a start-up batch is tens of milliseconds, and one scheduler hiccup on a
-    busy machine (another process holding a core for a time slice) can make a single run several times
-    slower than the engine is. Seeded from that run, admission would refuse the first requests for a
-    wait the engine never had; the recent and running figures still lower the rate within a batch when
-    the machine really is slow.
+    Run `runs` times, each timed, and the fastest run is the figure: a start-up batch is tens of
+    milliseconds, and one scheduler hiccup on a busy machine (another process holding a core for a time
+    slice) can make a single run several times slower than the engine is. Seeded from that run, admission
+    would refuse the first requests for a wait the engine never had. The first run at a new shape also pays
+    one-off allocations, so it is rarely the fastest: two runs cost what one untimed and one timed run did,
+    and a hiccup in either is not believed. The recent and running figures still lower the rate within a
+    batch when the machine really is slow.
     """
     tokens = sum(len(row) for row in batch)
-    run(list(batch))
     fastest = math.inf
     for _ in range(max(1, runs)):
         started = clock()
