@@ -22,6 +22,8 @@ from tests.kube.kubelet import FakeKubelet
 from tests.kube.netns import PodNetwork
 from tests.operator.real import condition, operator_writes, release, small, wait_condition
 
+from embedfleet.operator.handlers.autoscale_daemon import IN_FLIGHT_REFRESH_S
+
 
 async def _load(url: str, stop: threading.Event, concurrency: int) -> int:
     """Keep `concurrency` requests in flight against one runtime until `stop`; bounded by time too."""
@@ -91,10 +93,15 @@ def test_helm_apply_traffic_scale_up_down_delete(kube_cluster: Cluster, pod_netw
                            60, f"the start-up probe of the runtime at {ip}")
             # The cluster settled at one replica: the Deployment's controller has counted the stopped pods
             # out (a status the operator mirrors in its Scaling condition and replica counts: news it writes
-            # once) and the mirror shows it.
-            wait_until(lambda: settled(cluster.get_json("deployment", "web", "-n", ns))
-                       and (cluster.get_json("ed", "web", "-n", ns)["status"].get("replicas") or {}).items()
-                       >= {"current": 1, "ready": 1}.items(), 60, "the Deployment and its status at one replica")
+            # once) and the mirror shows it; and status.inFlight, an observation the autoscaler refreshes at
+            # most every IN_FLIGHT_REFRESH_S when it moved, has caught up with the idle load (one write).
+            def idle_status() -> bool:
+                status = cluster.get_json("ed", "web", "-n", ns)["status"]
+                return ((status.get("replicas") or {}).items() >= {"current": 1, "ready": 1}.items()
+                        and not status.get("inFlight"))
+
+            wait_until(lambda: settled(cluster.get_json("deployment", "web", "-n", ns)) and idle_status(),
+                       IN_FLIGHT_REFRESH_S + 60, "the Deployment and its status at one idle replica")
             # Idle, with real metrics flowing: the operator writes nothing but its Lease.
             time.sleep(5)
             cluster.audit_mark()
