@@ -101,23 +101,23 @@ def affinity() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def readable_quotas(root: Path, proc_cgroup: Path) -> list[tuple[int, int]]:
+    """`cgroup_quotas`, or none when the cgroup files cannot be read (the affinity alone then counts)."""
+    try:
+        return cgroup_quotas(root, proc_cgroup)
+    except OSError:
+        return []
+
+
 def available_cores(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
     """The cores the runtime sizes its threads and processes by (see the module's docstring); the affinity
     alone when the cgroup files cannot be read."""
-    try:
-        quotas = cgroup_quotas(root, proc_cgroup)
-    except OSError:
-        quotas = []
-    return cores_from(affinity(), quotas)
+    return cores_from(affinity(), readable_quotas(root, proc_cgroup))
 
 
 def summary(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> str:
     """What `available_cores` found, for the start-up log: "2 cores" or "2 cores (CPU quota 1.5 of 16 CPUs)"."""
-    cpus = affinity()
-    try:
-        quotas = cgroup_quotas(root, proc_cgroup)
-    except OSError:
-        quotas = []
+    cpus, quotas = affinity(), readable_quotas(root, proc_cgroup)
     cores = cores_from(cpus, quotas)
     if cores == cpus:
         return f"{cores} cores"

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from embedfleet.runtime.cold_start import STARTED_ENV as STARTED
 from embedfleet.runtime.cold_start import process_age_s
 from embedfleet.runtime.settings import RuntimeSettings
+from embedfleet.runtime.split.supervisor import PR_SET_PDEATHSIG, listen
 
 log = logging.getLogger("embedfleet.serve")
 #: What the server imports on its way to serving the torch engine: imported once, in the parent.
@@ -49,8 +50,6 @@ PREIMPORT = ("numpy", "torch", "tokenizers", "safetensors.torch", "uvloop",
              "embedfleet.httpserver", "embedfleet.otel")
 MAX_RESTARTS = 5  # servers that died of a signal within RESTART_WINDOW_S before the parent gives up
 RESTART_WINDOW_S = 600.0
-GENERATION = "_EMBEDFLEET_STANDBY_GENERATION"  # the child's count of servers before it (0: the first)
-PR_SET_PDEATHSIG = 1
 
 
 def preimport(names: tuple[str, ...] = PREIMPORT) -> list[str]:
@@ -62,11 +61,6 @@ def preimport(names: tuple[str, ...] = PREIMPORT) -> list[str]:
         except ImportError:
             missing.append(name)
     return missing
-
-
-def listening_socket(settings: RuntimeSettings) -> socket.socket:
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    return socket.create_server((settings.host, settings.port), family=family, backlog=2048)
 
 
 SIGNALS = {signal.SIGTERM, signal.SIGINT}
@@ -116,7 +110,6 @@ class Standby:
                     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
                 if os.getppid() != self.pid:  # the parent died before the line above: no one to serve for
                     return 1
-                os.environ[GENERATION] = str(self.generation)
                 if self.generation == 0:  # the first server's start includes the parent's imports
                     os.environ[STARTED] = repr(self.started)
                 else:
@@ -180,7 +173,7 @@ def run(settings: RuntimeSettings, serve: Callable[[socket.socket], int]) -> int
     """Import, listen, then serve in forked children until one ends by itself or a signal stops us."""
     started = time.perf_counter()
     missing = preimport()
-    sock = listening_socket(settings)
+    sock = listen(settings.host, settings.port, backlog=2048, inheritable=False)
     log.info("standby: imported in %.2fs%s; listening on http://%s:%d; the server runs in a child process, "
              "replaced from here if it dies", time.perf_counter() - started,
              f" (not installed: {', '.join(missing)})" if missing else "", settings.host, sock.getsockname()[1])

@@ -60,10 +60,12 @@ def _die_with(parent: int):
     return arm
 
 
-def listen(host: str, port: int, backlog: int) -> socket.socket:
+def listen(host: str, port: int, backlog: int, inheritable: bool = True) -> socket.socket:
+    """The server's listening socket, shared by the processes that serve on it: inherited across exec by
+    fronts (`inheritable`), or across fork only by standby's servers."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=backlog)
-    sock.set_inheritable(True)
+    sock.set_inheritable(inheritable)
     return sock
 
 
