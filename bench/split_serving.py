@@ -18,6 +18,14 @@ Figures, per configuration:
   by_role                 the same by process role, each split into its main thread (the event loop) and
                           its other threads (tokenizer pool, HF tokenizers' own threads, the engine thread)
   ratio                   embeddings_per_s over the single process's in the same run
+  rest_cpu_ms_per_1k      server_cpu_ms_per_1k less the tokenizer's: the tokenizer's CPU per 1,000 embeddings
+                          (`tokenizer_cpu_ms_per_1k`) is measured in this process, on the same texts in the
+                          same requests, with the server's tokenizer calls; what is left is the host path's
+
+With `--packed both`, every configuration also runs with the null engine declaring packed sequences (as the
+CUDA engine does for BERT-family embedders: a batch costs its real tokens, so the planner packs the oldest
+inputs instead of grouping them by length): `packed_fronts_N`, against the same padded single process. The
+null engine then sleeps per real token, not per padded one.
 
 Run: .venv/bin/python bench/split_serving.py --fronts 1,2 (about two minutes on two cores). On a machine
 with cores to scale on (the GPU machine's 16): --fronts 1,4,8 --server-cpus 0-13 --load-cpus 14-15.
@@ -61,6 +69,12 @@ if os.environ.get("_EMBEDFLEET_SPLIT_ROLE") != "front" and os.environ.get("BENCH
         if per_token_s:
             time.sleep(per_token_s * max(map(len, batch)) * len(batch))
         return np.ones((len(batch), 384), np.float32)
+    if os.environ.get("BENCH_PACKED") == "1":
+        def embed(self, batch):
+            if per_token_s:
+                time.sleep(per_token_s * sum(map(len, batch)))
+            return np.ones((len(batch), 384), np.float32)
+        torch_engine.TorchEngine.runs_packed = property(lambda self: True)
     torch_engine.TorchEngine.embed = embed
 """
 FLAGS = ("--max-batch-requests", "1024", "--max-batch-tokens", "65536", "--log-level", "warning")
@@ -75,12 +89,13 @@ def cpu_list(text: str) -> set[int]:
 
 
 class SplitServer:
-    def __init__(self, fronts: int, cpus: set[int], site_dir: str, null_engine: bool, per_token_s: float) -> None:
+    def __init__(self, fronts: int, cpus: set[int], site_dir: str, null_engine: bool, per_token_s: float,
+                 packed: bool = False) -> None:
         self.fronts = fronts
         self.port = free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16",
                    PYTHONPATH=os.pathsep.join([site_dir, *SOURCE_PATHS]), BENCH_NULL_ENGINE="1" if null_engine else "0",
-                   BENCH_PER_TOKEN_S=str(per_token_s))
+                   BENCH_PER_TOKEN_S=str(per_token_s), BENCH_PACKED="1" if packed else "0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--fronts", str(fronts), *FLAGS],
@@ -136,6 +151,27 @@ def summary(rounds: list[dict]) -> dict:
             "server_cpu_ms_per_1k": middle["server_cpu_ms_per_1k"], "by_role": middle["by_role"]}
 
 
+def tokenizer_cpu_ms_per_1k(texts: list[str], per_request: int, rounds: int = 3) -> float:
+    """The tokenizer's CPU per 1,000 embeddings on `texts` cut into the bench's requests, called as the server
+    calls it (core/tokenize.py: the default model's tokenizer, the pool's encode path), the best of `rounds`.
+    All of this process' threads count (HF tokenizers parallelises a batch on its own threads)."""
+    from embedfleet.runtime.core.tokenize import TokenizerPool
+    from embedfleet.runtime.settings import default_model_dir
+
+    pool = TokenizerPool(default_model_dir() / "tokenizer.json", 1)
+    try:
+        chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
+        best = float("inf")
+        for _ in range(rounds):
+            started = time.process_time()
+            for chunk in chunks:
+                pool._encode_sync(chunk, 512, True, "right")
+            best = min(best, time.process_time() - started)
+        return round(best / len(texts) * 1e6, 1)
+    finally:
+        pool.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fronts", default="1,2", help="front counts to compare with the single process")
@@ -145,6 +181,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--per-token-us", type=float, default=0.0, help="the null engine's sleep per padded token")
     ap.add_argument("--model-engine", action="store_true", help="run the real model instead of the null engine")
+    ap.add_argument("--packed", choices=("no", "both"), default="no",
+                    help="both: every configuration also with the null engine declaring packed sequences")
     ap.add_argument("--server-cpus", default="0", help="CPUs of the servers, e.g. 0 or 0-13")
     ap.add_argument("--load-cpus", default="1", help="CPUs of the load generator")
     add_results_dir(ap, "split-serving-cpu.jsonl")
@@ -153,28 +191,37 @@ def main() -> None:
     os.sched_setaffinity(0, cpu_list(args.load_cpus))
     texts = corpus(args.texts)
     counts = [0, *(int(n) for n in args.fronts.split(","))]
+    if args.packed == "both" and args.model_engine:
+        sys.exit("--packed both needs the null engine (the CPU engine pads)")
+    configs = {f"fronts_{n}": (n, False) for n in counts}
+    if args.packed == "both":
+        configs |= {f"packed_fronts_{n}": (n, True) for n in counts}
     with tempfile.TemporaryDirectory() as site_dir:
         Path(site_dir, "sitecustomize.py").write_text(SITE)
-        servers = {n: SplitServer(n, cpu_list(args.server_cpus), site_dir, not args.model_engine,
-                                  args.per_token_us * 1e-6) for n in counts}
+        servers = {name: SplitServer(n, cpu_list(args.server_cpus), site_dir, not args.model_engine,
+                                     args.per_token_us * 1e-6, packed) for name, (n, packed) in configs.items()}
         try:
             for server in servers.values():
                 measure(server, texts[:2048], args.per_request, args.concurrency)
-            rounds: dict[int, list[dict]] = {n: [] for n in counts}
+            rounds: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(args.rounds):
-                for n, server in servers.items():
-                    rounds[n].append(measure(server, texts, args.per_request, args.concurrency))
+                for name, server in servers.items():
+                    rounds[name].append(measure(server, texts, args.per_request, args.concurrency))
                     time.sleep(0.5)
         finally:
             for server in servers.values():
                 server.stop()
-    figures = {f"fronts_{n}": summary(r) for n, r in rounds.items()}
-    single = figures["fronts_0"]["embeddings_per_s"]
-    for n in counts[1:]:
-        figures[f"fronts_{n}"]["ratio"] = round(figures[f"fronts_{n}"]["embeddings_per_s"] / single, 3)
-        figures[f"fronts_{n}"]["cpu_ratio"] = round(
-            figures[f"fronts_{n}"]["server_cpu_ms_per_1k"] / figures["fronts_0"]["server_cpu_ms_per_1k"], 3)
+    tokenizer = tokenizer_cpu_ms_per_1k(texts, args.per_request)
+    figures = {name: summary(r) for name, r in rounds.items()}
+    single = figures["fronts_0"]
+    for name, figure in figures.items():
+        figure["rest_cpu_ms_per_1k"] = round(figure["server_cpu_ms_per_1k"] - tokenizer, 1)
+        if name != "fronts_0":
+            figure["ratio"] = round(figure["embeddings_per_s"] / single["embeddings_per_s"], 3)
+            figure["cpu_ratio"] = round(figure["server_cpu_ms_per_1k"] / single["server_cpu_ms_per_1k"], 3)
+            figure["rest_cpu_ratio"] = round(figure["rest_cpu_ms_per_1k"] / single["rest_cpu_ms_per_1k"], 3)
     row = {"bench": "split_serving", "engine": "model" if args.model_engine else "null",
+           "packed": args.packed, "tokenizer_cpu_ms_per_1k": tokenizer,
            "per_token_us": args.per_token_us, "baseline": "fronts_0 (the single-process server), same run",
            **figures, "texts_per_round": args.texts, "rounds": args.rounds, "per_request": args.per_request,
            "concurrency": args.concurrency, "server_cpus": args.server_cpus, "load_cpus": args.load_cpus,

@@ -105,3 +105,36 @@ def test_bulk_batches_are_sized_by_measured_speed():
         assert bm._budget(bulk) == 2 * bm.overhead_tokens, "never below two batches' fixed cost"
         bm.bulk_batch_seconds = 0
         assert bm._budget(bulk) == 16384
+
+
+@given(entries, st.integers(1, 8192), st.integers(1, 64))
+def test_packed_batches_are_the_oldest_that_fit(queue, max_tokens, max_items):
+    """A packed engine pays for real tokens: the batch holds the anchor, fits the budget in real tokens
+    (a lone item always may), and leaves out only what no longer fits, so no extra batch is paid for."""
+    chosen = plan_batch(queue, max_tokens, max_items, packed=True)
+    if not queue:
+        assert chosen == []
+        return
+    assert chosen and len(set(chosen)) == len(chosen) <= max_items
+    urgent = [e for e in queue if e.urgent]
+    anchor = min(urgent or queue, key=lambda e: e.seq)
+    assert queue[chosen[0]] == anchor, "the anchor leads"
+    total = sum(queue[i].length for i in chosen)
+    assert total <= max_tokens or len(chosen) == 1
+    if anchor.urgent:
+        assert all(queue[i].urgent for i in chosen), "bulk work never rides in an urgent batch"
+    if len(chosen) < max_items:
+        room = max_tokens - total
+        left = [e for i, e in enumerate(queue) if i not in chosen and (e.urgent or not urgent)]
+        assert all(e.length > room for e in left), "an item that fits is never left for another batch"
+
+
+def test_packed_batches_take_all_lengths_at_once():
+    """The lengths that the padded plan splits (test_small_batches_when_padding_would_dominate) go in one
+    packed batch: padding costs a packed engine nothing."""
+    queue = [Entry(i, 8 if i % 2 else 200, False) for i in range(24)]
+    assert len(plan_batch(queue, 16384, 32)) == 12
+    assert sorted(plan_batch(queue, 16384, 32, packed=True)) == list(range(24))
+    assert sorted(plan_batch(queue, 16384, 8, packed=True)) == list(range(8)), "the oldest, up to the cap"
+    assert sorted(plan_batch(queue, 440, 32, packed=True)) == [0, 1, 2, 3, 5, 7, 9], \
+        "the oldest that fit 440 real tokens: 200 + 8 + 200 + 8, then only the short ones"

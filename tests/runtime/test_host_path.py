@@ -23,10 +23,11 @@ def rows_of(batch: list) -> np.ndarray:
     return np.array([[len(ids), ids[0], ids[-1]] for ids in batch], dtype=np.float32)
 
 
-def run(scenario, max_requests: int, engine=rows_of) -> None:
+def run(scenario, max_requests: int, engine=rows_of, packed: bool = False) -> None:
     async def main() -> None:
         with ThreadPoolExecutor(1) as pool:
-            bm = BatchManager(engine, 16384, max_requests, 10**7, RuntimeMetrics().for_model("m"), pool)
+            bm = BatchManager(engine, 16384, max_requests, 10**7, RuntimeMetrics().for_model("m"), pool,
+                              packed=packed)
             bm.start()
             await asyncio.sleep(0)
             try:
@@ -39,10 +40,11 @@ def run(scenario, max_requests: int, engine=rows_of) -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.lists(st.integers(1, 300), min_size=1, max_size=40), min_size=1, max_size=6),
-       st.integers(1, 16), st.randoms(use_true_random=False))
-def test_rows_come_back_in_input_order_however_the_batches_cut_the_requests(requests, max_requests, rng):
-    """Requests of mixed lengths, batches of a few inputs: the planner takes inputs by length, so a request's
-    inputs arrive out of order, spread over batches beside other requests'. Each gets exactly its rows."""
+       st.integers(1, 16), st.randoms(use_true_random=False), st.booleans())
+def test_rows_come_back_in_input_order_however_the_batches_cut_the_requests(requests, max_requests, rng, packed):
+    """Requests of mixed lengths, batches of a few inputs: the planner takes inputs by length (or, for a
+    packed engine, oldest first, skipping what does not fit), so a request's inputs arrive out of order,
+    spread over batches beside other requests'. Each gets exactly its rows."""
     seen: list[int] = []
 
     def engine(batch: list) -> np.ndarray:
@@ -60,8 +62,27 @@ def test_rows_come_back_in_input_order_however_the_batches_cut_the_requests(requ
             np.testing.assert_array_equal(got, want)
         assert bm.queued_tokens == 0 and not bm._queue and bm._queued_jobs == 0
 
-    run(scenario, max_requests, engine)
+    run(scenario, max_requests, engine, packed)
     assert sum(seen) == sum(map(len, requests))
+
+
+def test_a_packed_engine_gets_a_request_of_mixed_lengths_in_one_batch():
+    """What the padded plan cuts into batches of like lengths, a packed engine (which pays for real tokens
+    only) gets whole: one hand-over, one answer, instead of one per length group."""
+    for packed, most in ((False, 2), (True, 1)):
+        seen: list[int] = []
+
+        def engine(batch: list, seen=seen) -> np.ndarray:
+            seen.append(len(batch))
+            return rows_of(batch)
+
+        async def scenario(bm: BatchManager) -> None:
+            inputs = [[7] * (8 if i % 2 else 200) for i in range(24)]
+            rows = await asyncio.wait_for(bm.submit(inputs, urgent=False).future, PATIENCE_S)
+            np.testing.assert_array_equal(rows, rows_of(inputs))
+
+        run(scenario, 32, engine, packed)
+        assert sum(seen) == 24 and (len(seen) == most if packed else len(seen) >= most), (packed, seen)
 
 
 def test_a_lone_query_gets_a_view_of_the_batch_and_a_split_request_one_array():

@@ -73,8 +73,8 @@ class RuntimeMetrics:
         self.batch_size = Histogram(
             "embedfleet_batch_size", "Inputs per engine batch", ["model"], buckets=SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram(
-            "embedfleet_batch_tokens", "Padded tokens per engine batch", ["model"], buckets=TOKEN_BUCKETS,
-            registry=r)
+            "embedfleet_batch_tokens", "Tokens per engine batch, padding included (none on a packed engine)",
+            ["model"], buckets=TOKEN_BUCKETS, registry=r)
         self.batch_seconds = Histogram(
             "embedfleet_batch_seconds", "Wall time of one engine batch, from its start on the engine thread to "
             "its end (pauses for preempting queries included)", ["model"], buckets=LATENCY_BUCKETS, registry=r)

@@ -61,8 +61,9 @@ class BatchManager:
     def __init__(self, engine_fn: EngineFn, max_batch_tokens: int, max_batch_requests: int,
                  max_queue_tokens: int, metrics: ModelMetrics, engine_thread: Executor,
                  overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, bulk_batch_seconds: float = 0.0,
-                 shared_batch_seconds: float = 0.0, urgent_wait_s: float = 0.0) -> None:
+                 shared_batch_seconds: float = 0.0, urgent_wait_s: float = 0.0, packed: bool = False) -> None:
         self.engine_fn = engine_fn
+        self.packed = packed  # the engine runs packed sequences: batches cost real tokens (core/batching.py)
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.max_queue_tokens = max_queue_tokens
@@ -89,7 +90,7 @@ class BatchManager:
         self._kick_pending = False  # a _kick is scheduled on the loop
         self._running_since = 0.0  # time.perf_counter() when the batch in the engine started
         # the drain rate, the tenants' fairness ledger, the urgent arrival rate, the batches' metrics
-        self._books = Bookkeeping(metrics, time.monotonic())
+        self._books = Bookkeeping(metrics, time.monotonic(), packed)
         # Preemption (see `preempt_point`): shared with the engine thread under `_preempt_lock`.
         self.preemptible = False  # the engine calls preempt_point between layers (ModelService.load wires it)
         self._stretch = 1.0  # the share of a bulk batch's time between two pauses (1 / its layers)
@@ -364,7 +365,7 @@ class BatchManager:
             return []
         entries = [item.entry for item in self._queue]
         chosen = sorted(plan_batch(entries, self._budget(entries), self.max_batch_requests, self.overhead_tokens,
-                                   self._books.served))
+                                   self._books.served, self.packed))
         queue = self._queue
         batch = [queue[i] for i in chosen]
         keep = [True] * len(queue)

@@ -15,6 +15,12 @@ similar lengths that costs least per real token, with the engine's cost modelled
 its fixed overhead (measured on the CPU engine: ~4.5 ms, the time of ~45 tokens). The cheapest run is
 found without trying every one (`best_window`), so a GPU's batches of a thousand inputs plan as fast as
 a CPU's of thirty-two.
+
+An engine that runs packed sequences (CUDA, BERT-family embedders: engines/packed.py) pays for its real
+tokens, not for rows x the longest row: there, padding costs nothing and every extra batch costs its fixed
+overhead again, on the GPU and on the host that plans, hands over and answers it. Its batches (`packed`)
+are the anchor and then the oldest items of the class that fit, up to the budget counted in real tokens:
+as few batches as the budget allows, and no sort by length.
 """
 
 from __future__ import annotations
@@ -57,12 +63,14 @@ def pick_anchor(queue: Sequence[Entry], candidates: list[int], served: Mapping[s
 
 
 def plan_batch(queue: Sequence[Entry], max_tokens: int, max_items: int,
-               overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, served: Mapping[str, float] | None = None) -> list[int]:
+               overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, served: Mapping[str, float] | None = None,
+               packed: bool = False) -> list[int]:
     """Indices into `queue` of the next batch.
 
-    Invariants (property-tested): non-empty when the queue is; contains the anchor; padded cost
-    within `max_tokens` unless the anchor alone exceeds it; at most `max_items` items; all urgent
-    when the anchor is; the anchor belongs to the least-served tenant with work in its class.
+    Invariants (property-tested): non-empty when the queue is; contains the anchor; cost (padded, or
+    with `packed` the real tokens) within `max_tokens` unless the anchor alone exceeds it; at most
+    `max_items` items; all urgent when the anchor is; the anchor belongs to the least-served tenant with
+    work in its class.
     """
     if not queue:
         return []
@@ -74,12 +82,32 @@ def plan_batch(queue: Sequence[Entry], max_tokens: int, max_items: int,
         own = [i for i in candidates if queue[i].tenant == tenant]
         if len(own) >= max_items or sum(queue[i].length for i in own) >= max_tokens:
             candidates = own
+    if packed:
+        return oldest_that_fit(queue, candidates, anchor, max_tokens, max_items)
     order = by_length(queue, candidates)
     pos = order.index(anchor)
     lo, hi = max(0, pos - max_items + 1), min(len(order), pos + max_items)  # all a window can reach
     order = order[lo:hi]
     lo, hi = best_window([queue[i].length for i in order], pos - lo, max_tokens, max_items, overhead_tokens)
     return order[lo:hi + 1]
+
+
+def oldest_that_fit(queue: Sequence[Entry], candidates: list[int], anchor: int, max_tokens: int,
+                    max_items: int) -> list[int]:
+    """The anchor, then `candidates` oldest first while their real tokens fit in `max_tokens` (an item that
+    does not fit is passed over for younger, shorter ones: it anchors a batch of its own in its turn)."""
+    chosen = [anchor]
+    room = max_tokens - queue[anchor].length
+    if len(candidates) == 1 or max_items == 1 or room <= 0:
+        return chosen
+    for i in sorted(candidates, key=lambda i: queue[i].seq):
+        length = queue[i].length
+        if length <= room and i != anchor:
+            chosen.append(i)
+            room -= length
+            if len(chosen) == max_items or room <= 0:
+                break
+    return chosen
 
 
 def by_length(queue: Sequence[Entry], candidates: list[int]) -> list[int]:

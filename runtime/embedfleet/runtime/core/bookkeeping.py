@@ -24,9 +24,11 @@ ARRIVALS_WINDOW_S = 5.0  # the urgent arrival rate is measured over about this m
 class Bookkeeping:
     """The running figures of one batch manager and the metrics of its batches."""
 
-    def __init__(self, metrics: ModelMetrics, now: float) -> None:
-        """`now`: time.monotonic(), where the decayed sums start."""
+    def __init__(self, metrics: ModelMetrics, now: float, packed: bool = False) -> None:
+        """`now`: time.monotonic(), where the decayed sums start; `packed`: the engine pads nothing, so a
+        batch's tokens are its real ones (embedfleet_batch_tokens)."""
         self.metrics = metrics
+        self.packed = packed
         self.drain = DrainRate()  # clock: time.perf_counter()
         self.tokens_per_s = 0.0  # the long-run rate (sizes bulk batches)
         self.last_end: float | None = None  # when the last batch finished, if work was waiting then
@@ -87,7 +89,7 @@ class Bookkeeping:
         lengths = [item.length for item in batch]
         tokens = sum(lengths)
         self.metrics.batch_size.observe(len(batch))
-        self.metrics.batch_tokens.observe(max(lengths) * len(lengths))
+        self.metrics.batch_tokens.observe(tokens if self.packed else max(lengths) * len(lengths))
         self.metrics.inputs.inc(len(batch))
         self.metrics.tokens.inc(tokens)
         self.metrics.engine_busy.inc(ended - started - paused)

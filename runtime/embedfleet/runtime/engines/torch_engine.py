@@ -258,6 +258,12 @@ class TorchEngine:
                      len(self.graph_shapes), *bucket_to)
 
     @property
+    def runs_packed(self) -> bool:
+        """Whether `embed` runs packed sequences: a batch then costs its real tokens, and the batch planner
+        packs the oldest inputs instead of grouping by length (core/batching.py)."""
+        return self.packed is not None and self.spec.task == "embed"
+
+    @property
     def preemptible(self) -> bool:
         """Whether `between_layers` can be served: on CPU, where a layer runs when Python calls it (on CUDA
         the host only queues kernels, so a pause there would not free the device) and the model is not
