@@ -5,7 +5,7 @@
 3. optionally Infinity (`--infinity PATH_TO_infinity_emb`) serving the same model directory.
 
 Prints one JSON line, also appended to bench/results/runtime_report-cpu.jsonl: server backfill ÷ ceiling
-(goal >= 0.90) and single-query p50 at concurrency 1 minus the ceiling's single-query time (goal <= 3 ms),
+(goal >= 1.0) and single-query p50 at concurrency 1 minus the ceiling's single-query time (goal <= 1 ms),
 plus Infinity's figures as ratios to ours.
 """
 
