@@ -47,10 +47,11 @@ from tests.realnode.node import (  # noqa: E402
     BRIDGE_IP,
     NAMESPACE,
     RUNTIME_PORT,
+    ModelServer,
     RealNode,
     realnode_home,
 )
-from tests.realnode.test_user_path import ModelServer, all_runtimes, http_deployment  # noqa: E402
+from tests.realnode.test_user_path import all_runtimes, http_deployment  # noqa: E402
 
 from _common import add_results_dir, record  # noqa: E402
 from embedfleet.operator.cache.engines import list_builds  # noqa: E402

@@ -8,10 +8,14 @@
 #   scripts/realnode.sh images    the project's images, when the sources changed since the last build
 #   scripts/realnode.sh load      import into the running node's containerd what it lacks (`up` does this)
 #   scripts/realnode.sh up DIR    control plane + containerd + kubelet (node realnode-1); writes DIR/kubeconfig
-#   scripts/realnode.sh down DIR  stops what `up` started, removes its pods, mounts, bridge and iptables rules
+#   scripts/realnode.sh join DIR  a second node, realnode-2, joined to `up`'s control plane: its own containerd
+#                                 (images copied from the first), kubelet, pod range and mount namespace
+#   scripts/realnode.sh leave DIR stops realnode-2 and removes its pods and its Node
+#   scripts/realnode.sh down DIR  stops what `up` and `join` started, removes pods, mounts, bridge and iptables rules
 #   scripts/realnode.sh home      prints the cache folder
-# Network: loopback and the bridge rn0 this script creates (198.18.252.1/22; pods 198.18.252.0/22 with no default
-# route; services 198.19.128.0/20). Needs root, Go, and for `build` the Debian mirror, PyPI and the Go proxy.
+# Network: loopback and the bridge rn0 this script creates (198.18.252.1/22, realnode-2 at 198.18.252.2; pods
+# 198.18.252.16-198.18.253.254 on realnode-1, 198.18.254.1-198.18.255.254 on realnode-2, no default route;
+# services 198.19.128.0/20). Needs root, Go, and for `build` the Debian mirror, PyPI and the Go proxy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROJECT=$PWD
@@ -22,13 +26,14 @@ BIN=$RN/bin
 BRIDGE=rn0; GW=198.18.252.1; POD_CIDR=198.18.252.0/22; SVC_CIDR=198.19.128.0/20; SVC_KUBE=198.19.128.1
 NODE=realnode-1; KUBELET_PORT=20250; KUBELET_HEALTH=20248
 SOCK=$RN/containerd/containerd.sock
+NODE2=realnode-2; NODE2_IP=198.18.252.2; KUBELET2_HEALTH=20258; N2=$RN/node-2; SOCK2=$N2/containerd/containerd.sock
 NAT_CHAIN=EMBEDFLEET-RN
 APP_VERSION=$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$/\1/p' charts/embedfleet/Chart.yaml)
 RUNTIME_IMAGE=ghcr.io/embedfleet/runtime:$APP_VERSION
 OPERATOR_IMAGE=ghcr.io/embedfleet/operator:$APP_VERSION
 PAUSE_IMAGE=localhost/pause:3.10
 BASE_IMAGE=localhost/python:3.11-bookworm
-NEED_GB=${EMBEDFLEET_REALNODE_NEED_GB:-22}   # at the peak, containerd 12 + build storage 7 + Go and headroom
+NEED_GB=${EMBEDFLEET_REALNODE_NEED_GB:-28}   # containerd 12 + build storage 7 + Go and headroom, + realnode-2's 6
 export CONTAINERS_STORAGE_CONF=$RN/storage.conf
 log() { echo "realnode: $* ($(date +%T))" >&2; }
 kbin() { bash "$PROJECT/scripts/kube-tools.sh" | tail -1; }
@@ -67,7 +72,8 @@ disk_check() {  # fail early, with the numbers, when the disk cannot hold the im
   local have=0; { [ -d "$RN/containerd/root" ] || [ -f "$RN/images.hash" ]; } && have=1   # space already taken
   if [ "$have" = 0 ] && [ "$(free_gb)" -lt "$NEED_GB" ]; then
     echo "realnode: $(free_gb) GB free under $RN, the real-node tier needs about $NEED_GB GB (at its peak" \
-         "containerd holds about 12 GB for the runtime image beside 7 GB of build storage; the wheelhouse and" \
+         "containerd holds about 12 GB for the runtime image beside 7 GB of build storage, and realnode-2's" \
+         "containerd 6 GB of unpacked layers; the wheelhouse and" \
          "Go's build cache are removed as soon as they are not needed on a disk this small). Free space, or" \
          "set EMBEDFLEET_REALNODE_HOME to a larger disk." >&2
     exit 4
@@ -202,14 +208,15 @@ service_nat() {  # service_nat PORT: the `kubernetes` ClusterIP to this run's AP
     "$NAT_CHAIN" "$NAT_CHAIN" >> "$D/iptables"
 }
 
-containerd_config() {
-  mkdir -p "$RN/containerd" "$RN/cni/net.d"
-  cat > "$RN/containerd/config.toml" <<TOML
+containerd_config() {  # containerd_config DIR RANGE_START RANGE_END: DIR/config.toml, its CNI in DIR/../cni
+  local dir=$1 cni; cni=$(dirname "$1")/cni
+  mkdir -p "$dir" "$cni/net.d"
+  cat > "$dir/config.toml" <<TOML
 version = 2
-root = "$RN/containerd/root"
-state = "$RN/containerd/state"
+root = "$dir/root"
+state = "$dir/state"
 [grpc]
-  address = "$SOCK"
+  address = "$dir/containerd.sock"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "$PAUSE_IMAGE"
   # a root without CAP_SYS_RESOURCE cannot give the pause container oom_score_adj -998: runc then fails with
@@ -224,19 +231,52 @@ state = "$RN/containerd/state"
         SystemdCgroup = false
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
-    conf_dir = "$RN/cni/net.d"
+    conf_dir = "$cni/net.d"
 TOML
-  # one bridge; routes to 198.18.0.0/15 only, so nothing in a pod reaches past this machine
-  cat > "$RN/cni/net.d/10-realnode.conflist" <<JSON
+  # one bridge for every node, each node its own part of the range; routes to 198.18.0.0/15 only, so nothing
+  # in a pod reaches past this machine
+  cat > "$cni/net.d/10-realnode.conflist" <<JSON
 {"cniVersion": "0.4.0", "name": "realnode",
  "plugins": [
   {"type": "bridge", "bridge": "$BRIDGE", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$GW"}]],
-            "routes": [{"dst": "198.18.0.0/15"}], "dataDir": "$RN/cni/ipam"}},
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$GW", "rangeStart": "$2", "rangeEnd": "$3"}]],
+            "routes": [{"dst": "198.18.0.0/15"}], "dataDir": "$cni/ipam"}},
   {"type": "portmap", "capabilities": {"portMappings": true}},
   {"type": "loopback"}
  ]}
 JSON
+}
+
+kubelet_config() {  # kubelet_config FILE IP HEALTH_PORT CGROUP_ROOT SOCKET
+  cat > "$1" <<YAML
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: $4
+containerRuntimeEndpoint: unix://$5
+address: $2
+port: $KUBELET_PORT
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $3
+authentication: {anonymous: {enabled: false}, webhook: {enabled: true}, x509: {clientCAFile: $D/ca.crt}}
+authorization: {mode: Webhook}
+failSwapOn: false
+resolvConf: $D/resolv.conf
+clusterDomain: cluster.local
+serializeImagePulls: false
+evictionHard: {memory.available: "200Mi", nodefs.available: "3%", imagefs.available: "3%"}
+imageGCHighThresholdPercent: 98
+imageGCLowThresholdPercent: 97
+YAML
+}
+
+node_ready() {  # node_ready NAME: wait up to 2 minutes for the Node's Ready condition
+  local i; for i in $(seq 1 120); do
+    [ "$(kc get node "$1" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ] && return 0
+    sleep 1
+  done
 }
 
 load_images() {  # podman storage -> containerd's k8s.io namespace, only what changed; the archive is removed
@@ -319,47 +359,121 @@ KC
   bg scheduler "$KB/kube-scheduler" --kubeconfig "$D/kubeconfig" --leader-elect=false --bind-address=127.0.0.1 --secure-port="$(port)"
   # No kube-proxy: the one Service pods use is `kubernetes` (in-cluster config); DNAT its ClusterIP as kube-proxy would
   service_nat "$ap"
-  containerd_config
+  containerd_config "$RN/containerd" 198.18.252.16 198.18.253.254
   bg containerd containerd --config "$RN/containerd/config.toml"
   for i in $(seq 1 60); do ctr --address "$SOCK" version >/dev/null 2>&1 && break; sleep 0.5; done
   load_images
   mkdir -p "$RN/kubelet"; printf 'nameserver 127.0.0.1\noptions ndots:1\n' > "$D/resolv.conf"  # no DNS leaves a pod
   rm -rf "$RN/nodecache"   # the chart's platform.cacheRoot in the tests: a fresh node has an empty weight cache
-  cat > "$D/kubelet-config.yaml" <<YAML
-apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-failCgroupV1: false
-cgroupDriver: cgroupfs
-containerRuntimeEndpoint: unix://$SOCK
-address: $GW
-port: $KUBELET_PORT
-readOnlyPort: 0
-healthzBindAddress: 127.0.0.1
-healthzPort: $KUBELET_HEALTH
-authentication: {anonymous: {enabled: false}, webhook: {enabled: true}, x509: {clientCAFile: $D/ca.crt}}
-authorization: {mode: Webhook}
-failSwapOn: false
-resolvConf: $D/resolv.conf
-clusterDomain: cluster.local
-serializeImagePulls: false
-evictionHard: {memory.available: "200Mi", nodefs.available: "3%", imagefs.available: "3%"}
-imageGCHighThresholdPercent: 98
-imageGCLowThresholdPercent: 97
-YAML
+  kubelet_config "$D/kubelet-config.yaml" "$GW" "$KUBELET_HEALTH" / "$SOCK"
   bg kubelet "$BIN/kubelet" --config "$D/kubelet-config.yaml" --kubeconfig "$D/kubeconfig" --root-dir "$RN/kubelet" \
     --cert-dir "$D/kubelet-pki" --node-ip "$GW" --hostname-override "$NODE" --v=1
-  for i in $(seq 1 120); do
-    [ "$(kc get node "$NODE" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ] && break
-    sleep 1
-  done
+  node_ready "$NODE"
   for i in $(seq 1 60); do kc get serviceaccount default >/dev/null 2>&1 && break; sleep 0.5; done  # pods need it
   echo "$RN" > "$D/home"
   echo "$D/kubeconfig"
 }
 
+# -------------------------------------------------------------------------------------------------- join/leave
+# realnode-2 shares the machine, the bridge and the control plane, and nothing else a node owns: its containerd
+# (root, state, socket; the first node's image blobs hard-linked in, so only the unpacked layers take space),
+# its kubelet (root dir, cgroup root /realnode-2, node IP 198.18.252.2) and its pod range. Both run in a mount
+# namespace of their own where the node cache root (the chart's platform.cacheRoot, $RN/nodecache in the tests)
+# and /var/log/pods are the node's own folders: hostPath volumes on two machines name the same path and hold
+# different bytes, and so they do here.
+image_digest() {  # image_digest SOCKET IMAGE: the digest containerd holds for the tag, empty when none
+  ctr --address "$1" -n k8s.io images ls "name==$2" 2>/dev/null | awk 'NR==2 {print $3}'
+}
+
+cgroup_root() {  # cgroup_root create|remove: realnode-2's cgroup root, in every hierarchy (cgroup v1 or v2)
+  local h
+  if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+    if [ "$1" = create ]; then
+      mkdir -p /sys/fs/cgroup/realnode-2
+      echo "+cpu +cpuset +memory +pids" > /sys/fs/cgroup/realnode-2/cgroup.subtree_control 2>/dev/null || true
+    else find /sys/fs/cgroup/realnode-2 -depth -type d -exec rmdir {} \; 2>/dev/null; fi
+    return 0
+  fi
+  for h in /sys/fs/cgroup/*/; do
+    mountpoint -q "$h" || continue   # a hierarchy, not a link to one (cpu -> cpu,cpuacct) nor a plain folder
+    if [ "$1" = create ]; then
+      mkdir -p "$h/realnode-2"
+      if [ -f "$h/cpuset.cpus" ]; then   # a v1 cpuset takes no task until it has CPUs and memory nodes
+        cat "$h/cpuset.cpus" > "$h/realnode-2/cpuset.cpus"; cat "$h/cpuset.mems" > "$h/realnode-2/cpuset.mems"
+      fi
+    else find "$h/realnode-2" -depth -type d -exec rmdir {} \; 2>/dev/null; fi
+  done
+  return 0
+}
+
+join() {
+  D=$1; D=$(cd "$D" && pwd); [ -f "$D/kubeconfig" ] || { echo "realnode: run 'up $D' first" >&2; exit 3; }
+  local KB i pid t0; KB=$(kbin)/bin
+  kc() { "$KB/kubectl" --kubeconfig "$D/kubeconfig" "$@"; }
+  grep -q " kubelet-2$" "$D/pids" 2>/dev/null && { log "realnode-2 is up already"; return 0; }
+  t0=$(date +%s)
+  RESTRICT_OOM=false
+  if [ $(( 0x$(awk '/CapEff/ {print $2}' /proc/self/status) >> 24 & 1 )) = 0 ]; then RESTRICT_OOM=true; fi
+  ip addr show dev "$BRIDGE" | grep -q "inet $NODE2_IP/" || ip addr add "$NODE2_IP/22" dev "$BRIDGE"
+  mkdir -p "$N2/nodecache" "$N2/podlogs" "$N2/containerd/root" "$RN/nodecache" /var/log/pods
+  # the first node's blobs, immutable and named by their digest: the import below finds them and writes none
+  if [ ! -d "$N2/containerd/root/io.containerd.content.v1.content" ]; then
+    cp -al "$RN/containerd/root/io.containerd.content.v1.content" "$N2/containerd/root/"
+  fi
+  containerd_config "$N2/containerd" 198.18.254.1 198.18.255.254
+  cgroup_root create
+  bg containerd-2 unshare --mount --propagation slave sh -c "mount --bind '$N2/nodecache' '$RN/nodecache' && \
+    mount --bind '$N2/podlogs' /var/log/pods && exec containerd --config '$N2/containerd/config.toml'"
+  pid=$(awk '$2=="containerd-2" {print $1}' "$D/pids" | tail -1)
+  for i in $(seq 1 60); do ctr --address "$SOCK2" version >/dev/null 2>&1 && break; sleep 0.5; done
+  ctr --address "$SOCK2" version >/dev/null 2>&1 || { echo "realnode: containerd-2 did not start ($D/containerd-2.log)" >&2; exit 1; }
+  local img missing=()
+  for img in "$PAUSE_IMAGE" "$OPERATOR_IMAGE" "$RUNTIME_IMAGE"; do   # absent, or an older build of the tag
+    [ "$(image_digest "$SOCK2" "$img")" = "$(image_digest "$SOCK" "$img")" ] || missing+=("$img")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    ctr --address "$SOCK" -n k8s.io images export - "${missing[@]}" | ctr --address "$SOCK2" -n k8s.io images import - >&2
+  fi
+  log "realnode-2's containerd holds the images ($(( $(date +%s) - t0 )) s)"
+  kubelet_config "$D/kubelet-2-config.yaml" "$NODE2_IP" "$KUBELET2_HEALTH" /realnode-2 "$SOCK2"
+  bg kubelet-2 nsenter --mount="/proc/$pid/ns/mnt" "$BIN/kubelet" --config "$D/kubelet-2-config.yaml" \
+    --kubeconfig "$D/kubeconfig" --root-dir "$N2/kubelet" --cert-dir "$D/kubelet-2-pki" --node-ip "$NODE2_IP" \
+    --hostname-override "$NODE2" --v=1
+  node_ready "$NODE2"
+  [ "$(kc get node "$NODE2" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ] \
+    || { echo "realnode: $NODE2 did not become Ready ($D/kubelet-2.log)" >&2; exit 1; }
+  log "$NODE2 Ready in $(( $(date +%s) - t0 )) s"
+}
+
+leave() {  # the second node's pods, processes, Node object and node-local folders (its images stay cached)
+  set +e
+  D=$1; [ -d "$D" ] || return 0; D=$(cd "$D" && pwd); [ -f "$D/pids" ] || return 0
+  grep -q " containerd-2$" "$D/pids" || return 0
+  local KB p i; KB=$(kbin)/bin
+  "$KB/kubectl" --kubeconfig "$D/kubeconfig" delete pods -A --field-selector "spec.nodeName=$NODE2" --grace-period=0 \
+    --force --wait=false >/dev/null 2>&1
+  for i in $(seq 1 30); do [ -z "$("$BIN/crictl" --runtime-endpoint "unix://$SOCK2" pods -q 2>/dev/null)" ] && break; sleep 1; done
+  "$BIN/crictl" --runtime-endpoint "unix://$SOCK2" pods -q 2>/dev/null | while read -r p; do
+    "$BIN/crictl" --runtime-endpoint "unix://$SOCK2" stopp "$p" >/dev/null 2>&1
+    "$BIN/crictl" --runtime-endpoint "unix://$SOCK2" rmp -f "$p" >/dev/null 2>&1; done
+  for name in kubelet-2 containerd-2; do
+    p=$(awk -v n=$name '$2==n {print $1}' "$D/pids")
+    [ -n "$p" ] && { kill "$p" 2>/dev/null; for i in $(seq 1 20); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done
+                     kill -9 "$p" 2>/dev/null; }
+    sed -i "/ $name\$/d" "$D/pids"
+  done
+  "$KB/kubectl" --kubeconfig "$D/kubeconfig" delete node "$NODE2" --wait=false >/dev/null 2>&1
+  # shims outlive containerd only when a pod was not removed; their mounts are in the node's namespace, gone with it
+  cgroup_root remove
+  ip addr del "$NODE2_IP/22" dev "$BRIDGE" 2>/dev/null
+  rm -rf "$N2/nodecache" "$N2/podlogs" "$N2/kubelet" "$N2/cni/ipam" "$D/kubelet-2-pki"
+  return 0
+}
+
 # -------------------------------------------------------------------------------------------------------- down
 down() {
   set +e
+  leave "$1"
   D=$1; [ -d "$D" ] || return 0; D=$(cd "$D" && pwd); [ -f "$D/pids" ] || return 0
   local KB p name alive i; KB=$(kbin)/bin
   # stop new pods first, then let the kubelet remove every pod, so no shim, netns or mount is left
@@ -393,9 +507,11 @@ case "${1:-}" in
   images) storage_conf; images ;;
   load) load_images ;;
   up) up "${2:?usage: realnode.sh up DIR}" ;;
+  join) join "${2:?usage: realnode.sh join DIR}" ;;
+  leave) leave "${2:?usage: realnode.sh leave DIR}" ;;
   down) down "${2:?usage: realnode.sh down DIR}" ;;
   home) echo "$RN" ;;
-  *) echo "usage: $0 build | packages | images | load | up DIR | down DIR | home" >&2; exit 2 ;;
+  *) echo "usage: $0 build | packages | images | load | up DIR | join DIR | leave DIR | down DIR | home" >&2; exit 2 ;;
 esac
 exit
 }

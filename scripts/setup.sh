@@ -7,7 +7,7 @@
 #                             modules by scripts/kube-tools.sh (once per machine, cached; ~15 min cold),
 #                             and the Gateway API CRDs by scripts/gateway-api-crds.sh (seconds, cached);
 #                             as root, the real-node tier by scripts/realnode.sh (containerd, runc, buildah from
-#                             apt, a kubelet, the project's images; ~22 GB of disk, ~10 min beside the above).
+#                             apt, a kubelet, the project's images; ~28 GB of disk, ~10 min beside the above).
 #
 # torch: PyPI's torch 2.13.0 wheel for Linux x86-64 is the CUDA build (about 2.7 GB of NVIDIA libraries
 # come with it; a 5.6 GB venv). It runs on CPU without a GPU. PyTorch's CPU-only wheels live only on

@@ -6,8 +6,9 @@ third worker fills those gaps. The rules that keep that safe:
 
 - **One file, one worker** (xdist's file scheduling): a module's fixtures (a fleet of clusters, a built
   model) are built once, and the tests of one file never race each other. Each worker has its own session
-  control plane and its own pod range (tests/kube/netns.py: a /24 per process); the real-node tier is one
-  file, so one kubelet.
+  control plane and its own pod range (tests/kube/netns.py: a /24 per process). The real-node tier's
+  files are one scope (`SHARED_SCOPES`): they share one machine-wide node (its bridge, containerd and
+  kubelets), so they run on one worker, one after the other.
 - **The longest files first**: a file that takes many minutes, started last, would leave one worker
   running it alone at the end. ``LONGEST`` lists them, longest first, from CI's ``--durations``; every
   other file keeps collection order after them. Scopes are handed out in this order (xdist's reordering by
@@ -31,6 +32,7 @@ import pytest
 #: Files that take minutes, longest first (CONTRIBUTING.md, "The slowest tests").
 LONGEST = (
     "tests/realnode/test_user_path.py",
+    "tests/realnode/test_two_nodes.py",
     "tests/operator/test_operator_real.py",
     "tests/runtime/test_int8_scoring_gate.py",
     "tests/chart/test_chart_install.py",
@@ -52,6 +54,16 @@ LONGEST = (
 )
 
 
+#: Folders whose files must run on one worker, in order (they share something machine-wide).
+SHARED_SCOPES = ("tests/realnode/",)
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit handed to one worker: a file, or the whole folder for SHARED_SCOPES."""
+    path = nodeid.split("::", 1)[0]
+    return next((folder for folder in SHARED_SCOPES if path.startswith(folder)), path)
+
+
 def under_xdist() -> bool:
     return "PYTEST_XDIST_WORKER" in os.environ
 
@@ -65,8 +77,12 @@ def longest_first(items: list[pytest.Item]) -> None:
 def make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadFileScheduling
 
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
     config.option.loadscopereorder = False  # hand out files in collection order (LONGEST first)
-    return LoadFileScheduling(config, log)
+    return FileScheduling(config, log)
 
 
 def cpu_seconds() -> float:

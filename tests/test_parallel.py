@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.parallel import LONGEST, cpu_seconds, longest_first, slowest_files
+from tests.parallel import LONGEST, cpu_seconds, longest_first, scope_of, slowest_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,6 +27,14 @@ def test_longest_files_come_first_and_the_rest_keep_their_order() -> None:
     assert [i.nodeid for i in items] == [f"{LONGEST[0]}::a1", f"{LONGEST[0]}::a2", f"{LONGEST[1]}::b1",
                                          f"{LONGEST[1]}::b2", "tests/a/test_x.py::one", "tests/a/test_x.py::two",
                                          "tests/b/test_y.py::one"]
+
+
+def test_the_real_node_files_are_one_scope_and_every_other_file_its_own() -> None:
+    """The real-node tier's files share one machine-wide node: handed to two workers, two `up`s would take the
+    same bridge and containerd."""
+    assert scope_of("tests/realnode/test_user_path.py::t") == scope_of("tests/realnode/test_two_nodes.py::u")
+    assert scope_of("tests/runtime/test_a.py::t") == "tests/runtime/test_a.py"
+    assert scope_of("tests/runtime/test_a.py::t") != scope_of("tests/runtime/test_b.py::t")
 
 
 def test_slowest_files_sums_each_files_phases_and_ranks_by_wall_time() -> None:

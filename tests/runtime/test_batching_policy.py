@@ -15,20 +15,25 @@ entries = st.lists(
     max_size=200, unique_by=lambda e: e.seq)
 
 
+def anchor_of(queue: list[Entry], chosen: list[int], max_items: int) -> Entry | None:
+    """The invariants every plan keeps (padded or packed); the anchor, or None for an empty queue."""
+    if not queue:
+        assert chosen == []
+        return None
+    assert chosen and len(set(chosen)) == len(chosen) <= max_items
+    anchor = min([e for e in queue if e.urgent] or queue, key=lambda e: e.seq)
+    assert anchor in [queue[i] for i in chosen], "the oldest (urgent) item always goes first: no starvation"
+    if anchor.urgent:
+        assert all(queue[i].urgent for i in chosen), "bulk work never rides in an urgent batch"
+    return anchor
+
+
 @given(entries, st.integers(1, 8192), st.integers(1, 64))
 def test_plan_batch_invariants(queue, max_tokens, max_items):
     chosen = plan_batch(queue, max_tokens, max_items)
-    if not queue:
-        assert chosen == []
-        return
-    assert chosen and len(set(chosen)) == len(chosen) <= max_items
-    urgent = [e for e in queue if e.urgent]
-    anchor = min(urgent or queue, key=lambda e: e.seq)
-    assert anchor in [queue[i] for i in chosen], "the oldest (urgent) item always goes first: no starvation"
-    lengths = [queue[i].length for i in chosen]
-    assert padded_cost(lengths) <= max_tokens or len(chosen) == 1
-    if anchor.urgent:
-        assert all(queue[i].urgent for i in chosen), "bulk work never rides in an urgent batch"
+    if anchor_of(queue, chosen, max_items) is not None:
+        lengths = [queue[i].length for i in chosen]
+        assert padded_cost(lengths) <= max_tokens or len(chosen) == 1
 
 
 
@@ -112,20 +117,15 @@ def test_packed_batches_are_the_oldest_that_fit(queue, max_tokens, max_items):
     """A packed engine pays for real tokens: the batch holds the anchor, fits the budget in real tokens
     (a lone item always may), and leaves out only what no longer fits, so no extra batch is paid for."""
     chosen = plan_batch(queue, max_tokens, max_items, packed=True)
-    if not queue:
-        assert chosen == []
+    anchor = anchor_of(queue, chosen, max_items)
+    if anchor is None:
         return
-    assert chosen and len(set(chosen)) == len(chosen) <= max_items
-    urgent = [e for e in queue if e.urgent]
-    anchor = min(urgent or queue, key=lambda e: e.seq)
     assert queue[chosen[0]] == anchor, "the anchor leads"
     total = sum(queue[i].length for i in chosen)
     assert total <= max_tokens or len(chosen) == 1
-    if anchor.urgent:
-        assert all(queue[i].urgent for i in chosen), "bulk work never rides in an urgent batch"
     if len(chosen) < max_items:
         room = max_tokens - total
-        left = [e for i, e in enumerate(queue) if i not in chosen and (e.urgent or not urgent)]
+        left = [e for i, e in enumerate(queue) if i not in chosen and e.urgent == anchor.urgent]
         assert all(e.length > room for e in left), "an item that fits is never left for another batch"
 
 

@@ -1,0 +1,159 @@
+"""Two real nodes: a node that joins a running fleet takes the weights from its peer, the second replica lands
+there and starts from that node's own cache, and the peers' port refuses whoever lacks the release's key.
+
+realnode-2 (`scripts/realnode.sh join`) is a second kubelet with its own containerd, pod range and mount
+namespace on the same machine and control plane; the chart's node cache root is one hostPath on both nodes
+and holds each node's own bytes, as two machines' disks would. The tier's bridge CNI does not enforce
+NetworkPolicy, so the chart's policy on the peers' port is not in force here: the key is what refuses.
+Requests go to pod IPs on the bridge. Nothing asserts a duration: waits are bounded only so a broken step fails.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+
+from embedfleet.operator.crd import naming
+from tests.kube.controlplane import wait_until
+from tests.realnode.node import (
+    NAMESPACE,
+    RUNTIME_PORT,
+    SECOND_NODE,
+    ModelServer,
+    RealNode,
+    embed,
+    is_ready,
+    runtime_selector,
+)
+from tests.realnode.test_user_path import CHART, CHART_VALUES, http_deployment
+
+pytestmark = pytest.mark.timeout(5400)  # the first run builds the node and its images
+
+FIRST_NODE = "realnode-1"
+TENANT = "two-nodes"  # a namespace of its own: its cache entries and labels are this module's alone
+NAME = "minilm-peer"
+PEER_PORT = 8476  # the chart's nodeAgent.peers.port
+TEXTS = ["Two nodes, one fleet.", "Weights copied from a peer."]
+
+
+@dataclass
+class Fleet:
+    node: RealNode
+    origin: ModelServer
+
+    @property
+    def label(self) -> str:
+        return naming.cache_label_key(self.origin.digest, TENANT)
+
+    def runtimes(self, ready: bool = False) -> list[dict[str, Any]]:
+        pods = self.node.pods(runtime_selector(NAME), TENANT)
+        return [p for p in pods if is_ready(p)] if ready else pods
+
+    def cached_on(self, node: str) -> bool:
+        return (self.node.get("node", node) or {}).get("metadata", {}).get("labels", {}).get(
+            self.label) == naming.CACHE_LABEL_READY
+
+    def source(self, node: str) -> dict[str, Any]:
+        entry = self.node.node_cache(node) / naming.cache_entry(TENANT, self.origin.digest)
+        return json.loads((entry / ".source.json").read_text())
+
+    def agent(self, node: str) -> dict[str, Any]:
+        """The chart's node agent on `node`, once Ready (a joining node's agent labels the node with its first
+        pass, before its readiness probe has passed)."""
+        def ready() -> list[dict[str, Any]]:
+            return [p for p in self.node.pods("app.kubernetes.io/name=embedfleet-node-agent", NAMESPACE)
+                    if p["spec"].get("nodeName") == node and is_ready(p)]
+
+        return wait_until(ready, 300, f"a Ready node agent on {node}")[0]
+
+
+@pytest.fixture(scope="module")
+def fleet(realnode: RealNode, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One node serving a model with pre-pull from an http origin (the weights came from there), peers on."""
+    origin = ModelServer(tmp_path_factory.mktemp("origin"))
+    try:
+        done = realnode.helm(
+            "upgrade", "--install", "embedfleet", str(CHART), "-n", NAMESPACE, "--create-namespace", *CHART_VALUES,
+            "--set", f"platform.cacheRoot={realnode.home / 'nodecache'}", "--set", "nodeAgent.peers.enabled=true",
+            "--wait", "--timeout", "10m", timeout=700, check=False)
+        assert done.returncode == 0, f"helm install failed: {done.stderr.strip()}\n{realnode.diagnose()}"
+        realnode.kubectl("create", "namespace", TENANT)
+        doc = http_deployment(NAME, origin.url, origin.digest)
+        doc["metadata"]["namespace"] = TENANT
+        realnode.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+        fleet = Fleet(realnode, origin)
+        wait_until(lambda: fleet.runtimes(ready=True), 600, f"{NAME} Ready on {FIRST_NODE}")
+        wait_until(lambda: fleet.cached_on(FIRST_NODE), 300, f"the cache label on {FIRST_NODE}")
+        yield fleet
+    finally:
+        realnode.kubectl("delete", "namespace", TENANT, "--ignore-not-found", "--wait=true", timeout=300,
+                         check=False)
+        realnode.helm("uninstall", "embedfleet", "-n", NAMESPACE, "--wait", "--timeout", "5m", timeout=400,
+                      check=False)
+        realnode.leave()
+        origin.close()
+
+
+def test_a_joining_node_takes_the_weights_from_its_peer_before_a_replica_lands_there(fleet: Fleet) -> None:
+    """The first node's copy came from the origin; realnode-2 joins the running fleet, its agent (the chart's
+    DaemonSet) pre-pulls from the first node's agent, verified, and the origin sees no request for it."""
+    node = fleet.node
+    assert fleet.source(FIRST_NODE)["source"] == "origin"
+    from_origin = len(fleet.origin.requests)
+    assert from_origin > 0, "the first node's pull never reached the origin"
+    node.join()
+    wait_until(lambda: fleet.cached_on(SECOND_NODE), 600, f"the cache label on {SECOND_NODE}")
+    source = fleet.source(SECOND_NODE)
+    first_agent = fleet.agent(FIRST_NODE)["status"]["podIP"]
+    assert source["source"] == "peer" and source["from"] == f"http://{first_agent}:{PEER_PORT}", source
+    assert len(fleet.origin.requests) == from_origin, fleet.origin.requests[from_origin:]
+    placed = {p["spec"].get("nodeName") for p in fleet.runtimes()}
+    assert placed == {FIRST_NODE}, f"a replica was placed before it was asked for: {placed}"
+
+
+def test_the_second_replica_lands_on_the_new_node_and_starts_from_its_own_cache(fleet: Fleet) -> None:
+    """Scaled to two, the kube-scheduler places the new replica on realnode-2 (it holds the weights and is
+    the emptier node); its init container links the node's entry instead of downloading, and it answers with
+    the first replica's vectors."""
+    node = fleet.node
+    requests_before = len(fleet.origin.requests)
+    node.kubectl("patch", "embeddingdeployment", NAME, "-n", TENANT, "--type", "merge", "-p",
+                 '{"spec":{"autoscaling":{"minReplicas":2,"maxReplicas":2}}}')
+    pods = wait_until(lambda: (r := fleet.runtimes(ready=True)) and len(r) == 2 and r, 600, "two Ready replicas")
+    by_node = {p["spec"]["nodeName"]: p for p in pods}
+    assert set(by_node) == {FIRST_NODE, SECOND_NODE}, sorted(p["spec"]["nodeName"] for p in pods)
+    second = by_node[SECOND_NODE]
+    init = second["spec"]["initContainers"][0]["name"]
+    log = node.kubectl("logs", "-n", TENANT, second["metadata"]["name"], "-c", init).stdout
+    assert "(node cache)" in log, f"the replica on {SECOND_NODE} did not start from its node cache: {log}"
+    assert len(fleet.origin.requests) == requests_before, fleet.origin.requests[requests_before:]
+    vectors = []
+    for name in (FIRST_NODE, SECOND_NODE):
+        reply = embed(by_node[name]["status"]["podIP"], RUNTIME_PORT, TEXTS, model="minilm-http")
+        assert reply.status_code == 200, reply.text
+        vectors.append(np.array([d["embedding"] for d in reply.json()["data"]]))
+    np.testing.assert_allclose(vectors[0], vectors[1], atol=1e-5)
+
+
+def test_the_peers_port_refuses_a_request_without_the_release_key(fleet: Fleet) -> None:
+    """Any pod on the network reaches the agents' port here (no NetworkPolicy enforcement): what it gets
+    without the release's signature is a 401 that names nothing, for an entry both nodes hold."""
+    if not fleet.cached_on(SECOND_NODE):
+        pytest.skip("realnode-2 did not join (the first step failed)")
+    entry = naming.cache_entry(TENANT, fleet.origin.digest)
+    for node in (FIRST_NODE, SECOND_NODE):
+        ip = fleet.agent(node)["status"]["podIP"]
+        assert httpx.get(f"http://{ip}:{PEER_PORT}/healthz", timeout=10).status_code == 200
+        forged = {"X-Embedfleet-Peer-Time": "0", "X-Embedfleet-Peer-Nonce": "n",
+                  "X-Embedfleet-Peer-Signature": "0" * 64}
+        for headers in ({}, forged):
+            for path in (f"/v1/entries/{entry}/manifest", f"/v1/entries/{entry}/files/config.json"):
+                reply = httpx.get(f"http://{ip}:{PEER_PORT}{path}", headers=headers, timeout=10)
+                assert reply.status_code == 401 and reply.text == "peer credentials required\n", (node, path, reply)
