@@ -1,5 +1,6 @@
 """Two real nodes: a node that joins a running fleet takes the weights from its peer, the second replica lands
-there and starts from that node's own cache, and the peers' port refuses whoever lacks the release's key.
+there and starts from that node's own cache, the peers' port refuses whoever lacks the release's key, and a
+spot node reclaimed under load hands its replica to the other node with no accepted request failed.
 
 realnode-2 (`scripts/realnode.sh join`) is a second kubelet with its own containerd, pod range and mount
 namespace on the same machine and control plane; the chart's node cache root is one hostPath on both nodes
@@ -23,16 +24,18 @@ import yaml
 from embedfleet.operator.crd import naming
 from tests.kube.controlplane import wait_until
 from tests.realnode.node import (
+    GATEWAY_PORT,
     NAMESPACE,
     RUNTIME_PORT,
     SECOND_NODE,
+    Load,
     ModelServer,
     RealNode,
     embed,
     is_ready,
     runtime_selector,
 )
-from tests.realnode.test_user_path import CHART, CHART_VALUES, http_deployment
+from tests.realnode.test_user_path import CHART, CHART_VALUES, example, gateway_ip, http_deployment
 
 pytestmark = pytest.mark.timeout(5400)  # the first run builds the node and its images
 
@@ -52,8 +55,8 @@ class Fleet:
     def label(self) -> str:
         return naming.cache_label_key(self.origin.digest, TENANT)
 
-    def runtimes(self, ready: bool = False) -> list[dict[str, Any]]:
-        pods = self.node.pods(runtime_selector(NAME), TENANT)
+    def runtimes(self, ready: bool = False, name: str = NAME) -> list[dict[str, Any]]:
+        pods = self.node.pods(runtime_selector(name), TENANT)
         return [p for p in pods if is_ready(p)] if ready else pods
 
     def cached_on(self, node: str) -> bool:
@@ -157,3 +160,53 @@ def test_the_peers_port_refuses_a_request_without_the_release_key(fleet: Fleet) 
             for path in (f"/v1/entries/{entry}/manifest", f"/v1/entries/{entry}/files/config.json"):
                 reply = httpx.get(f"http://{ip}:{PEER_PORT}{path}", headers=headers, timeout=10)
                 assert reply.status_code == 401 and reply.text == "peer credentials required\n", (node, path, reply)
+
+
+def test_a_reclaimed_spot_node_hands_its_replica_to_the_other_node_with_no_failed_request(fleet: Fleet) -> None:
+    """realnode-2 is the spot pool (docs/spot.md's generic label). A deployment of two replicas, one on spot,
+    serves load through the gateway; the node gets the reclaim taint a termination handler would set. The
+    operator raises an on-demand stand-in on realnode-1 and, once it is Ready, evicts the spot replica through
+    the eviction API (the audit log has it, as the operator's identity), and a SpotFallback Event names the
+    node; no accepted request fails."""
+    node = fleet.node
+    if not fleet.cached_on(SECOND_NODE):
+        pytest.skip("realnode-2 did not join (the first step failed)")
+    spot = "minilm-spot"
+    node.kubectl("delete", "embeddingdeployment", NAME, "-n", TENANT, "--wait=true", timeout=300)  # room on the nodes
+    wait_until(lambda: not fleet.runtimes(), 300, f"{NAME}'s pods gone")
+    node.kubectl("label", "node", SECOND_NODE, "embedfleet.dev/capacity-class=spot", "--overwrite")
+    doc = example()
+    doc["metadata"].update(name=spot, namespace=TENANT)
+    doc["spec"]["autoscaling"].update(minReplicas=2, maxReplicas=2)
+    doc["spec"]["spot"] = {"max": 1, "fallback": "onDemand", "returnAfterSeconds": 600}
+    node.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    try:
+        pods = wait_until(lambda: (r := fleet.runtimes(True, spot)) and len(r) == 2 and r, 600, "two Ready replicas")
+        on = {p["spec"]["nodeName"]: p for p in pods}
+        assert set(on) == {FIRST_NODE, SECOND_NODE}, sorted(p["spec"]["nodeName"] for p in pods)
+        spot_pod = on[SECOND_NODE]["metadata"]["name"]
+        with Load(gateway_ip(node), GATEWAY_PORT) as load:
+            wait_until(lambda: load.ok >= 20, 120, "the load answered through the gateway")
+            node.kubectl("taint", "node", SECOND_NODE, "embedfleet.dev/reclaim=true:NoSchedule")
+
+            def handed_over() -> bool:
+                ready = fleet.runtimes(True, spot)
+                return len(ready) == 2 and {p["spec"]["nodeName"] for p in ready} == {FIRST_NODE} and not any(
+                    p["metadata"]["name"] == spot_pod for p in fleet.runtimes(False, spot))
+
+            wait_until(handed_over, 600, "two Ready replicas on realnode-1 and the spot replica gone")
+            served = load.ok
+            wait_until(lambda: load.ok > served + 20, 120, "the load answered after the hand-over")
+        assert not load.failures, f"accepted requests failed ({dict(load.outcomes)}): {load.failures[:5]}"
+        evictions = [e for e in node.audit() if e.resource == "pods" and e.subresource == "eviction"
+                     and e.name == spot_pod and e.verb == "create"]
+        assert evictions and all(e.user == f"system:serviceaccount:{NAMESPACE}:embedfleet" for e in evictions), \
+            [str(e) for e in evictions]
+        assert any(e.code in (200, 201) for e in evictions), [str(e) for e in evictions]
+        events = node.get("events", "-n", TENANT, "--field-selector", "reason=SpotFallback")["items"]
+        assert any(SECOND_NODE in e.get("message", "") for e in events), [e.get("message") for e in events]
+    finally:
+        node.kubectl("delete", "embeddingdeployment", spot, "-n", TENANT, "--ignore-not-found", "--wait=true",
+                     timeout=300, check=False)
+        node.kubectl("taint", "node", SECOND_NODE, "embedfleet.dev/reclaim-", check=False)
+        node.kubectl("label", "node", SECOND_NODE, "embedfleet.dev/capacity-class-", check=False)
