@@ -84,6 +84,8 @@ def main() -> int:
             rows["peer"]["origin_requests"] = len(served.requests) - before
             entry = node.node_cache(SECOND_NODE) / naming.cache_entry("default", served.digest)
             rows["peer"]["weights_record"] = json.loads((entry / ".source.json").read_text())
+            if rows["peer"]["weights_record"]["source"] != "peer" or rows["peer"]["origin_requests"]:
+                raise SystemExit(f"the peer row did not come from the peer alone: {rows['peer']}")
             result = {"bench": "realnode_two_nodes", "rows": rows,
                       "peer_over_origin": round(rows["peer"]["apply_to_first_answer_s"]
                                                 / rows["origin"]["apply_to_first_answer_s"], 3)}

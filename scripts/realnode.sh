@@ -379,8 +379,8 @@ KC
 # (root, state, socket; the first node's image blobs hard-linked in, so only the unpacked layers take space),
 # its kubelet (root dir, cgroup root /realnode-2, node IP 198.18.252.2) and its pod range. Both run in a mount
 # namespace of their own where the node cache root (the chart's platform.cacheRoot, $RN/nodecache in the tests)
-# and /var/log/pods are the node's own folders: hostPath volumes on two machines name the same path and hold
-# different bytes, and so they do here.
+# and /var/log/pods, /var/log/containers and /var/lib/kubelet are the node's own folders: hostPath volumes on
+# two machines name the same path and hold different bytes, and so they do here.
 image_digest() {  # image_digest SOCKET IMAGE: the digest containerd holds for the tag, empty when none
   ctr --address "$1" -n k8s.io images ls "name==$2" 2>/dev/null | awk 'NR==2 {print $3}'
 }
@@ -395,7 +395,7 @@ cgroup_root() {  # cgroup_root create|remove: realnode-2's cgroup root, in every
     return 0
   fi
   for h in /sys/fs/cgroup/*/; do
-    mountpoint -q "$h" || continue   # a hierarchy, not a link to one (cpu -> cpu,cpuacct) nor a plain folder
+    mountpoint -q "$h" || continue   # a hierarchy, not a plain folder (a link to one is met twice: harmless)
     if [ "$1" = create ]; then
       mkdir -p "$h/realnode-2"
       if [ -f "$h/cpuset.cpus" ]; then   # a v1 cpuset takes no task until it has CPUs and memory nodes
@@ -410,20 +410,27 @@ join() {
   D=$1; D=$(cd "$D" && pwd); [ -f "$D/kubeconfig" ] || { echo "realnode: run 'up $D' first" >&2; exit 3; }
   local KB i pid t0; KB=$(kbin)/bin
   kc() { "$KB/kubectl" --kubeconfig "$D/kubeconfig" "$@"; }
-  grep -q " kubelet-2$" "$D/pids" 2>/dev/null && { log "realnode-2 is up already"; return 0; }
+  if grep -q -- "-2$" "$D/pids" 2>/dev/null; then   # a join before: keep it only if it got as far as Ready
+    if [ "$(kc get node "$NODE2" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ]
+    then log "realnode-2 is up already"; return 0; fi
+    ( leave "$D" )   # in a subshell: its `set +e` stays there
+  fi
   t0=$(date +%s)
   RESTRICT_OOM=false
   if [ $(( 0x$(awk '/CapEff/ {print $2}' /proc/self/status) >> 24 & 1 )) = 0 ]; then RESTRICT_OOM=true; fi
   ip addr show dev "$BRIDGE" | grep -q "inet $NODE2_IP/" || ip addr add "$NODE2_IP/22" dev "$BRIDGE"
-  mkdir -p "$N2/nodecache" "$N2/podlogs" "$N2/containerd/root" "$RN/nodecache" /var/log/pods
+  mkdir -p "$N2/nodecache" "$N2/podlogs" "$N2/containerlogs" "$N2/varlib" "$N2/containerd/root" "$RN/nodecache" \
+    /var/log/pods /var/log/containers /var/lib/kubelet
   # the first node's blobs, immutable and named by their digest: the import below finds them and writes none
   if [ ! -d "$N2/containerd/root/io.containerd.content.v1.content" ]; then
     cp -al "$RN/containerd/root/io.containerd.content.v1.content" "$N2/containerd/root/"
   fi
   containerd_config "$N2/containerd" 198.18.254.1 198.18.255.254
   cgroup_root create
+  # /var/lib/kubelet: the paths a kubelet uses whatever its root dir (device plugins, pod resources)
   bg containerd-2 unshare --mount --propagation slave sh -c "mount --bind '$N2/nodecache' '$RN/nodecache' && \
-    mount --bind '$N2/podlogs' /var/log/pods && exec containerd --config '$N2/containerd/config.toml'"
+    mount --bind '$N2/podlogs' /var/log/pods && mount --bind '$N2/containerlogs' /var/log/containers && \
+    mount --bind '$N2/varlib' /var/lib/kubelet && exec containerd --config '$N2/containerd/config.toml'"
   pid=$(awk '$2=="containerd-2" {print $1}' "$D/pids" | tail -1)
   for i in $(seq 1 60); do ctr --address "$SOCK2" version >/dev/null 2>&1 && break; sleep 0.5; done
   ctr --address "$SOCK2" version >/dev/null 2>&1 || { echo "realnode: containerd-2 did not start ($D/containerd-2.log)" >&2; exit 1; }
@@ -448,7 +455,7 @@ join() {
 leave() {  # the second node's pods, processes, Node object and node-local folders (its images stay cached)
   set +e
   D=$1; [ -d "$D" ] || return 0; D=$(cd "$D" && pwd); [ -f "$D/pids" ] || return 0
-  grep -q " containerd-2$" "$D/pids" || return 0
+  grep -q -- "-2$" "$D/pids" || return 0
   local KB p i; KB=$(kbin)/bin
   "$KB/kubectl" --kubeconfig "$D/kubeconfig" delete pods -A --field-selector "spec.nodeName=$NODE2" --grace-period=0 \
     --force --wait=false >/dev/null 2>&1
@@ -456,17 +463,19 @@ leave() {  # the second node's pods, processes, Node object and node-local folde
   "$BIN/crictl" --runtime-endpoint "unix://$SOCK2" pods -q 2>/dev/null | while read -r p; do
     "$BIN/crictl" --runtime-endpoint "unix://$SOCK2" stopp "$p" >/dev/null 2>&1
     "$BIN/crictl" --runtime-endpoint "unix://$SOCK2" rmp -f "$p" >/dev/null 2>&1; done
-  for name in kubelet-2 containerd-2; do
-    p=$(awk -v n=$name '$2==n {print $1}' "$D/pids")
-    [ -n "$p" ] && { kill "$p" 2>/dev/null; for i in $(seq 1 20); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done
-                     kill -9 "$p" 2>/dev/null; }
+  for name in kubelet-2 containerd-2; do   # every one recorded (a join retried after a failure records two)
+    for p in $(awk -v n=$name '$2==n {print $1}' "$D/pids"); do
+      kill "$p" 2>/dev/null; for i in $(seq 1 20); do kill -0 "$p" 2>/dev/null || break; sleep 0.5; done
+      kill -9 "$p" 2>/dev/null
+    done
     sed -i "/ $name\$/d" "$D/pids"
   done
   "$KB/kubectl" --kubeconfig "$D/kubeconfig" delete node "$NODE2" --wait=false >/dev/null 2>&1
   # shims outlive containerd only when a pod was not removed; their mounts are in the node's namespace, gone with it
   cgroup_root remove
   ip addr del "$NODE2_IP/22" dev "$BRIDGE" 2>/dev/null
-  rm -rf "$N2/nodecache" "$N2/podlogs" "$N2/kubelet" "$N2/cni/ipam" "$D/kubelet-2-pki"
+  rm -rf "$N2/nodecache" "$N2/podlogs" "$N2/containerlogs" "$N2/varlib" "$N2/kubelet" "$N2/cni/ipam" \
+    "$D/kubelet-2-pki"
   return 0
 }
 

@@ -1,5 +1,6 @@
 """Two real nodes: a node that joins a running fleet takes the weights from its peer, the second replica lands
-there and starts from that node's own cache, the peers' port refuses whoever lacks the release's key, and a
+there and starts from that node's own cache, the peers' port refuses whoever lacks the release's key, the
+scheduler prefers the node holding a deployment's weights and falls back to the other when it is full, and a
 spot node reclaimed under load hands its replica to the other node with no accepted request failed.
 
 realnode-2 (`scripts/realnode.sh join`) is a second kubelet with its own containerd, pod range and mount
@@ -12,6 +13,8 @@ Requests go to pod IPs on the bridge. Nothing asserts a duration: waits are boun
 from __future__ import annotations
 
 import json
+import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +65,9 @@ class Fleet:
     def cached_on(self, node: str) -> bool:
         return (self.node.get("node", node) or {}).get("metadata", {}).get("labels", {}).get(
             self.label) == naming.CACHE_LABEL_READY
+
+    def joined(self) -> bool:
+        return self.node.get("node", SECOND_NODE) is not None
 
     def source(self, node: str) -> dict[str, Any]:
         entry = self.node.node_cache(node) / naming.cache_entry(TENANT, self.origin.digest)
@@ -154,13 +160,78 @@ def test_the_peers_port_refuses_a_request_without_the_release_key(fleet: Fleet) 
     for node in (FIRST_NODE, SECOND_NODE):
         ip = fleet.agent(node)["status"]["podIP"]
         assert httpx.get(f"http://{ip}:{PEER_PORT}/healthz", timeout=10).status_code == 200
-        forged = {"X-Embedfleet-Peer-Time": "0", "X-Embedfleet-Peer-Nonce": "n",
-                  "X-Embedfleet-Peer-Signature": "0" * 64}
+        # well formed, fresh and unseen, signed with a key that is not the release's: only the HMAC refuses it
+        forged = {"X-Embedfleet-Peer-Time": str(int(time.time())), "X-Embedfleet-Peer-Nonce": secrets.token_hex(16),
+                  "X-Embedfleet-Peer-Signature": secrets.token_hex(32)}
         for headers in ({}, forged):
             for path in (f"/v1/entries/{entry}/manifest", f"/v1/entries/{entry}/files/config.json"):
                 reply = httpx.get(f"http://{ip}:{PEER_PORT}{path}", headers=headers, timeout=10)
                 assert reply.status_code == 401 and reply.text == "peer credentials required\n", (node, path, reply)
 
+
+def cpu_millis(quantity: str) -> int:
+    return int(quantity[:-1]) if quantity.endswith("m") else int(float(quantity) * 1000)
+
+
+def free_cpu(node: RealNode, name: str) -> int:
+    """Allocatable CPU of `name` less its pods' requests (millicores), as the scheduler counts it."""
+    allocatable = cpu_millis(node.get("node", name)["status"]["allocatable"]["cpu"])
+    pods = node.get("pods", "-A", "--field-selector", f"spec.nodeName={name}")["items"]
+    used = sum(cpu_millis(c.get("resources", {}).get("requests", {}).get("cpu", "0")) for p in pods
+               if p["status"].get("phase") not in ("Succeeded", "Failed") for c in p["spec"]["containers"])
+    return allocatable - used
+
+
+def test_the_scheduler_prefers_the_node_that_holds_the_weights_and_falls_back_when_it_is_full(fleet: Fleet) -> None:
+    """A deployment whose weights are pre-pulled on realnode-1 only (`cache.nodeSelector`): its first replica
+    goes there although realnode-2 is emptier (the operator's soft affinity to the cache label); sized so that
+    realnode-1 has room for one replica, the second goes to realnode-2 and fetches its weights itself."""
+    node = fleet.node
+    if not fleet.joined():
+        pytest.skip("realnode-2 did not join (the first step failed)")
+    node.kubectl("delete", "embeddingdeployment", NAME, "-n", TENANT, "--ignore-not-found", "--wait=true",
+                 timeout=300)
+    wait_until(lambda: not fleet.runtimes(), 300, f"{NAME}'s pods gone")
+    name, tenant = "minilm-pref", "two-nodes-pref"  # a tenant of its own: its cache label is on realnode-1 only
+    room = free_cpu(node, FIRST_NODE)
+    assert free_cpu(node, SECOND_NODE) > room, "realnode-2 should be the emptier node"
+    request = room - 50  # one replica fits on realnode-1, not two
+    assert request >= 300, f"realnode-1 has too little room for the step: {room}m"
+    doc = http_deployment(name, fleet.origin.url, fleet.origin.digest)
+    doc["metadata"]["namespace"] = tenant
+    doc["spec"]["cache"]["nodeSelector"] = {"kubernetes.io/hostname": FIRST_NODE}
+    doc["spec"]["runtime"] = {**doc["spec"].get("runtime", {}), "resources": {
+        "requests": {"cpu": f"{request}m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}}
+    node.kubectl("create", "namespace", tenant)
+    try:
+        # the weights on realnode-1 before the deployment exists (a ModelCache), so its first pod is scheduled
+        # with the label already there
+        node.kubectl("apply", "-f", "-", input=yaml.safe_dump({
+            "apiVersion": "embedfleet.dev/v1alpha1", "kind": "ModelCache",
+            "metadata": {"name": "weights", "namespace": tenant},
+            "spec": {"model": {"source": fleet.origin.url, "digest": fleet.origin.digest},
+                     "nodeSelector": {"kubernetes.io/hostname": FIRST_NODE}}}))
+        label = naming.cache_label_key(fleet.origin.digest, tenant)
+        wait_until(lambda: node.get("node", FIRST_NODE)["metadata"]["labels"].get(label) == "ready", 300,
+                   f"the cache label on {FIRST_NODE}")
+        node.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+        before = len(fleet.origin.requests)
+        first = wait_until(lambda: [p for p in node.pods(runtime_selector(name), tenant) if is_ready(p)], 600,
+                           f"{name} Ready")
+        assert [p["spec"]["nodeName"] for p in first] == [FIRST_NODE], [p["spec"]["nodeName"] for p in first]
+        assert node.get("node", SECOND_NODE)["metadata"]["labels"].get(label) is None, "realnode-2 cached it too"
+        node.kubectl("patch", "embeddingdeployment", name, "-n", tenant, "--type", "merge", "-p",
+                     '{"spec":{"autoscaling":{"minReplicas":2,"maxReplicas":2}}}')
+        pods = wait_until(lambda: (r := [p for p in node.pods(runtime_selector(name), tenant) if is_ready(p)])
+                          and len(r) == 2 and r, 600, f"two Ready replicas of {name}")
+        assert sorted(p["spec"]["nodeName"] for p in pods) == [FIRST_NODE, SECOND_NODE]
+        second = next(p for p in pods if p["spec"]["nodeName"] == SECOND_NODE)
+        log = node.kubectl("logs", "-n", tenant, second["metadata"]["name"], "-c",
+                           second["spec"]["initContainers"][0]["name"]).stdout
+        assert "(node cache)" not in log, f"realnode-2 held no entry for {tenant}, yet: {log}"
+        assert len(fleet.origin.requests) > before, "the replica on realnode-2 did not download from the origin"
+    finally:
+        node.kubectl("delete", "namespace", tenant, "--wait=true", timeout=300, check=False)
 
 def test_a_reclaimed_spot_node_hands_its_replica_to_the_other_node_with_no_failed_request(fleet: Fleet) -> None:
     """realnode-2 is the spot pool (docs/spot.md's generic label). A deployment of two replicas, one on spot,
@@ -169,10 +240,11 @@ def test_a_reclaimed_spot_node_hands_its_replica_to_the_other_node_with_no_faile
     the eviction API (the audit log has it, as the operator's identity), and a SpotFallback Event names the
     node; no accepted request fails."""
     node = fleet.node
-    if not fleet.cached_on(SECOND_NODE):
+    if not fleet.joined():
         pytest.skip("realnode-2 did not join (the first step failed)")
     spot = "minilm-spot"
-    node.kubectl("delete", "embeddingdeployment", NAME, "-n", TENANT, "--wait=true", timeout=300)  # room on the nodes
+    node.kubectl("delete", "embeddingdeployment", NAME, "-n", TENANT, "--ignore-not-found", "--wait=true",
+                 timeout=300)  # room on the nodes
     wait_until(lambda: not fleet.runtimes(), 300, f"{NAME}'s pods gone")
     node.kubectl("label", "node", SECOND_NODE, "embedfleet.dev/capacity-class=spot", "--overwrite")
     doc = example()

@@ -172,7 +172,8 @@ class RequestTrace:
         _CURRENT.reset(self._token)
 
 
-def trace_batch(items: Sequence[tuple[RequestTrace | None, int]], started: float, ended: float) -> None:
+def trace_batch(items: Sequence[tuple[RequestTrace | None, int]], started: float, ended: float,
+                packed: bool = False) -> None:
     """After an engine batch (off the answer's path): the batch's span, linked to every traced request
     in it, and each traced request's `engine batch` span over the same time. `items`: per input of the
     batch, its request's trace (None if not traced) and its token count; `started`, `ended`:
@@ -187,7 +188,7 @@ def trace_batch(items: Sequence[tuple[RequestTrace | None, int]], started: float
         return
     start, end = wall_ns(started), wall_ns(ended)
     tokens = sum(length for _, length in items)
-    padded = max(length for _, length in items) * len(items)
+    padded = tokens if packed else max(length for _, length in items) * len(items)  # a packed engine pads nothing
     first = next(iter(shares.values()))[0]
     attributes = {"embedfleet.model": first.model, "embedfleet.batch.size": len(items),
                   "embedfleet.batch.tokens": tokens, "embedfleet.batch.padded_tokens": padded,

@@ -584,7 +584,7 @@ class BatchManager:
         during a pause), so the next batch is planned now."""
         self._books.record(batch, started, ended, paused, scheduled, waiting=bool(self._queued_tokens))
         if any(item.job.trace is not None for item in batch):  # tracing on (tracing.py); answers are out
-            trace_batch([(item.job.trace, item.length) for item in batch], started + paused, ended)
+            trace_batch([(item.job.trace, item.length) for item in batch], started + paused, ended, self.packed)
         if scheduled:
             self._kick()
         else:

@@ -101,7 +101,8 @@ class Item:
 def scatter(batch: list[Item], rows: np.ndarray, started: float, seconds: float, on_engine: float) -> None:
     """Fixed-width rows into each request's own array, a block copy per request and batch rather than
     a row at a time: a GPU batch holds a thousand inputs, and a request's inputs sit side by side in
-    it more often than not (the planner groups by length, and a request's texts are often alike).
+    it more often than not (the planner groups by length, or packs the oldest, and a request's texts are
+    often alike).
     A request of one input gets its row as a view (the single query's path: no copy, no allocation).
     On the loop, for a batch the engine answered with one row per input (the batch manager checks
     that); `seconds`: its engine time, `on_engine`: its start on the admission clock (`Job.ran`)."""
