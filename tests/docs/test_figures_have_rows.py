@@ -37,7 +37,8 @@ MEASURED: dict[str, tuple[str, ...] | None] = {
     "docs/gateway.md": ("Measured",),
     "docs/client.md": ("Measured",),
     "docs/images.md": ("Sizes", "Cold starts and memory on the real node"),
-    "docs/spot.md": ("Limits",),
+    "docs/spot.md": ("Limits", "Measured on two real nodes"),
+    "docs/cache.md": ("Peers measured on two real nodes",),
     "docs/async.md": ("Measured (bench/async_backfill.py)",),
     "docs/http.md": ("Why uvicorn and not a server of our own",),
     "docs/hub.md": (
