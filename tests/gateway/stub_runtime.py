@@ -98,12 +98,13 @@ def make_app(name: str, model: str, expected_wait: float, delay: float) -> web.A
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--name", default="stub")
     p.add_argument("--model", default="stub-model")
     p.add_argument("--expected-wait", type=float, default=0.0)
     p.add_argument("--delay", type=float, default=0.0)
     a = p.parse_args()
-    web.run_app(make_app(a.name, a.model, a.expected_wait, a.delay), host="127.0.0.1", port=a.port,
+    web.run_app(make_app(a.name, a.model, a.expected_wait, a.delay), host=a.host, port=a.port,
                 print=None, access_log=None)
 
 

@@ -98,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_limit_arguments(parser, keep_alive_default=D.limits.keep_alive_s)
     parser.add_argument("--max-connections-per-replica", type=int, default=D.max_connections_per_replica,
                         help="keep-alive connections to one replica at most; 0: no limit (default: 0)")
+    parser.add_argument("--upstream-dead-after", type=int, default=D.upstream_dead_after,
+                        help="whole seconds a replica's host may leave TCP keepalive probes unanswered before "
+                             "it is lost: marked down, and the requests waiting on it with no answer byte yet "
+                             f"are sent to another replica; 0: never probed (default: {D.upstream_dead_after})")
     parser.add_argument("--drain-timeout", type=float, default=D.drain_timeout,
                         help=f"on SIGTERM, seconds in-flight requests may take to finish (default: {D.drain_timeout})")
     parser.add_argument("--balance", choices=BALANCES, default=D.balance,
@@ -165,6 +169,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         hold_timeout=args.hold_timeout, cold_start_default=args.cold_start_default,
         request_timeout=args.request_timeout, payload_limit=args.payload_limit, limits=limits_from_args(args),
         max_connections_per_replica=args.max_connections_per_replica, drain_timeout=args.drain_timeout,
+        upstream_dead_after=args.upstream_dead_after,
         kubernetes=args.kubernetes, namespaces=tuple(args.namespace), region=args.region, spill=spill,
         vector_spaces=spaces, bounds=bounds,
         spill_after=args.spill_after, balance=args.balance, max_queue_seconds=args.max_queue_seconds,
@@ -181,7 +186,7 @@ async def serve(config: GatewayConfig) -> int:
                                   trace_configs=None if tracing is None else [tracing.client_trace_config()])
     rng = random.Random()
     fleet = Fleet(config, polls, rng)
-    wire = WireClient(config.max_connections_per_replica, KEEPALIVE_S)
+    wire = WireClient(config.max_connections_per_replica, KEEPALIVE_S, dead_after_s=config.upstream_dead_after)
     gateway = Gateway(config, fleet, GatewayMetrics(fleet.snapshot, fleet.replica_waits), polls, rng, wire)
     # off, no tracing code runs on the proxy path at all
     app = CallApp(gateway.handle if tracing is None else tracing.wrap(gateway.handle), config.payload_limit)

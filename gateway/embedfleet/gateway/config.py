@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from embedfleet.gateway.coldstart import DEFAULT_COLD_START_S
+from embedfleet.gateway.wire import DEAD_AFTER_S
 from embedfleet.httpserver import Limits
 
 BALANCES = ("least-wait", "round-robin")
@@ -31,6 +32,7 @@ class GatewayConfig:
     payload_limit: int = 2_000_000  # bytes; 413 beyond
     limits: Limits = field(default_factory=lambda: Limits(keep_alive_s=75.0))  # the client connections' bounds
     max_connections_per_replica: int = 0  # 0: no limit
+    upstream_dead_after: int = DEAD_AFTER_S  # seconds of TCP silence that lose a replica (wire.py); 0: never
     drain_timeout: float = 30.0  # on SIGTERM: how long in-flight (and held) requests may finish
     region: str = ""  # this gateway's region: named on the requests it spills, and in metrics
     spill: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # deployment -> [(region, gateway URL)]
@@ -77,6 +79,9 @@ class GatewayConfig:
                             ("--urgent-max-inputs", self.urgent_max_inputs), ("--eject-after", self.eject_after)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, not {value}")
+        if self.upstream_dead_after != 0 and not 2 <= self.upstream_dead_after <= 3600:
+            raise ConfigError("--upstream-dead-after must be 0 (never) or 2..3600 whole seconds, "
+                              f"not {self.upstream_dead_after}")
         if self.eject_max < self.eject_base:
             raise ConfigError(f"--eject-max ({self.eject_max}) must be >= --eject-base ({self.eject_base})")
         if self.payload_limit < 1:

@@ -7,7 +7,10 @@ Per request: read the body (--payload-limit), find `model` (400 malformed JSON, 
 the request with the headers that matter and the time left of its deadline, and stream the answer.
 A replica that did not take the request (503 `draining`, connection refused or reset before any
 answer) is marked so at once and the request goes to another one, or back to the hold; once a replica
-may have run it (an answer began, or a timeout after sending) it is never sent again. Every request
+may have run it (an answer began, or a timeout after sending) it is never sent again, with one
+exception: a replica whose host went silent (TCP keepalive unanswered: a node lost or cut off, wire.py)
+before the answer's first byte will never answer, so the request is sent to another one (work is
+idempotent; a job submission gets 502 `upstream_lost` instead, as it may have been stored). Every request
 carries the vector space its name resolves to (`x-embedfleet-vector-space`, pinning.py); a replica or a
 region's gateway that refuses it for that (409 `vector_space_mismatch`) did not take it either: the
 request goes to another of the right space, and the refusal is never passed off as an answer.
@@ -41,7 +44,7 @@ from embedfleet.gateway.pick import State, pick
 from embedfleet.gateway.pinning import HEADER_VECTOR_SPACE, is_mismatch
 from embedfleet.gateway.spill import SPILLED_FROM, refused_there
 from embedfleet.gateway.upstreams import Replica
-from embedfleet.gateway.wire import Answer, ConnectFailed, Disconnected, WireClient, WireError
+from embedfleet.gateway.wire import Answer, ConnectFailed, Disconnected, Lost, WireClient, WireError
 
 log = logging.getLogger("embedfleet.gateway.proxy")
 
@@ -281,6 +284,14 @@ class Gateway:
                 on_complete=None if ticket.spilled_to is not None else partial(self._deliver, request))
         except ConnectFailed as exc:  # refused, unreachable, or not accepted in time: the replica never saw it
             return self._not_taken(deployment, replica, State.DOWN, "connect", str(exc))
+        except Lost as exc:
+            # its host went silent (wire.py): no answer will come, so the request goes to another replica as
+            # if it had never been sent. It may have run there: work requests are idempotent; a job
+            # submission is not sent twice.
+            if request.path.startswith(NOT_RESENT_ON_DISCONNECT):
+                raise Refused(502, f"a replica of {deployment.name} went silent before answering; the job may "
+                              "or may not have been stored", "upstream_lost") from None
+            return self._not_taken(deployment, replica, State.DOWN, "lost", str(exc))
         except Disconnected as exc:
             # closed or reset before any byte of an answer: most often a kept-alive connection the replica
             # had just closed, so the replica is not marked (a dead one refuses the next connection). A job
@@ -365,7 +376,7 @@ class Gateway:
                    detail: str) -> None:
         if state is not None:
             self.fleet.upstreams.mark(replica, state, detail)
-            if reason == "connect":
+            if reason in ("connect", "lost"):
                 self._outcome(deployment, replica, True)
         else:
             log.debug("%s: %s did not answer: %s", deployment.name, replica.url, detail)

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -43,6 +45,9 @@ log = logging.getLogger("embedfleet.gateway.wire")
 PAUSE_ABOVE = 1 << 20  # bytes of a streamed answer buffered before reading from the replica pauses
 MAX_HEAD = 64 << 10  # bytes of an answer's head at most (status line and headers); beyond, a BadAnswer
 MAX_IDLE_PER_HOST = 128  # idle keep-alive connections kept per replica; more are closed when released
+DEAD_AFTER_S = 4  # a replica whose kernel answers no TCP keepalive probe for this long is lost; 0: never probed
+# a connection that ends with one of these was not closed by the replica: its host went silent or away
+LOST_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
 
 
 class UpstreamTrace(Protocol):
@@ -71,6 +76,32 @@ class ConnectFailed(WireError):
 
 class Disconnected(WireError):
     """The connection closed before any byte of an answer."""
+
+
+class Lost(Disconnected):
+    """Before any byte of an answer, the replica's host stopped answering at the TCP level (keepalive
+    probes unanswered, or no route to it any more): the request may have run there, but no answer will
+    ever come from it. Every request in flight to that replica without an answer byte ends so at once."""
+
+
+def is_lost(exc: BaseException | None) -> bool:
+    """Did a connection end because its peer went silent or unreachable (not closed by the peer)?"""
+    return isinstance(exc, OSError) and exc.errno in LOST_ERRNOS
+
+
+def keep_probing(transport: asyncio.BaseTransport, dead_after_s: int) -> None:
+    """TCP keepalive on an upstream connection: after a second without traffic the kernel probes the peer
+    every second, and ends the connection with ETIMEDOUT when `dead_after_s` seconds pass unanswered. A
+    live replica's kernel answers the probes however busy its process is, so only a silent host (a node
+    lost, its network cut) is found dead. Unacknowledged data (a request sent just as the host went
+    silent) is not probed: the pool ends those connections when one of its others is found lost."""
+    sock = transport.get_extra_info("socket")
+    if not dead_after_s or sock is None or not hasattr(socket, "TCP_KEEPIDLE"):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, dead_after_s - 1))
 
 
 class BadAnswer(WireError):
@@ -197,6 +228,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self.keep_alive = False  # the answer's head allows reuse (known only while the head is parsed)
         self.forgotten = False  # no longer counted among its pool's open connections
+        self.given_up: str | None = None  # why its pool gave it up (another connection found its host lost)
 
     def start(self, answer: Answer, data: bytes, head_only: bool = False) -> asyncio.Future[None]:
         self.answer, self._headers, self._reason, self._got_bytes, self.keep_alive = answer, [], "", False, False
@@ -204,6 +236,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self.head = asyncio.get_running_loop().create_future()
         assert self.transport is not None
+        self.pool.busy.add(self)
         self.transport.write(data)
         return self.head
 
@@ -211,6 +244,7 @@ class _Connection(asyncio.Protocol):
         if self.answer is not answer:
             return
         self.answer, self.head = None, None
+        self.pool.busy.discard(self)
         if reusable and not self.closed and self.keep_alive:
             self.pool.release(self)
         else:
@@ -257,11 +291,24 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         return False  # close; connection_lost reports it
 
+    def give_up(self, why: str) -> None:
+        """End the connection at once: its host was found lost on another connection."""
+        self.given_up = why
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.pool.busy.discard(self)
         answer = self.answer
+        lost = is_lost(exc)
+        if lost:
+            self.pool.lost(f"{self.pool.host}:{self.pool.port} stopped answering: {exc}")
         if answer is not None:
-            if not self._got_bytes:
+            if not self._got_bytes and (lost or self.given_up):
+                self._fail(Lost(f"the replica went silent before answering ({self.given_up or exc})"))
+            elif not self._got_bytes:
                 self._fail(Disconnected(f"closed before answering{f': {exc}' if exc else ''}"))
             elif (exc is None and self.head is not None and self.head.done() and answer.content_length is None
                   and not answer._chunked):
@@ -328,12 +375,15 @@ class _Connection(asyncio.Protocol):
 class _HostPool:
     """Connections to one replica: idle ones reused newest first, at most `limit` open (0: no limit)."""
 
-    def __init__(self, host: str, port: int, limit: int, keepalive_s: float, tls: ssl.SSLContext | None) -> None:
+    def __init__(self, host: str, port: int, limit: int, keepalive_s: float, tls: ssl.SSLContext | None,
+                 dead_after_s: int = DEAD_AFTER_S) -> None:
         self.host, self.port = host, port
         self.limit = limit
         self.keepalive_s = keepalive_s
         self.tls = tls
+        self.dead_after_s = dead_after_s
         self.idle: list[_Connection] = []
+        self.busy: set[_Connection] = set()  # carrying a request
         self.open = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         name = host if ":" not in host else f"[{host}]"
@@ -376,7 +426,19 @@ class _HostPool:
         except BaseException:
             self._closed_one()
             raise
+        assert conn.transport is not None
+        keep_probing(conn.transport, self.dead_after_s)
         return conn
+
+    def lost(self, why: str) -> None:
+        """One connection found the host silent or unreachable: the idle ones to it are given up too, and
+        those waiting on an answer's first byte (their requests go elsewhere). One whose answer has begun
+        is left to its own probes: its bytes are already on the client's way."""
+        doomed = [c for c in self.busy if not c._got_bytes and not c.closed] + [c for c in self.idle if not c.closed]
+        if doomed:
+            log.warning("giving up %d connections to %s:%s: %s", len(doomed), self.host, self.port, why)
+        for conn in doomed:
+            conn.give_up(why)
 
     def release(self, conn: _Connection) -> None:
         if conn.closed:
@@ -419,9 +481,11 @@ class WireClient:
     """Keep-alive pools to the replicas, by (scheme, host, port); https with `tls` (default: the system's
     trusted CAs, hostnames checked)."""
 
-    def __init__(self, limit_per_host: int = 0, keepalive_s: float = 4.0, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, limit_per_host: int = 0, keepalive_s: float = 4.0, tls: ssl.SSLContext | None = None,
+                 dead_after_s: int = DEAD_AFTER_S) -> None:
         self.limit_per_host = limit_per_host
         self.keepalive_s = keepalive_s
+        self.dead_after_s = dead_after_s
         self._tls = tls
         self.pools: dict[tuple[str, str, int], _HostPool] = {}
         self._targets: dict[str, tuple[_HostPool, str]] = {}  # base URL -> its pool and path prefix
@@ -441,7 +505,7 @@ class WireClient:
         pool = self.pools.get((parts.scheme, host, port))
         if pool is None:
             pool = self.pools[(parts.scheme, host, port)] = _HostPool(
-                host, port, self.limit_per_host, self.keepalive_s, self.tls if secure else None)
+                host, port, self.limit_per_host, self.keepalive_s, self.tls if secure else None, self.dead_after_s)
         target = self._targets[base_url] = (pool, parts.path.rstrip("/"))
         return target
 
