@@ -10,11 +10,13 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -104,12 +106,51 @@ class RealNode:
                               capture_output=True, text=True, check=True, timeout=60).stdout
 
     def container_pid(self, pod: dict[str, Any], container: str) -> int:
-        """The host PID of one container of a pod, from the CRI (never a process found by name)."""
+        """The host PID of one container of a pod, from the CRI of its node (never a process found by name)."""
         for status in pod["status"].get("containerStatuses", []):
             if status["name"] == container and status.get("containerID"):
                 cid = status["containerID"].split("://", 1)[1]
-                return int(self.crictl("inspect", "-o", "go-template", "--template", "{{.info.pid}}", cid).strip())
+                return int(self.crictl("inspect", "-o", "go-template", "--template", "{{.info.pid}}", cid,
+                                       node=pod["spec"].get("nodeName", "realnode-1")).strip())
         raise AssertionError(f"pod {pod['metadata']['name']} has no running container {container}")
+
+    def silence(self, node: str = SECOND_NODE) -> Callable[[], None]:
+        """`node` goes silent as a machine that lost its power or its network would: its pods' bridge ports go
+        down (packets to them vanish: no reset, no ICMP), their containers are frozen (cgroup freezer) and its
+        kubelet and containerd are stopped (SIGSTOP). Returns what undoes it all, in reverse."""
+        veths = []
+        for pod in self.get("pods", "-A", "--field-selector", f"spec.nodeName={node}")["items"]:
+            running = [s for s in pod["status"].get("containerStatuses", []) if "running" in s.get("state", {})]
+            if pod["spec"].get("hostNetwork") or not running:
+                continue
+            pid = self.container_pid(pod, running[0]["name"])
+            link = subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", "-o", "link", "show", "eth0"],
+                                  capture_output=True, text=True, check=True).stdout
+            index = link.split("@if", 1)[1].split(":", 1)[0]  # "3: eth0@if45: ...": its bridge port's ifindex
+            name = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+            veths += [line.split(": ")[1].split("@")[0] for line in name.splitlines()
+                      if line.split(":", 1)[0] == index]
+        freezers = [path for path in (Path("/sys/fs/cgroup/freezer") / node / "freezer.state",
+                                      Path("/sys/fs/cgroup") / node / "cgroup.freeze") if path.exists()]
+        processes = [int(line.split()[0]) for line in (self.workdir / "pids").read_text().splitlines()
+                     if line.split()[1:] and line.split()[1] in (f"kubelet-{node[-1]}", f"containerd-{node[-1]}")]
+        assert veths and freezers and len(processes) == 2, (veths, freezers, processes)
+        for veth in veths:
+            subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        for path in freezers:
+            path.write_text("FROZEN" if path.name == "freezer.state" else "1")
+        for pid in processes:
+            os.kill(pid, signal.SIGSTOP)
+
+        def restore() -> None:
+            for pid in processes:
+                os.kill(pid, signal.SIGCONT)
+            for path in freezers:
+                path.write_text("THAWED" if path.name == "freezer.state" else "0")
+            for veth in veths:
+                subprocess.run(["ip", "link", "set", veth, "up"], check=False)
+
+        return restore
 
     def diagnose(self) -> str:
         """What a person would look at when a step fails: pods, recent events, logs of pods not Ready, the

@@ -282,3 +282,54 @@ def test_a_reclaimed_spot_node_hands_its_replica_to_the_other_node_with_no_faile
                      timeout=300, check=False)
         node.kubectl("taint", "node", SECOND_NODE, "embedfleet.dev/reclaim-", check=False)
         node.kubectl("label", "node", SECOND_NODE, "embedfleet.dev/capacity-class-", check=False)
+
+
+def gateway_count(ip: str, name: str, **labels: str) -> float:
+    """A counter of the gateway pod's /metrics, summed over the samples matching `labels` (0 when none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://{ip}:{GATEWAY_PORT}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_a_node_lost_under_load_fails_no_request_the_gateway_had_sent_there(fleet: Fleet) -> None:
+    """A deployment of two replicas, one per node, serves load through the gateway (on realnode-1). realnode-2
+    goes silent mid-load as a machine that lost its power would: its pods' bridge ports down, its containers
+    frozen, its kubelet and containerd stopped; no reset reaches the gateway. The gateway finds the replica
+    lost (TCP keepalive, docs/gateway.md "Lost replicas") and sends the requests it was waiting on to the other
+    replica: no accepted request fails, and the gateway counts them as resent for that reason."""
+    node = fleet.node
+    if not fleet.joined():
+        pytest.skip("realnode-2 did not join (the first step failed)")
+    lost = "minilm-lost"
+    doc = example()
+    doc["metadata"].update(name=lost, namespace=TENANT)
+    doc["spec"]["autoscaling"].update(minReplicas=2, maxReplicas=2)
+    node.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    restore = None
+    try:
+        pods = wait_until(lambda: (r := fleet.runtimes(True, lost)) and len(r) == 2 and r, 600, "two Ready replicas")
+        assert {p["spec"]["nodeName"] for p in pods} == {FIRST_NODE, SECOND_NODE}, \
+            sorted(p["spec"]["nodeName"] for p in pods)
+        gateways = [p for p in node.pods("app.kubernetes.io/name=embedfleet-gateway", NAMESPACE) if is_ready(p)]
+        assert [p["spec"]["nodeName"] for p in gateways] == [FIRST_NODE], "the gateway must outlive the lost node"
+        ip = gateways[0]["status"]["podIP"]
+        resent = gateway_count(ip, "embedfleet_gateway_retries_total", reason="lost")
+        with Load(ip, GATEWAY_PORT, clients=4) as load:
+            wait_until(lambda: load.ok >= 40, 120, "the load answered through the gateway by both replicas")
+            restore = node.silence(SECOND_NODE)
+            served, cut_at = load.ok, time.monotonic()
+            wait_until(lambda: load.ok > served + 40 and time.monotonic() - cut_at > 15, 120,
+                       "the load answered by realnode-1 alone")
+            restore()
+            restore = None
+        assert not load.failures, f"accepted requests failed ({dict(load.outcomes)}): {load.failures[:5]}"
+        assert gateway_count(ip, "embedfleet_gateway_retries_total", reason="lost") > resent, \
+            "no request was in flight on the lost node (the step proves nothing)"
+        wait_until(lambda: len(fleet.runtimes(True, lost)) == 2, 300, "realnode-2's replica Ready again")
+    finally:
+        if restore is not None:
+            restore()
+        node.kubectl("delete", "embeddingdeployment", lost, "-n", TENANT, "--ignore-not-found", "--wait=true",
+                     timeout=300, check=False)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedfleet.runtime.core.batching import Entry, padded_cost, plan_batch
+from embedfleet.runtime.core.batching import Entry, batch_cost, plan_batch
 from embedfleet.runtime.core.quota import Bucket, give_back, take
 from embedfleet.runtime.tenants import KeysFileError, QuotaExceeded, RequestOverQuota, Tenant, Tenants
 
@@ -67,9 +67,10 @@ queues = st.lists(
 served_maps = st.dictionaries(st.sampled_from(["a", "b", "c"]), st.floats(0, 1e6))
 
 
-@given(queues, served_maps, st.integers(1, 8192), st.integers(1, 64))
-def test_plan_batch_serves_the_least_served_tenant_first(queue, served, max_tokens, max_items):
-    chosen = plan_batch(queue, max_tokens, max_items, served=served)
+@given(queues, served_maps, st.integers(1, 8192), st.integers(1, 64), st.booleans())
+def test_plan_batch_serves_the_least_served_tenant_first(queue, served, max_tokens, max_items, packed):
+    """Padded or packed (a packed engine's batch counts real tokens and takes the oldest that fit)."""
+    chosen = plan_batch(queue, max_tokens, max_items, served=served, packed=packed)
     if not queue:
         assert chosen == []
         return
@@ -80,9 +81,18 @@ def test_plan_batch_serves_the_least_served_tenant_first(queue, served, max_toke
     anchor = min((e for e in klass if e.tenant == tenant), key=lambda e: e.seq)
     batch = [queue[i] for i in chosen]
     assert anchor in batch, "the least-served tenant's oldest item of the class leads"
-    assert len(batch) <= max_items and (padded_cost([e.length for e in batch]) <= max_tokens or len(batch) == 1)
+    lengths = [e.length for e in batch]
+    cost = batch_cost(lengths, packed)
+    assert len(batch) <= max_items and (cost <= max_tokens or len(batch) == 1)
     if anchor.urgent:
         assert all(e.urgent for e in batch), "a tenant's fair share never lets bulk work into an urgent batch"
+    own = [e for e in klass if e.tenant == tenant]
+    if len({e.tenant for e in klass}) > 1 and (len(own) >= max_items or sum(e.length for e in own) >= max_tokens):
+        klass = own  # the tenant whose turn it is has a full batch of its own: nobody else's work rides along
+        assert all(e.tenant == tenant for e in batch), "another tenant's work filled the batch of this one's turn"
+    if packed and len(batch) < max_items:
+        room = max_tokens - cost
+        assert all(e.length > room for e in klass if e not in batch), "an item that fits was left for later"
 
 
 def test_one_tenant_backlog_cannot_fill_the_batch_of_another_tenants_turn():

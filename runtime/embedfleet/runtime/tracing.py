@@ -35,6 +35,8 @@ from opentelemetry import propagate
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, Tracer, get_current_span, set_span_in_context
 
+from embedfleet.runtime.core.batching import batch_cost
+
 if TYPE_CHECKING:  # the SDK is imported where tracing is set up (--otel), not by every start
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -187,8 +189,8 @@ def trace_batch(items: Sequence[tuple[RequestTrace | None, int]], started: float
     if not shares:
         return
     start, end = wall_ns(started), wall_ns(ended)
-    tokens = sum(length for _, length in items)
-    padded = tokens if packed else max(length for _, length in items) * len(items)  # a packed engine pads nothing
+    lengths = [length for _, length in items]
+    tokens, padded = sum(lengths), batch_cost(lengths, packed)
     first = next(iter(shares.values()))[0]
     attributes = {"embedfleet.model": first.model, "embedfleet.batch.size": len(items),
                   "embedfleet.batch.tokens": tokens, "embedfleet.batch.padded_tokens": padded,

@@ -46,6 +46,12 @@ def padded_cost(lengths: Sequence[int]) -> int:
     return max(lengths) * len(lengths) if lengths else 0
 
 
+def batch_cost(lengths: Sequence[int], packed: bool) -> int:
+    """The tokens a batch of these input lengths costs the engine: padded to the longest, or with a packed
+    engine (which pads nothing) the real ones. What plans, metrics and traces count alike."""
+    return sum(lengths) if packed else padded_cost(lengths)
+
+
 def pick_anchor(queue: Sequence[Entry], candidates: list[int], served: Mapping[str, float]) -> int:
     """The oldest candidate of the least-served tenant (ties: the tenant whose oldest item is older).
     With one tenant queued (the common case) that is the oldest candidate, found without a Python-level

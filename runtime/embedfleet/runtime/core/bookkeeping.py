@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from embedfleet.runtime.core.batching import batch_cost
 from embedfleet.runtime.core.drain_rate import DrainRate
 from embedfleet.runtime.core.jobs import Item
 from embedfleet.runtime.metrics import ModelMetrics
@@ -89,7 +90,7 @@ class Bookkeeping:
         lengths = [item.length for item in batch]
         tokens = sum(lengths)
         self.metrics.batch_size.observe(len(batch))
-        self.metrics.batch_tokens.observe(tokens if self.packed else max(lengths) * len(lengths))
+        self.metrics.batch_tokens.observe(batch_cost(lengths, self.packed))
         self.metrics.inputs.inc(len(batch))
         self.metrics.tokens.inc(tokens)
         self.metrics.engine_busy.inc(ended - started - paused)
