@@ -34,6 +34,7 @@ def test_bad_upstreams_are_refused(value):
     ("urgent_max_inputs", -1, "--urgent-max-inputs"), ("eject_after", -1, "--eject-after"),
     ("eject_base", 0, "--eject-base"), ("eject_max", 1, "--eject-max"), ("balance", "random", "--balance"),
     ("upstream_dead_after", 1, "--upstream-dead-after"), ("upstream_dead_after", -3, "--upstream-dead-after"),
+    ("upstream_dead_after", 121, "--upstream-dead-after"),
 ])
 def test_bad_settings_name_their_flag(field, value, flag):
     with pytest.raises(ConfigError, match=flag):

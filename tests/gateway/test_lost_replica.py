@@ -1,6 +1,7 @@
 """A replica whose host goes silent mid-request (no reset, no FIN: a node lost or cut off) is found lost
-within --upstream-dead-after, and the requests waiting on it go to another replica; a replica that is
-only slow is never lost; a job submission is never sent twice (docs/gateway.md, "Lost replicas").
+within --upstream-dead-after, and the requests waiting on it go to another replica (also one whose bytes
+it never acknowledged, once its poll fails); a replica that is only slow is never lost; a job submission
+is never sent twice (docs/gateway.md, "Lost replicas").
 
 The far replica is a stand-in runtime in a network namespace of its own, reached over a veth pair;
 taking the namespace's end of the pair down cuts it off silently: the gateway's packets to it vanish.
@@ -32,6 +33,9 @@ SLOW_S = 2 * DEAD_AFTER_S + 1  # a live replica this slow must not be lost
 # plus up to a second for the keepalive timer (it counts from the last packet the replica answered, at
 # most one probe interval before the cut), plus the retry to a replica that answers at once
 ANSWERED_WITHIN_S = DEAD_AFTER_S + 1.0 + 0.5
+# a request the replica never acknowledged: given up when the replica's poll fails (the gateway's defaults:
+# --poll-interval 0.5, --poll-timeout 2), plus the retry
+POLL_FAILS_WITHIN_S = 0.5 + 2.0 + 0.5
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="cutting a replica off silently needs root and `ip` (a network namespace)")
@@ -170,6 +174,25 @@ def test_a_silent_replica_is_lost_and_its_requests_answered_elsewhere(far_side):
                 assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_lost", r.text
                 assert done_at - cut_at <= ANSWERED_WITHIN_S
                 assert not any(e["tag"] == "job" for e in near.received())
+
+                # a request sent on a kept-alive connection just after the cut is never acknowledged, so
+                # keepalive does not probe it: the replica's failed poll gives that connection up
+                far_side.mend()
+                await until(lambda: gateway.load()[MODEL]["ready_replicas"] == 2, "the far replica back", 30)
+                far.control(delay=0)
+                for attempt in range(50):  # a poll begun while it was cut may still mark it down once
+                    _, r = await send(client, f"warm-{attempt}")
+                    if r.json()["served_by"] == "far":  # a kept-alive connection to it, idle now
+                        break
+                    await asyncio.sleep(0.1)
+                assert r.json()["served_by"] == "far"
+                resent = gateway.count("embedfleet_gateway_retries_total", reason="lost")
+                far_side.cut()
+                cut_at = time.monotonic()
+                done_at, r = await send(client, "unacked")
+                assert r.status_code == 200 and r.json()["served_by"] == "near", r.text
+                assert gateway.count("embedfleet_gateway_retries_total", reason="lost") == resent + 1
+                assert done_at - cut_at <= POLL_FAILS_WITHIN_S, (done_at - cut_at, POLL_FAILS_WITHIN_S)
 
         asyncio.run(scenario())
         assert gateway.proc.poll() is None

@@ -79,8 +79,8 @@ class GatewayConfig:
                             ("--urgent-max-inputs", self.urgent_max_inputs), ("--eject-after", self.eject_after)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0, not {value}")
-        if self.upstream_dead_after != 0 and not 2 <= self.upstream_dead_after <= 3600:
-            raise ConfigError("--upstream-dead-after must be 0 (never) or 2..3600 whole seconds, "
+        if self.upstream_dead_after != 0 and not 2 <= self.upstream_dead_after <= 120:
+            raise ConfigError("--upstream-dead-after must be 0 (never) or 2..120 whole seconds, "
                               f"not {self.upstream_dead_after}")
         if self.eject_max < self.eject_base:
             raise ConfigError(f"--eject-max ({self.eject_max}) must be >= --eject-base ({self.eject_base})")

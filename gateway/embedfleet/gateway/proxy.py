@@ -57,7 +57,7 @@ CONNECT_TIMEOUT_S = 3.0  # a replica that does not accept a connection in this l
 DEADLINE_GRACE_S = 2.0  # past the deadline sent down, the gateway stops waiting (the runtime answers 504 itself)
 EXTRA_ATTEMPTS = 3  # beyond one per replica: replicas can come back between attempts
 WHOLE_BELOW = 256 * 1024  # answers up to this size are passed on in one write; longer ones stream as they come
-NOT_RESENT_ON_DISCONNECT = ("/async/",)  # creates a job: not idempotent
+NOT_RESENT_ON_DISCONNECT = ("/async/",)  # a POST there creates a job: not idempotent
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # work: a JSON body naming its model
 
 
@@ -86,6 +86,8 @@ class Gateway:
         self.session = session  # only for GET /v1/models to every deployment (not work: a poll's kind)
         # the client all work goes through (wire.py), to replicas and other regions' gateways alike
         self.wire = wire or WireClient(config.max_connections_per_replica)
+        # a replica that fails its poll may have gone silent with requests on it keepalive cannot judge
+        fleet.upstreams.on_failed_poll = self.wire.suspect
         self.rng = rng or random.Random()
         self.draining = False
         self.synced: Callable[[], bool] = lambda: True  # Kubernetes mode: the first lists are in
@@ -288,7 +290,8 @@ class Gateway:
             # its host went silent (wire.py): no answer will come, so the request goes to another replica as
             # if it had never been sent. It may have run there: work requests are idempotent; a job
             # submission is not sent twice.
-            if request.path.startswith(NOT_RESENT_ON_DISCONNECT):
+            if request.method == "POST" and request.path.startswith(NOT_RESENT_ON_DISCONNECT):
+                self.fleet.upstreams.mark(replica, State.DOWN, str(exc))
                 raise Refused(502, f"a replica of {deployment.name} went silent before answering; the job may "
                               "or may not have been stored", "upstream_lost") from None
             return self._not_taken(deployment, replica, State.DOWN, "lost", str(exc))
@@ -296,7 +299,7 @@ class Gateway:
             # closed or reset before any byte of an answer: most often a kept-alive connection the replica
             # had just closed, so the replica is not marked (a dead one refuses the next connection). A job
             # submission is not sent twice: the job may have been stored before the connection dropped.
-            if request.path.startswith(NOT_RESENT_ON_DISCONNECT):
+            if request.method == "POST" and request.path.startswith(NOT_RESENT_ON_DISCONNECT):
                 raise Refused(502, f"a replica of {deployment.name} closed the connection before answering; the "
                               "job may or may not have been stored", "upstream_disconnected") from None
             return self._not_taken(deployment, replica, None, "disconnected", str(exc))
@@ -376,7 +379,7 @@ class Gateway:
                    detail: str) -> None:
         if state is not None:
             self.fleet.upstreams.mark(replica, state, detail)
-            if reason in ("connect", "lost"):
+            if reason == "connect":  # (a loss is one event, however many requests it ends: not counted)
                 self._outcome(deployment, replica, True)
         else:
             log.debug("%s: %s did not answer: %s", deployment.name, replica.url, detail)

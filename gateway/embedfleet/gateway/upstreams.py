@@ -115,6 +115,9 @@ class Upstreams:
         self.models: dict[str, str] = {}  # deployment -> the model name its requests ask for (a card's id)
         self._wake = asyncio.Event()
         self._down_polls: dict[str, asyncio.Task] = {}  # URL -> its poll in flight, for replicas that are down
+        # told of every poll that failed (URL, why): the work client gives up its connections there that hear
+        # nothing from the host (wire.py, `WireClient.suspect`)
+        self.on_failed_poll: Callable[[str, str], object] | None = None
 
     def set_replicas(self, deployment: str, urls: Iterable[str]) -> None:
         """The replicas of `deployment` are now exactly `urls`; known ones keep their state, new ones
@@ -235,6 +238,8 @@ class Upstreams:
                 else:
                     state, detail = State.DOWN, problem
                 seen.append((replica, state, detail))
+            if problem is not None and replicas and self.on_failed_poll is not None:
+                self.on_failed_poll(replicas[0].url, problem)
         # A replica coming up is asked its vector space before it is routable: no request goes to it unpinned.
         ask = [r for r, state, _ in seen if state in ROUTABLE and (r.state not in ROUTABLE or (
             r.vector_space is None and started - r.space_asked_at >= SPACE_RETRY_S))]

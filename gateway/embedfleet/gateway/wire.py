@@ -31,6 +31,7 @@ import errno
 import logging
 import socket
 import ssl
+import struct
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -46,8 +47,13 @@ PAUSE_ABOVE = 1 << 20  # bytes of a streamed answer buffered before reading from
 MAX_HEAD = 64 << 10  # bytes of an answer's head at most (status line and headers); beyond, a BadAnswer
 MAX_IDLE_PER_HOST = 128  # idle keep-alive connections kept per replica; more are closed when released
 DEAD_AFTER_S = 4  # a replica whose kernel answers no TCP keepalive probe for this long is lost; 0: never probed
+MAX_PROBES = 127  # Linux's bound on TCP_KEEPCNT
 # a connection that ends with one of these was not closed by the replica: its host went silent or away
 LOST_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
+LAST_ACK_RECV_AT = 56  # offset of tcpi_last_ack_recv (milliseconds) in Linux's struct tcp_info
+# a connection whose kernel heard from the peer this recently is alive whatever another one found: with
+# keepalive a live peer answers a probe every second or so, a silent one nothing
+SILENT_S = 1.5
 
 
 class UpstreamTrace(Protocol):
@@ -94,14 +100,31 @@ def keep_probing(transport: asyncio.BaseTransport, dead_after_s: int) -> None:
     every second, and ends the connection with ETIMEDOUT when `dead_after_s` seconds pass unanswered. A
     live replica's kernel answers the probes however busy its process is, so only a silent host (a node
     lost, its network cut) is found dead. Unacknowledged data (a request sent just as the host went
-    silent) is not probed: the pool ends those connections when one of its others is found lost."""
+    silent) is not probed: `_HostPool.lost` ends those connections when another is found lost or the
+    replica's poll fails. Where the options are missing (not Linux) or refused, nothing is probed."""
     sock = transport.get_extra_info("socket")
     if not dead_after_s or sock is None or not hasattr(socket, "TCP_KEEPIDLE"):
         return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, dead_after_s - 1))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, min(MAX_PROBES, dead_after_s - 1)))
+    except OSError as exc:
+        log.warning("TCP keepalive refused on a connection to %s: %s", transport.get_extra_info("peername"), exc)
+
+
+def silent_s(transport: asyncio.BaseTransport | None) -> float | None:
+    """Seconds since the kernel last received an acknowledgement on this connection (TCP_INFO's
+    last_ack_recv: keepalive probes' answers count), or None where that cannot be read."""
+    sock = None if transport is None else transport.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except OSError:
+        return None
+    return struct.unpack_from("I", info, LAST_ACK_RECV_AT)[0] / 1000 if len(info) >= LAST_ACK_RECV_AT + 4 else None
 
 
 class BadAnswer(WireError):
@@ -304,7 +327,7 @@ class _Connection(asyncio.Protocol):
         answer = self.answer
         lost = is_lost(exc)
         if lost:
-            self.pool.lost(f"{self.pool.host}:{self.pool.port} stopped answering: {exc}")
+            self.pool.lost(f"another connection to {self.pool.host}:{self.pool.port} ended: {exc}")
         if answer is not None:
             if not self._got_bytes and (lost or self.given_up):
                 self._fail(Lost(f"the replica went silent before answering ({self.given_up or exc})"))
@@ -430,15 +453,26 @@ class _HostPool:
         keep_probing(conn.transport, self.dead_after_s)
         return conn
 
-    def lost(self, why: str) -> None:
-        """One connection found the host silent or unreachable: the idle ones to it are given up too, and
-        those waiting on an answer's first byte (their requests go elsewhere). One whose answer has begun
-        is left to its own probes: its bytes are already on the client's way."""
-        doomed = [c for c in self.busy if not c._got_bytes and not c.closed] + [c for c in self.idle if not c.closed]
+    def lost(self, why: str) -> int:
+        """The host may be lost (a connection to it timed out, or its poll failed): every connection to it
+        that has heard nothing from its kernel for SILENT_S is given up, idle or waiting on an answer's
+        first byte (their requests go elsewhere); one whose answer has begun is left to its own probes, its
+        bytes are on the client's way. Connections still hearing from the host (it came back; a late error
+        of a connection stuck before; another of its addresses) are kept. Returns how many were given up;
+        none without keepalive (--upstream-dead-after 0), where silence says nothing."""
+        if not self.dead_after_s:  # no probes: a connection's silence says nothing of its host
+            return 0
+        doomed = []
+        for conn in [c for c in self.busy if not c._got_bytes] + self.idle:
+            if not conn.closed:
+                silent = silent_s(conn.transport)
+                if silent is None or silent >= SILENT_S:
+                    doomed.append(conn)
         if doomed:
             log.warning("giving up %d connections to %s:%s: %s", len(doomed), self.host, self.port, why)
         for conn in doomed:
             conn.give_up(why)
+        return len(doomed)
 
     def release(self, conn: _Connection) -> None:
         if conn.closed:
@@ -549,6 +583,13 @@ class WireClient:
         if trace is not None:
             trace.end(traced, answer.status)
         return answer
+
+    def suspect(self, base_url: str, why: str) -> int:
+        """`base_url`'s replica did not answer its poll: give up the connections to it that hear nothing
+        from its host (`_HostPool.lost`), so requests whose bytes it never acknowledged (which keepalive
+        does not probe) go elsewhere too. Returns how many were given up."""
+        target = self._targets.get(base_url)
+        return 0 if target is None else target[0].lost(why)
 
     def close(self) -> None:
         for pool in self.pools.values():
