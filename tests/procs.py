@@ -96,10 +96,11 @@ class RuntimeServer:
     port: int
     log_path: Path
     headers: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"  # where it listens: loopback, or an address of a network namespace or pod IP
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=120, headers=self.headers, **kwargs)

@@ -57,15 +57,8 @@ class Scenario:
     workdir: Path
 
 
-@dataclass
-class HostedGateway(GatewayServer):
-    """A gateway process listening on `host`: loopback, or a pod's IP made local (netns.pod_ip_on_host)."""
-
-    host: str = "127.0.0.1"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+# a gateway process listening on `host`: loopback, or a pod's IP made local (netns.pod_ip_on_host)
+HostedGateway = GatewayServer
 
 
 def gateway_argv(cluster: Cluster, release_name: str, namespace: str, port: int,

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.conftest import STUB, GatewayServer, until, wait_for
+from tests.gateway.conftest import STUB, GatewayServer, StubRuntime, until, wait_for
 from tests.procs import ROOT, RuntimeServer, child_env, free_port, spawn
 
 MODEL = "stub-model"
@@ -94,21 +94,6 @@ def far_side() -> Iterator[FarSide]:
         side.delete()
 
 
-@dataclass
-class FarStub(RuntimeServer):
-    host: str = "127.0.0.1"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def control(self, **settings) -> None:
-        httpx.post(f"{self.url}/_control", json=settings, timeout=10).raise_for_status()
-
-    def received(self) -> list[dict]:
-        return httpx.get(f"{self.url}/_log", timeout=10).json()
-
-
 def _start(prefix: str, argv: list[str], server: type[RuntimeServer], **fields) -> RuntimeServer:
     log_file = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
     proc = spawn(argv, stdout=log_file, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
@@ -121,10 +106,10 @@ def test_a_silent_replica_is_lost_and_its_requests_answered_elsewhere(far_side):
     port = free_port()
     far = _start("embedfleet-stub-far-", far_side.run(sys.executable, str(STUB), "--host", far_side.far, "--port",
                                                       str(port), "--name", "far", "--delay", str(SLOW_S)),
-                 FarStub, port=port, host=far_side.far)
+                 StubRuntime, port=port, host=far_side.far)
     port = free_port()
-    near = _start("embedfleet-stub-near-", [sys.executable, str(STUB), "--name", "near", "--port", str(port)], FarStub,
-                  port=port)
+    near = _start("embedfleet-stub-near-", [sys.executable, str(STUB), "--name", "near", "--port", str(port)],
+                  StubRuntime, port=port)
     near.control(status="saturated")  # routable, but only when the far one cannot take work
     gport = free_port()
     gateway = _start("embedfleet-gateway-", [
