@@ -57,7 +57,7 @@ CONNECT_TIMEOUT_S = 3.0  # a replica that does not accept a connection in this l
 DEADLINE_GRACE_S = 2.0  # past the deadline sent down, the gateway stops waiting (the runtime answers 504 itself)
 EXTRA_ATTEMPTS = 3  # beyond one per replica: replicas can come back between attempts
 WHOLE_BELOW = 256 * 1024  # answers up to this size are passed on in one write; longer ones stream as they come
-NOT_RESENT_ON_DISCONNECT = ("/async/",)  # a POST there creates a job: not idempotent
+JOB_PREFIX = "/async/"  # a POST there creates a job: not idempotent, never sent twice
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # work: a JSON body naming its model
 
 
@@ -67,6 +67,11 @@ def _draining(raw: bytes) -> bool:
     except orjson.JSONDecodeError:
         return False
     return isinstance(doc, dict) and isinstance(doc.get("error"), dict) and doc["error"].get("code") == "draining"
+
+
+def _creates_job(request: Call) -> bool:
+    """Is this a job submission (the one work request that is not idempotent)?"""
+    return request.method == "POST" and request.path.startswith(JOB_PREFIX)
 
 
 def _timeout(value: object) -> float | None:
@@ -290,7 +295,7 @@ class Gateway:
             # its host went silent (wire.py): no answer will come, so the request goes to another replica as
             # if it had never been sent. It may have run there: work requests are idempotent; a job
             # submission is not sent twice.
-            if request.method == "POST" and request.path.startswith(NOT_RESENT_ON_DISCONNECT):
+            if _creates_job(request):
                 self.fleet.upstreams.mark(replica, State.DOWN, str(exc))
                 raise Refused(502, f"a replica of {deployment.name} went silent before answering; the job may "
                               "or may not have been stored", "upstream_lost") from None
@@ -299,7 +304,7 @@ class Gateway:
             # closed or reset before any byte of an answer: most often a kept-alive connection the replica
             # had just closed, so the replica is not marked (a dead one refuses the next connection). A job
             # submission is not sent twice: the job may have been stored before the connection dropped.
-            if request.method == "POST" and request.path.startswith(NOT_RESENT_ON_DISCONNECT):
+            if _creates_job(request):
                 raise Refused(502, f"a replica of {deployment.name} closed the connection before answering; the "
                               "job may or may not have been stored", "upstream_disconnected") from None
             return self._not_taken(deployment, replica, None, "disconnected", str(exc))
