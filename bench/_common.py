@@ -200,7 +200,11 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, path: str = "/rea
 
 def thread_cpu_seconds(pid: int) -> tuple[float, float]:
     """(the main thread's, all other threads') CPU seconds of a process so far, from /proc: for the server,
-    its event loop against its tokenizer, engine and library threads. (0, 0) once the process is gone."""
+    its event loop against its tokenizer, engine and library threads. (0, 0) once the process is gone.
+
+    Each thread's time on a CPU from the scheduler (`schedstat`, nanoseconds), where the kernel keeps it;
+    else utime + stime from `stat`, which the kernel samples at each clock tick (10 ms) and which spread by
+    several percent between two runs of the same code here."""
     tick = os.sysconf("SC_CLK_TCK")
     main = rest = 0.0
     try:
@@ -209,10 +213,13 @@ def thread_cpu_seconds(pid: int) -> tuple[float, float]:
         return main, rest
     for task in tasks:
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            try:
+                seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except (FileNotFoundError, IndexError, ValueError):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
         except (FileNotFoundError, ProcessLookupError):
             continue  # a thread that ended meanwhile
-        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
         if task.name == str(pid):
             main += seconds
         else:

@@ -27,6 +27,11 @@ CUDA engine does for BERT-family embedders: a batch costs its real tokens, so th
 inputs instead of grouping them by length): `packed_fronts_N`, against the same padded single process. The
 null engine then sleeps per real token, not per padded one.
 
+With `--baseline-tree DIR` (a checkout of another commit: `git worktree add DIR <commit>`), every
+configuration also runs from that tree (`baseline_<name>`, in the rounds beside its twin), and each of this
+tree's configurations gets `over_baseline`: its throughput, server CPU, rest and each role's event-loop CPU
+over its twin's, same run.
+
 Run: .venv/bin/python bench/split_serving.py --fronts 1,2 (about two minutes on two cores). On a machine
 with cores to scale on (the GPU machine's 16): --fronts 1,4,8 --server-cpus 0-13 --load-cpus 14-15.
 """
@@ -44,6 +49,7 @@ import time
 from pathlib import Path
 
 from _common import (
+    ROOT,
     SOURCE_PATHS,
     add_results_dir,
     corpus,
@@ -55,7 +61,7 @@ from _common import (
     thread_cpu_seconds,
     wait_ready,
 )
-from host_path import load
+from host_path import commit_of, load
 
 # Loaded by every process of the server (sitecustomize): the engine process (or the single process) gets the
 # null engine; a front never imports torch, so it is left alone.
@@ -90,11 +96,12 @@ def cpu_list(text: str) -> set[int]:
 
 class SplitServer:
     def __init__(self, fronts: int, cpus: set[int], site_dir: str, null_engine: bool, per_token_s: float,
-                 packed: bool = False) -> None:
+                 packed: bool = False, tree: Path = ROOT) -> None:
         self.fronts = fronts
         self.port = free_port()
+        paths = [str(tree / Path(p).relative_to(ROOT)) for p in SOURCE_PATHS]
         env = dict(os.environ, HF_HUB_OFFLINE="1", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16",
-                   PYTHONPATH=os.pathsep.join([site_dir, *SOURCE_PATHS]), BENCH_NULL_ENGINE="1" if null_engine else "0",
+                   PYTHONPATH=os.pathsep.join([site_dir, *paths]), BENCH_NULL_ENGINE="1" if null_engine else "0",
                    BENCH_PER_TOKEN_S=str(per_token_s), BENCH_PACKED="1" if packed else "0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
@@ -151,6 +158,19 @@ def summary(rounds: list[dict]) -> dict:
             "server_cpu_ms_per_1k": middle["server_cpu_ms_per_1k"], "by_role": middle["by_role"]}
 
 
+def over(figure: dict, base: dict) -> dict:
+    """This tree's figures over the baseline tree's, same configuration and run: throughput, server CPU,
+    the rest (less the tokenizer), and each role's event loop."""
+    out = {"embeddings_per_s": round(figure["embeddings_per_s"] / base["embeddings_per_s"], 3)}
+    for key in ("server_cpu_ms_per_1k", "rest_cpu_ms_per_1k"):
+        out[key] = round(figure[key] / base[key], 3) if base[key] > 0 else None
+    for role, cpu in figure["by_role"].items():
+        was = base["by_role"].get(role, {}).get("loop", 0.0)
+        if was > 0:
+            out[f"{role}_loop"] = round(cpu["loop"] / was, 3)
+    return out
+
+
 def tokenizer_cpu_ms_per_1k(texts: list[str], per_request: int, rounds: int = 3) -> float:
     """The tokenizer's CPU per 1,000 embeddings on `texts` cut into the bench's requests, called as the server
     calls it (core/tokenize.py: the default model's tokenizer, the pool's encode path), the best of `rounds`.
@@ -185,6 +205,8 @@ def main() -> None:
                     help="both: every configuration also with the null engine declaring packed sequences")
     ap.add_argument("--server-cpus", default="0", help="CPUs of the servers, e.g. 0 or 0-13")
     ap.add_argument("--load-cpus", default="1", help="CPUs of the load generator")
+    ap.add_argument("--baseline-tree", type=Path,
+                    help="a checkout of another commit: every configuration also runs from it (baseline_*)")
     add_results_dir(ap, "split-serving-cpu.jsonl")
     args = ap.parse_args()
     meta = run_meta()  # before this process is confined to the load's CPUs: the row names the machine's cores
@@ -196,10 +218,19 @@ def main() -> None:
     configs = {f"fronts_{n}": (n, False) for n in counts}
     if args.packed == "both":
         configs |= {f"packed_fronts_{n}": (n, True) for n in counts}
+    trees = {name: ROOT for name in configs}
+    if args.baseline_tree is not None:
+        if not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
+            sys.exit(f"{args.baseline_tree} is not a checkout of this repository: git worktree add DIR <commit>")
+        # each configuration beside its baseline twin, so that the machine's load falls on both alike
+        configs = {key: value for name, value in configs.items()
+                   for key in (f"baseline_{name}", name)}
+        trees |= {name: args.baseline_tree for name in configs if name.startswith("baseline_")}
     with tempfile.TemporaryDirectory() as site_dir:
         Path(site_dir, "sitecustomize.py").write_text(SITE)
         servers = {name: SplitServer(n, cpu_list(args.server_cpus), site_dir, not args.model_engine,
-                                     args.per_token_us * 1e-6, packed) for name, (n, packed) in configs.items()}
+                                     args.per_token_us * 1e-6, packed, trees[name])
+                   for name, (n, packed) in configs.items()}
         try:
             for server in servers.values():
                 measure(server, texts[:2048], args.per_request, args.concurrency)
@@ -213,15 +244,21 @@ def main() -> None:
                 server.stop()
     tokenizer = tokenizer_cpu_ms_per_1k(texts, args.per_request)
     figures = {name: summary(r) for name, r in rounds.items()}
-    single = figures["fronts_0"]
-    for name, figure in figures.items():
+    for figure in figures.values():
         figure["rest_cpu_ms_per_1k"] = round(figure["server_cpu_ms_per_1k"] - tokenizer, 1)
-        if name != "fronts_0":
+    for name, figure in figures.items():
+        single = figures["baseline_fronts_0" if name.startswith("baseline_") else "fronts_0"]
+        if figure is not single:
             figure["ratio"] = round(figure["embeddings_per_s"] / single["embeddings_per_s"], 3)
             figure["cpu_ratio"] = round(figure["server_cpu_ms_per_1k"] / single["server_cpu_ms_per_1k"], 3)
             figure["rest_cpu_ratio"] = round(figure["rest_cpu_ms_per_1k"] / single["rest_cpu_ms_per_1k"], 3)
+    for name, figure in figures.items():
+        base = figures.get(f"baseline_{name}")
+        if base is not None:
+            figure["over_baseline"] = over(figure, base)
     row = {"bench": "split_serving", "engine": "model" if args.model_engine else "null",
            "packed": args.packed, "tokenizer_cpu_ms_per_1k": tokenizer,
+           **({"baseline_commit": commit_of(args.baseline_tree)} if args.baseline_tree is not None else {}),
            "per_token_us": args.per_token_us, "baseline": "fronts_0 (the single-process server), same run",
            **figures, "texts_per_round": args.texts, "rounds": args.rounds, "per_request": args.per_request,
            "concurrency": args.concurrency, "server_cpus": args.server_cpus, "load_cpus": args.load_cpus,

@@ -40,7 +40,7 @@ from itertools import compress
 import numpy as np
 
 from embedfleet.runtime.core.admission import decide
-from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Entry, plan_batch
+from embedfleet.runtime.core.batching import DEFAULT_OVERHEAD_TOKENS, Queued, plan_batch
 from embedfleet.runtime.core.bookkeeping import Bookkeeping
 from embedfleet.runtime.core.jobs import DeadlineUnmet, Item, Job, QueueFull, scatter
 from embedfleet.runtime.core.lateness import late_jobs
@@ -205,7 +205,8 @@ class BatchManager:
         when the server accepted the request): the bound counts from there, so time already spent
         reading, parsing and tokenizing under load is part of the promise. Cost: O(len(inputs)).
         """
-        tokens = sum(len(x) for x in inputs)
+        lengths = list(map(len, inputs))
+        tokens = sum(lengths)
         now = time.monotonic()
         bound = max_wait
         if max_wait is not None and arrived is not None:
@@ -240,7 +241,8 @@ class BatchManager:
                   now + self._promote_after(max_wait, tokens, self.drain_rate()), tenant=tenant, admitted_at=now,
                   trace=trace, bound=bound, promised=None if max_wait is None else now + max_wait,
                   alone=not ahead and max_wait is not None and decision.expected_s > max_wait)
-        items = [Item(job, i, self._seq + i) for i in range(len(inputs))]
+        seq = self._seq
+        items = [Item(job, i, seq + i, length) for i, length in enumerate(lengths)]
         self._seq += len(items)
         self._queue += items
         self._jobs[job] = items[0]
@@ -293,7 +295,7 @@ class BatchManager:
         job.queued_tokens = job.queued_items = 0
 
     # -- scheduler -------------------------------------------------------------------------
-    def _budget(self, entries: list[Entry]) -> int:
+    def _budget(self, entries: Sequence[Queued]) -> int:
         """Urgent batches may use the whole token budget; bulk ones are cut to `bulk_batch_seconds` of
         measured engine time, so a query arriving mid-backfill never waits behind a long batch. While
         queries are arriving (one in the last QUERIES_RECENT_S), bulk batches are cut further, to
@@ -363,10 +365,9 @@ class BatchManager:
         self._queue = self._live_queue()
         if not self._queue:
             return []
-        entries = [item.entry for item in self._queue]
-        chosen = sorted(plan_batch(entries, self._budget(entries), self.max_batch_requests, self.overhead_tokens,
+        queue = self._queue  # each Item is its own planner entry
+        chosen = sorted(plan_batch(queue, self._budget(queue), self.max_batch_requests, self.overhead_tokens,
                                    self._books.served, self.packed))
-        queue = self._queue
         batch = [queue[i] for i in chosen]
         keep = [True] * len(queue)
         for i in chosen:

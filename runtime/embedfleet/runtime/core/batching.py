@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress
 from operator import attrgetter
+from typing import Protocol
 
 DEFAULT_OVERHEAD_TOKENS = 48
 SEQ, TENANT, URGENT = attrgetter("seq"), attrgetter("tenant"), attrgetter("urgent")
@@ -42,6 +43,15 @@ class Entry:
     tenant: str = ""
 
 
+class Queued(Protocol):
+    """What the planner reads of a queued input: an `Entry`, or the batch manager's `Item` (its own entry)."""
+
+    seq: int
+    length: int
+    urgent: bool
+    tenant: str
+
+
 def padded_cost(lengths: Sequence[int]) -> int:
     return max(lengths) * len(lengths) if lengths else 0
 
@@ -52,7 +62,7 @@ def batch_cost(lengths: Sequence[int], packed: bool) -> int:
     return sum(lengths) if packed else padded_cost(lengths)
 
 
-def pick_anchor(queue: Sequence[Entry], candidates: list[int], served: Mapping[str, float]) -> int:
+def pick_anchor(queue: Sequence[Queued], candidates: list[int], served: Mapping[str, float]) -> int:
     """The oldest candidate of the least-served tenant (ties: the tenant whose oldest item is older).
     With one tenant queued (the common case) that is the oldest candidate, found without a Python-level
     loop: this runs on every plan, over the whole queue."""
@@ -68,7 +78,7 @@ def pick_anchor(queue: Sequence[Entry], candidates: list[int], served: Mapping[s
     return min(oldest.values(), key=lambda i: (served.get(queue[i].tenant, 0.0), queue[i].seq))
 
 
-def plan_batch(queue: Sequence[Entry], max_tokens: int, max_items: int,
+def plan_batch(queue: Sequence[Queued], max_tokens: int, max_items: int,
                overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, served: Mapping[str, float] | None = None,
                packed: bool = False) -> list[int]:
     """Indices into `queue` of the next batch.
@@ -98,7 +108,7 @@ def plan_batch(queue: Sequence[Entry], max_tokens: int, max_items: int,
     return order[lo:hi + 1]
 
 
-def oldest_that_fit(queue: Sequence[Entry], candidates: list[int], anchor: int, max_tokens: int,
+def oldest_that_fit(queue: Sequence[Queued], candidates: list[int], anchor: int, max_tokens: int,
                     max_items: int) -> list[int]:
     """The anchor, then `candidates` oldest first while their real tokens fit in `max_tokens` (an item that
     does not fit is passed over for younger, shorter ones: it anchors a batch of its own in its turn)."""
@@ -116,7 +126,7 @@ def oldest_that_fit(queue: Sequence[Entry], candidates: list[int], anchor: int, 
     return chosen
 
 
-def by_length(queue: Sequence[Entry], candidates: list[int]) -> list[int]:
+def by_length(queue: Sequence[Queued], candidates: list[int]) -> list[int]:
     """`candidates` sorted by (length, seq). One integer key per item rather than a tuple: on a queue of
     thousands (a GPU's backlog) the sort is most of a plan, and integers compare at half a tuple's cost."""
     seqs = [queue[i].seq for i in candidates]

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from embedfleet.runtime.core.batching import Entry
 from embedfleet.runtime.tracing import RequestTrace
 
 
@@ -77,25 +76,23 @@ class Job:
         return 0.0 if self.started_at is None else self.started_at - self.admitted_at
 
 
-@dataclass(eq=False, slots=True)
 class Item:
-    """One queued input. Its length and its view for the planner (`entry`) are taken once, at submit:
-    every plan reads them for the whole queue, and a GPU's queue holds thousands of inputs."""
+    """One queued input, and its own entry for the planner (core/batching.py reads `seq`, `length`, `urgent`
+    and `tenant`): a plan reads them for the whole queue, and a GPU's queue holds thousands of inputs, so
+    they are plain attributes, set once at submit (`length` from the caller, which measured every input
+    once) rather than a second object per input or a property read on every plan."""
 
-    job: Job
-    index: int
-    seq: int
-    length: int = field(init=False)
-    entry: Entry = field(init=False)
+    __slots__ = ("index", "job", "length", "seq", "tenant", "urgent")
 
-    def __post_init__(self) -> None:
-        self.length = len(self.job.inputs[self.index])
-        self.entry = Entry(self.seq, self.length, self.job.urgent, self.job.tenant)
+    def __init__(self, job: Job, index: int, seq: int, length: int | None = None) -> None:
+        self.job, self.index, self.seq = job, index, seq
+        self.length = len(job.inputs[index]) if length is None else length
+        self.urgent, self.tenant = job.urgent, job.tenant
 
     def renumber(self, seq: int) -> None:
         """A new place in the queue (promotion: the job's urgency changed with it)."""
         self.seq = seq
-        self.entry = Entry(seq, self.length, self.job.urgent, self.job.tenant)
+        self.urgent = self.job.urgent
 
 
 def scatter(batch: list[Item], rows: np.ndarray, started: float, seconds: float, on_engine: float) -> None:

@@ -60,12 +60,13 @@ def inputs_of(sub: link.Submitted) -> list[Tokenized] | list[Marked]:
     """The engine inputs of a SUBMIT: what the front's route built (Tokenized, or ColBERT's Marked)."""
     types = sub.type_ids
     if sub.attended is not None:
-        return [Marked(row.tolist(), bool(length > len(row)), int(attended) if attended >= 0 else None,
-                       types[i].tolist() if types is not None else None)
-                for i, (row, length, attended) in enumerate(zip(sub.ids, sub.original_lengths, sub.attended,
-                                                                strict=True))]
-    return [Tokenized(row.tolist(), int(length), types[i].tolist() if types is not None else None)
-            for i, (row, length) in enumerate(zip(sub.ids, sub.original_lengths, strict=True))]
+        return [Marked(row, bool(length > len(row)), attended if attended >= 0 else None,
+                       types[i] if types is not None else None)
+                for i, (row, length, attended) in enumerate(zip(sub.ids, sub.original_lengths.tolist(),
+                                                                sub.attended.tolist(), strict=True))]
+    if types is None:
+        return list(map(Tokenized, sub.ids, sub.original_lengths.tolist()))
+    return list(map(Tokenized, sub.ids, sub.original_lengths.tolist(), types))
 
 
 @dataclass(eq=False)

@@ -54,11 +54,12 @@ TooLarge = RequestTooLarge  # over what one frame may carry (LIMITS): refused (4
 
 @dataclass(frozen=True)
 class Submitted:
-    """A SUBMIT frame, read: the metadata and the inputs as int32 arrays (views into the frame)."""
+    """A SUBMIT frame, read: the metadata, the inputs' ids (and segments) as lists, and per-input int32 arrays
+    (views into the frame)."""
     request_id: int
     meta: dict
-    ids: list[np.ndarray]
-    type_ids: list[np.ndarray] | None
+    ids: list[list[int]]
+    type_ids: list[list[int]] | None
     original_lengths: np.ndarray
     attended: np.ndarray | None = None  # ColBERT inputs (meta "marked"): attended tokens, -1 for all
 
@@ -123,7 +124,7 @@ def read_submit(body: bytes) -> Submitted:
     type_ids = None
     if pairs:
         flat = np.frombuffer(view, dtype=np.int32, offset=at, count=tokens)
-        type_ids = np.split(flat, np.cumsum([len(row) for row in ids])[:-1])
+        type_ids = wire.split_rows(flat, np.frombuffer(view, dtype=np.int32, offset=at - size, count=inputs + 1))
         at += 4 * tokens
     original = np.frombuffer(view, dtype=np.int32, offset=at, count=inputs)
     attended = np.frombuffer(view, dtype=np.int32, offset=at + 4 * inputs, count=inputs) if marked else None
