@@ -17,7 +17,7 @@ once), awaited, and its answer encoded (`link.result`), --concurrency requests i
 of --rounds rounds, for the padded planner and the packed one (`packed`: CUDA's BERT-family engines).
 
 Figures: `us_per_input` per side and planner, `ceiling_per_s` (1e6 / us_per_input), and this tree over the
-baseline.
+baseline. Without --baseline-tree (a GPU machine's copy of the tree has no history), this tree's alone.
 
 Run: git worktree add /tmp/engine-path-base <commit>; .venv/bin/python bench/engine_path.py --baseline-tree
 /tmp/engine-path-base (about 20 s).
@@ -82,14 +82,16 @@ asyncio.run(main())
 def measure(tree: Path, requests: int, per_request: int, concurrency: int, rounds: int, packed: bool) -> float:
     paths = [str(tree / Path(p).relative_to(ROOT)) for p in SOURCE_PATHS]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps([requests, per_request, concurrency, rounds, packed])],
-                         env=env, cwd=tree, capture_output=True, text=True, check=True)
+    spec = json.dumps([requests, per_request, concurrency, rounds, packed])
+    out = subprocess.run([sys.executable, "-c", CHILD, spec], env=env, cwd=tree, capture_output=True, text=True,
+                         check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline-tree", type=Path, required=True, help="a checkout of the baseline commit")
+    ap.add_argument("--baseline-tree", type=Path,
+                    help="a checkout of the baseline commit (without one: this tree's figures alone)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--per-request", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -97,22 +99,25 @@ def main() -> None:
     ap.add_argument("--alternations", type=int, default=3, help="runs of each side, alternating; the best is kept")
     add_results_dir(ap, "engine-path-cpu.jsonl")
     args = ap.parse_args()
-    if not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
+    if args.baseline_tree is not None and not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
         sys.exit(f"{args.baseline_tree} is not a checkout of this repository: git worktree add DIR <commit>")
+    trees = {"this_tree": ROOT} if args.baseline_tree is None else {"baseline": args.baseline_tree, "this_tree": ROOT}
     meta = run_meta()
     figures: dict[str, dict] = {}
     for planner, packed in (("padded", False), ("packed", True)):
-        sides: dict[str, list[float]] = {"baseline": [], "this_tree": []}
+        sides: dict[str, list[float]] = {side: [] for side in trees}
         for _ in range(args.alternations):
-            for side, tree in (("baseline", args.baseline_tree), ("this_tree", ROOT)):
+            for side, tree in trees.items():
                 sides[side].append(measure(tree, args.requests, args.per_request, args.concurrency, args.rounds,
                                            packed))
         best = {side: min(values) for side, values in sides.items()}
         figures[planner] = {
             **{side: {"us_per_input": round(best[side], 3), "ceiling_per_s": round(1e6 / best[side]),
-                      "runs": [round(v, 3) for v in sides[side]]} for side in sides},
-            "this_tree_over_baseline": round(best["this_tree"] / best["baseline"], 3)}
-    row = {"bench": "engine_path", "baseline_commit": commit_of(args.baseline_tree), **figures,
+                      "runs": [round(v, 3) for v in sides[side]]} for side in sides}}
+        if "baseline" in best:
+            figures[planner]["this_tree_over_baseline"] = round(best["this_tree"] / best["baseline"], 3)
+    baseline = {} if args.baseline_tree is None else {"baseline_commit": commit_of(args.baseline_tree)}
+    row = {"bench": "engine_path", **baseline, **figures,
            "requests": args.requests, "per_request": args.per_request, "concurrency": args.concurrency,
            "rounds": args.rounds, "width": 384}
     print(json.dumps(row))

@@ -4,6 +4,7 @@
 #   source .gpu/on_device.sh; EMBEDFLEET_COMMIT=<sha> bash bench/gpu_session.sh [TOTAL_S]
 # Phases, most wanted first; each starts only while the deadline leaves it room and gets what is left:
 #   1. the host path: split serving with the null engine, 1 / 4 / 8 fronts (bench/split_serving.py)  split.log
+#      and the engine process' CPU per input (bench/engine_path.py)                 engine_path.log
 #   2. the server against sentence-transformers: MiniLM bf16 in one process, with 4 and 8 fronts,
 #      and FP8 (the gate)                                                            bench.server.log
 #   3. pytest tests/gpu: all of it (the CPU-capable tests take their CUDA paths here)  tests.log
@@ -40,6 +41,11 @@ if [ "$rest" -gt 150 ]; then  # its row goes to $OUT/split/split-serving-cpu.jso
   timeout 140 python3 bench/split_serving.py --fronts 1,4,8 --server-cpus 0-11 --load-cpus 12-15 --texts 16384 \
     --rounds 3 --results-dir "$OUT/split" > "$OUT/split.log" 2>&1
   echo "split exit $? after $(( $(date +%s) - t0 )) s"
+fi
+if [ "$(left)" -gt 330 ]; then  # the engine process' host path per input on this machine's CPU (about 10 s)
+  t0=$(date +%s)
+  timeout 60 python3 bench/engine_path.py --alternations 1 --results-dir "$OUT/split" > "$OUT/engine_path.log" 2>&1
+  echo "engine_path exit $? after $(( $(date +%s) - t0 )) s"
 fi
 phase server 150 200 --only server --filter '^minilm-(bfloat16|bfloat16-fronts4|bfloat16-fronts8|fp8)$'
 rest=$(left)
