@@ -79,6 +79,17 @@ def test_offsets_that_do_not_partition_the_ids_are_refused(offsets: list[int]) -
         wire.decode_request_body(body, 2, 3)
 
 
+def test_offsets_whose_int32_steps_wrap_round_are_refused() -> None:
+    """2**31 - 1 then -2**31 is a step of 1 in int32 arithmetic: such offsets would pass a check made in
+    int32, and slicing would then hand out rows that each repeat all the ids (a frame's memory many times
+    over, from one small frame)."""
+    tokens = 1000
+    offsets = [0, 2**30, 2**31 - 1, -2**31, -2**30, 0, tokens]
+    body = np.array(offsets, dtype=np.int32).tobytes() + np.arange(tokens, dtype=np.int32).tobytes()
+    with pytest.raises(wire.WireError, match="partition"):
+        wire.decode_request_body(body, len(offsets) - 1, tokens)
+
+
 def test_a_body_of_the_wrong_length_is_refused() -> None:
     _head, offsets, ids = wire.encode_request(1, [[1, 2], [3]])
     with pytest.raises(wire.WireError, match="bytes"):

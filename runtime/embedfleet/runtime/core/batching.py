@@ -46,10 +46,17 @@ class Entry:
 class Queued(Protocol):
     """What the planner reads of a queued input: an `Entry`, or the batch manager's `Item` (its own entry)."""
 
-    seq: int
-    length: int
-    urgent: bool
-    tenant: str
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def urgent(self) -> bool: ...
+
+    @property
+    def tenant(self) -> str: ...
 
 
 def padded_cost(lengths: Sequence[int]) -> int:

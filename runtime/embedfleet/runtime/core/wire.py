@@ -68,7 +68,9 @@ def decode_request_body(body: bytes | bytearray | memoryview, inputs: int, token
     if len(body) != 4 * (inputs + 1 + tokens):
         raise WireError(f"a body of {len(body)} bytes for {inputs} inputs of {tokens} tokens")
     offsets = np.frombuffer(body, dtype=np.int32, count=inputs + 1)
-    if offsets[0] != 0 or offsets[-1] != tokens or (np.diff(offsets) < 1).any():
+    # steps in int64: in int32 a step from 2**31 - 1 down to -2**31 wraps round to 1 and passes, and Python's
+    # slicing then clamps such bounds into rows that repeat all the ids (a frame's worth, many times over)
+    if offsets[0] != 0 or offsets[-1] != tokens or (np.diff(offsets.astype(np.int64)) < 1).any():
         raise WireError("offsets are not a partition of the ids into non-empty rows")
     return split_rows(np.frombuffer(body, dtype=np.int32, offset=4 * (inputs + 1), count=tokens), offsets)
 
