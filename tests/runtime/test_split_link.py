@@ -74,6 +74,21 @@ def test_results_and_ragged_rows_read_back_as_sent():
     assert [r.tolist() for r in back] == [r.tolist() for r in ragged]
 
 
+def test_ragged_results_whose_lengths_do_not_partition_the_rows_are_refused():
+    """What a front reads from the engine is checked like what the engine reads from a front: per-input
+    counts that are negative (rows handed to two inputs) or more than the frame holds are a WireError."""
+    rows = np.zeros((4, 8), dtype=np.float32)
+    kind, body = body_of(link.result(5, [rows[:2], rows[2:]], 0.0, 0.0))
+    broken = bytearray(body)
+    struct.pack_into("<ii", broken, link.RAGGED_HEAD.size, 6, -2)  # adds up to 4, overlapping
+    with pytest.raises(link.WireError):
+        link.read_result(kind, bytes(broken))
+    broken = bytearray(body)
+    struct.pack_into("<I", broken, link.RAGGED_HEAD.size - 4, 10**6)  # more inputs than the frame holds
+    with pytest.raises(link.WireError):
+        link.read_result(kind, bytes(broken))
+
+
 @pytest.mark.parametrize("cut", [1, 4, 9])
 def test_a_submit_that_does_not_add_up_is_refused(cut):
     _, body = body_of(link.submit(1, {"model": "m"}, [[1, 2, 3], [4]], None, [3, 1]))

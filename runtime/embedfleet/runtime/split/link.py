@@ -154,6 +154,8 @@ def read_result(kind: int, body: bytes) -> tuple[int, np.ndarray | list[np.ndarr
     if kind == RAGGED:
         request_id, queue_s, inference_s, count = RAGGED_HEAD.unpack_from(view)
         at = RAGGED_HEAD.size
+        if at + 4 * count + wire.REPLY.size > len(view):
+            raise WireError(f"a ragged result of {count} inputs in a body of {len(view)} bytes")
         lengths = np.frombuffer(view, dtype=np.int32, offset=at, count=count)
         at += 4 * count
     else:
@@ -166,8 +168,8 @@ def read_result(kind: int, body: bytes) -> tuple[int, np.ndarray | list[np.ndarr
     values = np.frombuffer(view, dtype=np.float32, offset=at, count=rows * dim).reshape(rows, dim).copy()
     if lengths is None:
         return request_id, values, queue_s, inference_s
-    if int(lengths.sum()) != rows:
-        raise WireError(f"ragged lengths that add up to {int(lengths.sum())}, not {rows} rows")
+    if (lengths < 0).any() or int(lengths.sum(dtype=np.int64)) != rows:  # a negative one would overlap rows
+        raise WireError(f"ragged lengths {lengths.tolist()[:8]}... that are not a partition of {rows} rows")
     return request_id, np.split(values, np.cumsum(lengths)[:-1]), queue_s, inference_s
 
 
