@@ -227,6 +227,30 @@ def thread_cpu_seconds(pid: int) -> tuple[float, float]:
     return main, rest
 
 
+def thread_cpu_by_kind(pid: int) -> dict[str, float]:
+    """CPU seconds of a server process' threads by what they are, from their OS names (the runtime names its
+    own: core/engine_thread.py `name_os_thread`): "loop" (the main thread), "engine", "tokenizer" (the
+    tokenizer pool's threads, which hand a batch to HF tokenizers), "library" (threads the runtime did not
+    name, which keep the process' name: HF tokenizers' Rust workers, torch's OpenMP pool), "other". Nothing
+    for a process that is gone."""
+    out: dict[str, float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        process_name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return out
+    for task in tasks:
+        try:
+            name = (task / "comm").read_text().strip()
+            seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+        kind = ("loop" if task.name == str(pid) else name if name in ("engine", "tokenizer")
+                else "library" if name == process_name else "other")
+        out[kind] = out.get(kind, 0.0) + seconds
+    return out
+
+
 def percentiles(samples: list[float]) -> dict[str, float]:
     import numpy as np
 

@@ -21,6 +21,14 @@ Figures, per configuration:
   rest_cpu_ms_per_1k      server_cpu_ms_per_1k less the tokenizer's: the tokenizer's CPU per 1,000 embeddings
                           (`tokenizer_cpu_ms_per_1k`) is measured in this process, on the same texts in the
                           same requests, with the server's tokenizer calls; what is left is the host path's
+  by_kind                 the same by kind of thread over all the server's processes, from the threads' OS
+                          names: loop, engine, tokenizer (the pool handing batches to HF tokenizers),
+                          library (threads the runtime did not name: HF tokenizers' Rust workers here, as
+                          the null engine computes nothing), other
+  rest_in_server_cpu_ms_per_1k   server_cpu_ms_per_1k less the tokenizer and library threads' CPU, measured in
+                          the server in the same round (the median of the rounds): the same split as
+                          rest_cpu_ms_per_1k without comparing two processes' clocks on a shared machine
+                          (null engine only: with the model, torch's own threads are library threads too)
 
 With `--packed both`, every configuration also runs with the null engine declaring packed sequences (as the
 CUDA engine does for BERT-family embedders: a batch costs its real tokens, so the planner packs the oldest
@@ -58,6 +66,7 @@ from _common import (
     record,
     run_meta,
     stop_process,
+    thread_cpu_by_kind,
     thread_cpu_seconds,
     wait_ready,
 )
@@ -126,13 +135,16 @@ class SplitServer:
         return roles
 
     def cpu(self) -> dict[str, list[float]]:
-        """role -> [main thread, other threads] CPU seconds, summed over the role's processes."""
+        """role -> [main thread, other threads] CPU seconds, summed over the role's processes; and under
+        "kind:<kind>" each kind of thread (bench/_common.py thread_cpu_by_kind) over all processes."""
         out: dict[str, list[float]] = {}
         for pid, role in self.roles().items():
             main, rest = thread_cpu_seconds(pid)
             acc = out.setdefault(role, [0, 0])
             acc[0] += main
             acc[1] += rest
+            for kind, seconds in thread_cpu_by_kind(pid).items():
+                out.setdefault(f"kind:{kind}", [0, 0])[0] += seconds
         return out
 
     def stop(self) -> None:
@@ -146,23 +158,31 @@ def measure(server: SplitServer, texts: list[str], per_request: int, concurrency
     per_1k = 1000 / len(texts) * 1000  # ms per 1,000 embeddings
     by_role = {role: {"loop": round((after[role][0] - before.get(role, [0, 0])[0]) * per_1k, 1),
                       "threads": round((after[role][1] - before.get(role, [0, 0])[1]) * per_1k, 1)}
-               for role in after}
+               for role in after if not role.startswith("kind:")}
+    by_kind = {role[5:]: round((after[role][0] - before.get(role, [0, 0])[0]) * per_1k, 1)
+               for role in after if role.startswith("kind:")}
     total = sum(v["loop"] + v["threads"] for v in by_role.values())
-    return {"embeddings_per_s": len(texts) / seconds, "server_cpu_ms_per_1k": round(total, 1), "by_role": by_role}
+    # the tokenizer's CPU counted in the server itself: its pool's threads and HF tokenizers' workers
+    tokenizer = by_kind.get("tokenizer", 0.0) + by_kind.get("library", 0.0)
+    return {"embeddings_per_s": len(texts) / seconds, "server_cpu_ms_per_1k": round(total, 1), "by_role": by_role,
+            "by_kind": by_kind, "rest_in_server_cpu_ms_per_1k": round(total - tokenizer, 1)}
 
 
 def summary(rounds: list[dict]) -> dict:
     middle = sorted(rounds, key=lambda r: r["embeddings_per_s"])[len(rounds) // 2]
     return {"embeddings_per_s": round(statistics.median(r["embeddings_per_s"] for r in rounds), 1),
             "rounds": [round(r["embeddings_per_s"], 1) for r in rounds],
-            "server_cpu_ms_per_1k": middle["server_cpu_ms_per_1k"], "by_role": middle["by_role"]}
+            "server_cpu_ms_per_1k": middle["server_cpu_ms_per_1k"], "by_role": middle["by_role"],
+            "by_kind": middle["by_kind"],
+            "rest_in_server_cpu_ms_per_1k": round(statistics.median(r["rest_in_server_cpu_ms_per_1k"] for r in rounds),
+                                                  1)}
 
 
 def over(figure: dict, base: dict) -> dict:
     """This tree's figures over the baseline tree's, same configuration and run: throughput, server CPU,
     the rest (less the tokenizer), and each role's event loop."""
     out = {"embeddings_per_s": round(figure["embeddings_per_s"] / base["embeddings_per_s"], 3)}
-    for key in ("server_cpu_ms_per_1k", "rest_cpu_ms_per_1k"):
+    for key in ("server_cpu_ms_per_1k", "rest_cpu_ms_per_1k", "rest_in_server_cpu_ms_per_1k"):
         out[key] = round(figure[key] / base[key], 3) if base[key] > 0 else None
     for role, cpu in figure["by_role"].items():
         was = base["by_role"].get(role, {}).get("loop", 0.0)
@@ -252,6 +272,8 @@ def main() -> None:
             figure["ratio"] = round(figure["embeddings_per_s"] / single["embeddings_per_s"], 3)
             figure["cpu_ratio"] = round(figure["server_cpu_ms_per_1k"] / single["server_cpu_ms_per_1k"], 3)
             figure["rest_cpu_ratio"] = round(figure["rest_cpu_ms_per_1k"] / single["rest_cpu_ms_per_1k"], 3)
+            figure["rest_in_server_ratio"] = round(
+                figure["rest_in_server_cpu_ms_per_1k"] / single["rest_in_server_cpu_ms_per_1k"], 3)
     for name, figure in figures.items():
         base = figures.get(f"baseline_{name}")
         if base is not None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +59,23 @@ def test_run_in_executor_and_shutdown():
         thread.submit(sum, [1])
     with pytest.raises(RuntimeError):
         thread.post(sum, [1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+def test_the_engine_and_tokenizer_threads_carry_their_names_where_the_os_shows_them() -> None:
+    """`top -H`, py-spy and the benches (bench/_common.py) tell the server's threads apart by these names."""
+    from embedfleet.runtime.core.tokenize import TokenizerPool
+    from embedfleet.runtime.settings import default_model_dir
+
+    def comm() -> str:
+        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+    engine = EngineThread("engine-m")
+    pool = TokenizerPool(default_model_dir() / "tokenizer.json", 1)
+    try:
+        assert engine.submit(comm).result(timeout=10) == "engine"
+        assert pool._pool.submit(comm).result(timeout=10) == "tokenizer"
+        assert comm() != "engine"  # the caller's own name is left alone
+    finally:
+        engine.shutdown()
+        pool.close()

@@ -19,6 +19,8 @@ from typing import Literal
 
 from tokenizers import Encoding, Tokenizer
 
+from embedfleet.runtime.core.engine_thread import name_os_thread
+
 Direction = Literal["right", "left"]
 
 
@@ -104,7 +106,8 @@ class TokenizerPool:
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
-        self._pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="tokenizer")
+        self._pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="tokenizer",
+                                        initializer=name_os_thread, initargs=("tokenizer",))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
