@@ -31,6 +31,19 @@ Figures, per scenario:
                               sensitive than throughput to what else runs on the machine
   loop_cpu_ms_per_1k          the same for the event loop's thread alone: the part this work changes
   base64_library              which base64 encoder the responses used (pybase64 if installed, else stdlib)
+  by_kind                     the server's CPU per 1,000 embeddings by kind of thread, from the threads' OS
+                              names (bench/_common.py thread_cpu_by_kind): loop, engine, tokenizer (the pool
+                              and HF tokenizers' workers, which inherit its name), library, other
+  rest_in_server_cpu_ms_per_1k  the server's CPU less its tokenizer and library threads', the median round:
+                              the host path without the tokenizer, counted in the server itself. A tree
+                              that does not name its threads (older than that) has its engine and tokenizer
+                              threads all counted as library, so its rest is its event loop alone: a figure
+                              against such a baseline flatters the baseline, never this tree
+  rest_in_server_ratio        this tree's rest over the baseline's
+
+--packed: the null engine declares packed sequences, as CUDA's BERT-family engines do (the planner packs the
+oldest inputs into one batch; a tree older than packed planning ignores it), and the slow engine sleeps per
+real token.
 
 Run: .venv/bin/python bench/host_path.py --baseline-tree /tmp/hostpath-base (about a minute).
 
@@ -62,35 +75,47 @@ from pathlib import Path
 
 import httpx
 
-from _common import ROOT, add_results_dir, corpus, free_port, pinned_to, record, stop_process, wait_ready
+from _common import (
+    ROOT,
+    add_results_dir,
+    corpus,
+    free_port,
+    pinned_to,
+    record,
+    stop_process,
+    thread_cpu_by_kind,
+    wait_ready,
+)
 
 LAUNCHER = """
 import sys, time
 import numpy as np
-tree, per_token_s = sys.argv[1], float(sys.argv[2])
+tree, per_token_s, packed = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "packed"
 sys.path[:0] = [f"{tree}/{part}" for part in ("runtime", "operator", "client", "gateway")]
 from embedfleet.runtime.engines import torch_engine
 def embed(self, batch):
     if per_token_s:  # a sleep releases the GIL, as a GPU's forward pass does
-        time.sleep(per_token_s * max(map(len, batch)) * len(batch))
+        time.sleep(per_token_s * (sum(map(len, batch)) if packed else max(map(len, batch)) * len(batch)))
     return np.ones((len(batch), 384), np.float32)
 torch_engine.TorchEngine.embed = embed
+if packed:  # as CUDA's BERT-family engines declare (a tree older than packed planning ignores it)
+    torch_engine.TorchEngine.runs_packed = property(lambda self: True)
 from embedfleet.runtime.cli import main
-sys.exit(main(sys.argv[3:]))
+sys.exit(main(sys.argv[4:]))
 """
 FLAGS = ("--max-batch-requests", "1024", "--max-batch-tokens", "65536", "--log-level", "warning")
-CLOCK = os.sysconf("SC_CLK_TCK")
 
 
 class NullServer:
     """`embedfleet serve` from `tree`, with the null engine, pinned to `cpus`."""
 
-    def __init__(self, tree: Path, cpus: set[int], per_token_s: float = 0.0) -> None:
+    def __init__(self, tree: Path, cpus: set[int], per_token_s: float = 0.0, packed: bool = False) -> None:
         self.port = free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", LAUNCHER, str(tree), str(per_token_s), "serve", "--host", "127.0.0.1",
+            [sys.executable, "-c", LAUNCHER, str(tree), str(per_token_s), "packed" if packed else "padded",
+             "serve", "--host", "127.0.0.1",
              "--port", str(self.port), *FLAGS],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pinned_to(cpus))
         self.url = f"http://127.0.0.1:{self.port}"
@@ -100,13 +125,10 @@ class NullServer:
             self.stop()
             raise
 
-    def cpu_ticks(self) -> tuple[int, int]:
-        """(the whole process, its main thread: the event loop) in clock ticks."""
-        def ticks(path: str) -> int:
-            fields = Path(path).read_text().rsplit(")", 1)[1].split()
-            return int(fields[11]) + int(fields[12])  # utime, stime
-        pid = self.proc.pid
-        return ticks(f"/proc/{pid}/stat"), ticks(f"/proc/{pid}/task/{pid}/stat")
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far by kind of thread (bench/_common.py thread_cpu_by_kind): loop, engine, tokenizer,
+        library, other."""
+        return thread_cpu_by_kind(self.proc.pid)
 
     def stop(self) -> None:
         stop_process(self.proc)
@@ -133,12 +155,15 @@ async def load(url: str, texts: list[str], per_request: int, concurrency: int) -
 
 
 def measure(server: NullServer, texts: list[str], per_request: int, concurrency: int) -> dict:
-    before = server.cpu_ticks()
+    before = server.cpu()
     seconds = asyncio.run(load(server.url, texts, per_request, concurrency))
-    after = server.cpu_ticks()
-    per_1k = 1000 / len(texts) * 1000 / CLOCK
-    return {"embeddings_per_s": len(texts) / seconds, "server_cpu_ms_per_1k": (after[0] - before[0]) * per_1k,
-            "loop_cpu_ms_per_1k": (after[1] - before[1]) * per_1k}
+    after = server.cpu()
+    per_1k = 1000 / len(texts) * 1000
+    by_kind = {kind: (after[kind] - before.get(kind, 0.0)) * per_1k for kind in after}
+    total = sum(by_kind.values())
+    return {"embeddings_per_s": len(texts) / seconds, "server_cpu_ms_per_1k": total,
+            "loop_cpu_ms_per_1k": by_kind.get("loop", 0.0), "by_kind": by_kind,
+            "rest_in_server_cpu_ms_per_1k": total - by_kind.get("tokenizer", 0.0) - by_kind.get("library", 0.0)}
 
 
 def summary(rounds: list[dict]) -> dict:
@@ -146,7 +171,10 @@ def summary(rounds: list[dict]) -> dict:
     middle = sorted(rounds, key=lambda r: r["embeddings_per_s"])[len(rounds) // 2]
     return {"embeddings_per_s": round(statistics.median(rates), 1), "rounds": [round(x, 1) for x in rates],
             "server_cpu_ms_per_1k": round(middle["server_cpu_ms_per_1k"], 1),
-            "loop_cpu_ms_per_1k": round(middle["loop_cpu_ms_per_1k"], 1)}
+            "loop_cpu_ms_per_1k": round(middle["loop_cpu_ms_per_1k"], 1),
+            "by_kind": {kind: round(v, 1) for kind, v in middle["by_kind"].items()},
+            "rest_in_server_cpu_ms_per_1k": round(
+                statistics.median(r["rest_in_server_cpu_ms_per_1k"] for r in rounds), 1)}
 
 
 def commit_of(tree: Path) -> str:
@@ -163,6 +191,8 @@ def main() -> None:
                     help="the slow engine's time per padded token (microseconds)")
     ap.add_argument("--per-request", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--packed", action="store_true",
+                    help="the null engine declares packed sequences, as CUDA's BERT-family engines do")
     add_results_dir(ap, "host-path-cpu.jsonl")
     args = ap.parse_args()
     if not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
@@ -174,7 +204,7 @@ def main() -> None:
     scenarios = {"null_engine": 0.0, "slow_engine": args.per_token_us * 1e-6}
     figures = {}
     for scenario, per_token_s in scenarios.items():
-        servers = {name: NullServer(tree, {0}, per_token_s) for name, tree in sides.items()}
+        servers = {name: NullServer(tree, {0}, per_token_s, args.packed) for name, tree in sides.items()}
         try:
             for server in servers.values():  # warm-up: connections, allocator, first batches
                 measure(server, texts[:4096], args.per_request, args.concurrency)
@@ -187,7 +217,9 @@ def main() -> None:
                 server.stop()
         base, new = summary(rounds["baseline"]), summary(rounds["this_tree"])
         figures[scenario] = {"baseline": base, "this_tree": new,
-                             "speedup": round(new["embeddings_per_s"] / base["embeddings_per_s"], 3)}
+                             "speedup": round(new["embeddings_per_s"] / base["embeddings_per_s"], 3),
+                             "rest_in_server_ratio": round(new["rest_in_server_cpu_ms_per_1k"]
+                                                           / base["rest_in_server_cpu_ms_per_1k"], 3)}
     try:
         import pybase64  # noqa: F401
         library = "pybase64"
@@ -196,7 +228,8 @@ def main() -> None:
     result = {"bench": "host_path", "baseline_commit": commit_of(args.baseline_tree),
               "this_tree_commit": commit_of(ROOT) + ("+dirty" if subprocess.run(
                   ["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", "runtime"]).returncode else ""),
-              **figures, "slow_engine_us_per_padded_token": args.per_token_us, "texts_per_round": args.texts,
+              **figures, "packed": args.packed,
+              "slow_engine_us_per_padded_token": args.per_token_us, "texts_per_round": args.texts,
               "rounds": args.rounds, "per_request": args.per_request,
               "concurrency": args.concurrency, "encoding_format": "base64", "base64_library": library,
               "python": platform.python_version(), "machine": f"{platform.machine()}, shared 2-core VM"}
