@@ -13,10 +13,10 @@ compat, api_group), shared by components: it must import nothing from embedfleet
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+if TYPE_CHECKING:  # the SDK (and psutil, which its resources import) loads only where tracing is on
+    from opentelemetry.sdk.trace import TracerProvider
 
 EXPORTERS = ("otlp", "console", "none")
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -49,6 +49,10 @@ def provider_from_env(service_name: str, names: Sequence[str]) -> TracerProvider
     (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES; `service_name` when neither names the service), the
     sampler (OTEL_TRACES_SAMPLER[_ARG]), the OTLP/HTTP exporter (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT,
     _HEADERS, _TIMEOUT, ...) and the batch processor (OTEL_BSP_*), all read by the SDK itself."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
     resource = Resource.create()
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):  # the SDK's stand-in
         resource = resource.merge(Resource({SERVICE_NAME: service_name}))

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from embedfleet.runtime.core.jobs import QueueFull
@@ -157,6 +156,8 @@ class Tenants:
 
     @classmethod
     def from_file(cls, path: Path) -> Tenants:
+        import yaml  # here, not at the top: a server without a keys file never pays for its import
+
         try:
             raw = yaml.safe_load(Path(path).read_text())
         except OSError as exc:
