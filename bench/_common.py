@@ -200,31 +200,10 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, path: str = "/rea
 
 def thread_cpu_seconds(pid: int) -> tuple[float, float]:
     """(the main thread's, all other threads') CPU seconds of a process so far, from /proc: for the server,
-    its event loop against its tokenizer, engine and library threads. (0, 0) once the process is gone.
-
-    Each thread's time on a CPU from the scheduler (`schedstat`, nanoseconds), where the kernel keeps it;
-    else utime + stime from `stat`, which the kernel samples at each clock tick (10 ms) and which spread by
-    several percent between two runs of the same code here."""
-    tick = os.sysconf("SC_CLK_TCK")
-    main = rest = 0.0
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return main, rest
-    for task in tasks:
-        try:
-            try:
-                seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
-            except (FileNotFoundError, IndexError, ValueError):
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a thread that ended meanwhile
-        if task.name == str(pid):
-            main += seconds
-        else:
-            rest += seconds
-    return main, rest
+    its event loop against its tokenizer, engine and library threads. (0, 0) once the process is gone."""
+    kinds = thread_cpu_by_kind(pid)
+    main = kinds.pop("loop", 0.0)
+    return main, sum(kinds.values())
 
 
 def thread_cpu_by_kind(pid: int) -> dict[str, float]:
@@ -232,7 +211,11 @@ def thread_cpu_by_kind(pid: int) -> dict[str, float]:
     own: core/engine_thread.py `name_os_thread`): "loop" (the main thread), "engine", "tokenizer" (the
     tokenizer pool's threads, which hand a batch to HF tokenizers), "library" (threads the runtime did not
     name, which keep the process' name: HF tokenizers' Rust workers, torch's OpenMP pool), "other". Nothing
-    for a process that is gone."""
+    for a process that is gone.
+
+    Each thread's time on a CPU from the scheduler (`schedstat`, nanoseconds), where the kernel keeps it;
+    else utime + stime from `stat`, which the kernel samples at each clock tick (10 ms) and which spread by
+    several percent between two runs of the same code here."""
     out: dict[str, float] = {}
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -242,13 +225,34 @@ def thread_cpu_by_kind(pid: int) -> dict[str, float]:
     for task in tasks:
         try:
             name = (task / "comm").read_text().strip()
-            seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-            continue
+            try:
+                seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except (FileNotFoundError, IndexError, ValueError):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
         kind = ("loop" if task.name == str(pid) else name if name in ("engine", "tokenizer")
                 else "library" if name == process_name else "other")
         out[kind] = out.get(kind, 0.0) + seconds
     return out
+
+
+def source_paths(tree: Path) -> list[str]:
+    """SOURCE_PATHS as they are in another checkout `tree` (a baseline's), for its PYTHONPATH."""
+    return [str(tree / Path(p).relative_to(ROOT)) for p in SOURCE_PATHS]
+
+
+def baseline_checkout(tree: Path) -> Path:
+    """`tree` if it is a checkout of this repository (what --baseline-tree takes); else exit saying how to make one."""
+    if not (tree / "runtime" / "embedfleet").is_dir():
+        sys.exit(f"{tree} is not a checkout of this repository: git worktree add {tree} <commit>")
+    return tree
+
+
+def commit_of(tree: Path) -> str:
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:

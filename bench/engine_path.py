@@ -32,8 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import ROOT, SOURCE_PATHS, add_results_dir, record, run_meta
-from host_path import commit_of
+from _common import ROOT, add_results_dir, baseline_checkout, commit_of, record, run_meta, source_paths
 
 CHILD = r"""
 import asyncio, json, random, sys, time
@@ -80,8 +79,7 @@ asyncio.run(main())
 
 
 def measure(tree: Path, requests: int, per_request: int, concurrency: int, rounds: int, packed: bool) -> float:
-    paths = [str(tree / Path(p).relative_to(ROOT)) for p in SOURCE_PATHS]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(source_paths(tree)), HF_HUB_OFFLINE="1")
     spec = json.dumps([requests, per_request, concurrency, rounds, packed])
     out = subprocess.run([sys.executable, "-c", CHILD, spec], env=env, cwd=tree, capture_output=True, text=True,
                          check=True)
@@ -99,9 +97,8 @@ def main() -> None:
     ap.add_argument("--alternations", type=int, default=3, help="runs of each side, alternating; the best is kept")
     add_results_dir(ap, "engine-path-cpu.jsonl")
     args = ap.parse_args()
-    if args.baseline_tree is not None and not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
-        sys.exit(f"{args.baseline_tree} is not a checkout of this repository: git worktree add DIR <commit>")
-    trees = {"this_tree": ROOT} if args.baseline_tree is None else {"baseline": args.baseline_tree, "this_tree": ROOT}
+    trees = {"this_tree": ROOT} if args.baseline_tree is None else {
+        "baseline": baseline_checkout(args.baseline_tree), "this_tree": ROOT}
     meta = run_meta()
     figures: dict[str, dict] = {}
     for planner, packed in (("padded", False), ("packed", True)):

@@ -78,6 +78,8 @@ import httpx
 from _common import (
     ROOT,
     add_results_dir,
+    baseline_checkout,
+    commit_of,
     corpus,
     free_port,
     pinned_to,
@@ -177,11 +179,6 @@ def summary(rounds: list[dict]) -> dict:
                 statistics.median(r["rest_in_server_cpu_ms_per_1k"] for r in rounds), 1)}
 
 
-def commit_of(tree: Path) -> str:
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline-tree", type=Path, required=True, help="a checkout of the baseline commit")
@@ -195,9 +192,7 @@ def main() -> None:
                     help="the null engine declares packed sequences, as CUDA's BERT-family engines do")
     add_results_dir(ap, "host-path-cpu.jsonl")
     args = ap.parse_args()
-    if not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
-        sys.exit(f"{args.baseline_tree} is not a checkout of this repository: "
-                 f"git worktree add {args.baseline_tree} <commit>")
+    baseline_checkout(args.baseline_tree)
     os.sched_setaffinity(0, {1})  # the load on CPU 1, the servers on CPU 0
     texts = corpus(args.texts)
     sides = {"baseline": args.baseline_tree, "this_tree": ROOT}

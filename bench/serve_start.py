@@ -28,7 +28,17 @@ from pathlib import Path
 
 import httpx
 
-from _common import ROOT, SOURCE_PATHS, add_results_dir, free_port, record, stop_process, thread_cpu_seconds, wait_ready
+from _common import (
+    ROOT,
+    add_results_dir,
+    baseline_checkout,
+    free_port,
+    record,
+    source_paths,
+    stop_process,
+    thread_cpu_seconds,
+    wait_ready,
+)
 
 WAYS = {"native": "auto", "transformers": "transformers"}
 
@@ -42,8 +52,7 @@ def phases(url: str) -> dict[str, float]:
 def one_start(impl: str, tree: Path = ROOT) -> dict[str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    paths = [str(tree / Path(p).relative_to(ROOT)) for p in SOURCE_PATHS]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(source_paths(tree)), HF_HUB_OFFLINE="1")
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1",
                              "--port", str(port), "--log-level", "warning", "--model-impl", impl],
@@ -70,9 +79,7 @@ def main() -> None:
     add_results_dir(parser, "serve-start-cpu.jsonl")
     args = parser.parse_args()
     if args.baseline_tree is not None:
-        if not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
-            sys.exit(f"{args.baseline_tree} is not a checkout of this repository: git worktree add DIR <commit>")
-        sides = {"baseline": ("auto", args.baseline_tree.resolve()), "this_tree": ("auto", ROOT)}
+        sides = {"baseline": ("auto", baseline_checkout(args.baseline_tree).resolve()), "this_tree": ("auto", ROOT)}
     else:
         sides = {way: (impl, ROOT) for way, impl in WAYS.items()}
     runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}

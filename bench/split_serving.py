@@ -58,19 +58,20 @@ from pathlib import Path
 
 from _common import (
     ROOT,
-    SOURCE_PATHS,
     add_results_dir,
+    baseline_checkout,
+    commit_of,
     corpus,
     free_port,
     pinned_to,
     record,
     run_meta,
+    source_paths,
     stop_process,
     thread_cpu_by_kind,
-    thread_cpu_seconds,
     wait_ready,
 )
-from host_path import commit_of, load
+from host_path import load
 
 # Loaded by every process of the server (sitecustomize): the engine process (or the single process) gets the
 # null engine; a front never imports torch, so it is left alone.
@@ -108,10 +109,10 @@ class SplitServer:
                  packed: bool = False, tree: Path = ROOT) -> None:
         self.fronts = fronts
         self.port = free_port()
-        paths = [str(tree / Path(p).relative_to(ROOT)) for p in SOURCE_PATHS]
         env = dict(os.environ, HF_HUB_OFFLINE="1", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16",
-                   PYTHONPATH=os.pathsep.join([site_dir, *paths]), BENCH_NULL_ENGINE="1" if null_engine else "0",
-                   BENCH_PER_TOKEN_S=str(per_token_s), BENCH_PACKED="1" if packed else "0")
+                   PYTHONPATH=os.pathsep.join([site_dir, *source_paths(tree)]),
+                   BENCH_NULL_ENGINE="1" if null_engine else "0", BENCH_PER_TOKEN_S=str(per_token_s),
+                   BENCH_PACKED="1" if packed else "0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--fronts", str(fronts), *FLAGS],
@@ -139,11 +140,9 @@ class SplitServer:
         "kind:<kind>" each kind of thread (bench/_common.py thread_cpu_by_kind) over all processes."""
         out: dict[str, list[float]] = {}
         for pid, role in self.roles().items():
-            main, rest = thread_cpu_seconds(pid)
             acc = out.setdefault(role, [0, 0])
-            acc[0] += main
-            acc[1] += rest
             for kind, seconds in thread_cpu_by_kind(pid).items():
+                acc[0 if kind == "loop" else 1] += seconds
                 out.setdefault(f"kind:{kind}", [0, 0])[0] += seconds
         return out
 
@@ -240,8 +239,7 @@ def main() -> None:
         configs |= {f"packed_fronts_{n}": (n, True) for n in counts}
     trees = {name: ROOT for name in configs}
     if args.baseline_tree is not None:
-        if not (args.baseline_tree / "runtime" / "embedfleet").is_dir():
-            sys.exit(f"{args.baseline_tree} is not a checkout of this repository: git worktree add DIR <commit>")
+        baseline_checkout(args.baseline_tree)
         # each configuration beside its baseline twin, so that the machine's load falls on both alike
         configs = {key: value for name, value in configs.items()
                    for key in (f"baseline_{name}", name)}
