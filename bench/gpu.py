@@ -303,8 +303,10 @@ def server_figures(models: dict[str, Path], emit, deadline: float) -> None:
     minilm = default_model_dir()
     st_bf16, st_bs, _ = st_rate(minilm, texts, "bfloat16")
     st_fp32, st_bs32, st_vec = st_rate(minilm, texts, "float32")
-    # bfloat16-frontsN: split serving (`--fronts N`: N front processes, one engine; docs/runtime.md)
+    # bfloat16-frontsN: split serving (`--fronts N`: N front processes, one engine; docs/runtime.md);
+    # -engines2: two engine processes on the one GPU (`--engines 2`), beside the same fronts with one
     runs = (("bfloat16", ()), ("bfloat16-fronts4", ("--fronts", "4")), ("bfloat16-fronts8", ("--fronts", "8")),
+            ("bfloat16-fronts8-engines2", ("--fronts", "8", "--engines", "2")),
             ("fp8", ("--fp8-min-cosine", "0.99")), ("bfloat16-padded", ("--no-packed",)))
     for dtype, extra in runs:
         if not wanted(f"minilm-{dtype}"):
@@ -328,7 +330,8 @@ def server_figures(models: dict[str, Path], emit, deadline: float) -> None:
         finally:
             srv.stop()
         emit({"figure": "server_vs_st", "model": "all-MiniLM-L6-v2", "inputs": len(texts), "per_request": 64,
-              "concurrency": 32, "requested": dtype, "fronts": int(extra[1]) if split else 0, "engines": 1,
+              "concurrency": 32, "requested": dtype, "fronts": int(extra[1]) if split else 0,
+              "engines": int(extra[3]) if "--engines" in extra else 1,
               "served_dtype": card.get("dtype"), "packed": card.get("packed"),
               "batching": card.get("batching"), "fp8_gate_min_cosine": card.get("fp8_min_cosine"),
               "ours_embeddings_per_s": round(ours), "st_bf16_embeddings_per_s": round(st_bf16),

@@ -47,7 +47,7 @@ if [ "$(left)" -gt 330 ]; then  # the engine process' host path per input on thi
   timeout 60 python3 bench/engine_path.py --alternations 1 --results-dir "$OUT/split" > "$OUT/engine_path.log" 2>&1
   echo "engine_path exit $? after $(( $(date +%s) - t0 )) s"
 fi
-phase server 150 200 --only server --filter '^minilm-(bfloat16|bfloat16-fronts4|bfloat16-fronts8|fp8)$'
+phase server 150 240 --only server --filter '^minilm-(bfloat16|bfloat16-fronts4|bfloat16-fronts8|bfloat16-fronts8-engines2|fp8)$'
 rest=$(left)
 if [ "$rest" -gt 120 ]; then
   t0=$(date +%s)

@@ -35,6 +35,11 @@ CUDA engine does for BERT-family embedders: a batch costs its real tokens, so th
 inputs instead of grouping them by length): `packed_fronts_N`, against the same padded single process. The
 null engine then sleeps per real token, not per padded one.
 
+With `--engines 1,2`, every split configuration also runs with each engine count above 1
+(`fronts_N_engines_M`: `--engines M`, M engine processes with their share of the cores each), against the
+same single process: on a CPU with `--model-engine`, whether M engines of fewer threads beat one of all the
+cores; on a GPU, whether two engines keep it busier than one.
+
 With `--baseline-tree DIR` (a checkout of another commit: `git worktree add DIR <commit>`), every
 configuration also runs from that tree (`baseline_<name>`, in the rounds beside its twin), and each of this
 tree's configurations gets `over_baseline`: its throughput, server CPU, rest and each role's event-loop CPU
@@ -106,7 +111,7 @@ def cpu_list(text: str) -> set[int]:
 
 class SplitServer:
     def __init__(self, fronts: int, cpus: set[int], site_dir: str, null_engine: bool, per_token_s: float,
-                 packed: bool = False, tree: Path = ROOT) -> None:
+                 packed: bool = False, tree: Path = ROOT, engines: int = 1) -> None:
         self.fronts = fronts
         self.port = free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16",
@@ -115,7 +120,7 @@ class SplitServer:
                    BENCH_PACKED="1" if packed else "0")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--fronts", str(fronts), *FLAGS],
+             "--fronts", str(fronts), *(("--engines", str(engines)) if engines > 1 else ()), *FLAGS],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pinned_to(cpus))
         self.url = f"http://127.0.0.1:{self.port}"
         try:
@@ -214,6 +219,7 @@ def tokenizer_cpu_ms_per_1k(texts: list[str], per_request: int, rounds: int = 3)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fronts", default="1,2", help="front counts to compare with the single process")
+    ap.add_argument("--engines", default="1", help="engine counts of each split configuration, e.g. 1,2")
     ap.add_argument("--texts", type=int, default=8192, help="texts per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--per-request", type=int, default=64)
@@ -234,9 +240,11 @@ def main() -> None:
     counts = [0, *(int(n) for n in args.fronts.split(","))]
     if args.packed == "both" and args.model_engine:
         sys.exit("--packed both needs the null engine (the CPU engine pads)")
-    configs = {f"fronts_{n}": (n, False) for n in counts}
+    engines = [int(m) for m in args.engines.split(",")]
+    configs = {f"fronts_{n}": (n, False, 1) for n in counts}
+    configs |= {f"fronts_{n}_engines_{m}": (n, False, m) for n in counts if n for m in engines if m > 1}
     if args.packed == "both":
-        configs |= {f"packed_fronts_{n}": (n, True) for n in counts}
+        configs |= {f"packed_{name}": (n, True, m) for name, (n, _, m) in configs.items()}
     trees = {name: ROOT for name in configs}
     if args.baseline_tree is not None:
         baseline_checkout(args.baseline_tree)
@@ -247,8 +255,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as site_dir:
         Path(site_dir, "sitecustomize.py").write_text(SITE)
         servers = {name: SplitServer(n, cpu_list(args.server_cpus), site_dir, not args.model_engine,
-                                     args.per_token_us * 1e-6, packed, trees[name])
-                   for name, (n, packed) in configs.items()}
+                                     args.per_token_us * 1e-6, packed, trees[name], m)
+                   for name, (n, packed, m) in configs.items()}
         try:
             for server in servers.values():
                 measure(server, texts[:2048], args.per_request, args.concurrency)
@@ -282,6 +290,7 @@ def main() -> None:
            "per_token_us": args.per_token_us, "baseline": "fronts_0 (the single-process server), same run",
            **figures, "texts_per_round": args.texts, "rounds": args.rounds, "per_request": args.per_request,
            "concurrency": args.concurrency, "server_cpus": args.server_cpus, "load_cpus": args.load_cpus,
+           "engines": engines,
            "encoding_format": "base64"}
     print(row)
     record("split-serving", row, results_dir=args.results_dir, meta=meta)

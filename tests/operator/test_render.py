@@ -47,6 +47,7 @@ CONTRACT_ENV = {
     "EMBEDFLEET_API_KEY",
     "EMBEDFLEET_TOKENIZER_WORKERS",
     "EMBEDFLEET_FRONTS",
+    "EMBEDFLEET_ENGINES",
     "EMBEDFLEET_MAX_QUEUE_SECONDS",
     "EMBEDFLEET_MAX_QUEUE_SECONDS_BULK",
     "EMBEDFLEET_DRAIN_TIMEOUT",
@@ -159,6 +160,19 @@ def test_fronts_reach_the_runtime_as_its_own_setting(monkeypatch) -> None:
     for bad in (-1, 65):
         with pytest.raises(ValueError, match="fronts"):
             spec_of(runtime={"fronts": bad})
+
+
+def test_engines_reach_the_runtime_as_its_own_setting(monkeypatch) -> None:
+    """spec.runtime.engines is the runtime's --engines; unset, the runtime's one engine stands."""
+    data = by_kind(render("minilm", "ml", "uid-1", spec_of(runtime={"fronts": 2, "engines": 3})))["ConfigMap"]["data"]
+    monkeypatch.setenv("EMBEDFLEET_ENGINES", data["EMBEDFLEET_ENGINES"])  # as envFrom hands it to the pod
+    runtime_settings = pytest.importorskip("embedfleet.runtime.settings")
+    assert runtime_settings.RuntimeSettings().engines == 3
+    plain = by_kind(render("minilm", "ml", "uid-1", spec_of()))["ConfigMap"]["data"]
+    assert "EMBEDFLEET_ENGINES" not in plain
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="engines"):
+            spec_of(runtime={"fronts": 2, "engines": bad})
 
 
 def test_standby_reaches_the_runtime_as_its_own_setting(monkeypatch) -> None:

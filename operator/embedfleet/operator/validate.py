@@ -183,6 +183,12 @@ def validate(spec: EmbeddingDeploymentSpec, name: str | None = None) -> list[str
             f"({needed} tokens): one full-length input would never fit in a batch"
         )
 
+    if runtime.engines is not None and runtime.engines > 1 and not runtime.fronts:
+        problems.append(
+            f"spec.runtime.engines ({runtime.engines}) needs split serving: set spec.runtime.fronts to 1 or more "
+            "(unset or 0 may mean one process, which has one engine)"
+        )
+
     gpu = runtime.gpu
     if gpu.type is not None and gpu.type not in KNOWN_GPU_TYPES:
         problems.append(

@@ -8,7 +8,9 @@ Split serving (`--fronts`, split/) runs several processes: there PROMETHEUS_MULT
 prometheus_client is imported, every process writes its series to files in it, and `exposition()` adds them
 up: counters and histograms summed, gauges as their `multiprocess_mode` says (the engine's gauges from the
 engine, requests in flight summed over the live processes). Gauges read when scraped (`track`) are set
-from their functions just before, in the process that serves /metrics (the engine, whose gauges they are).
+from their functions just before, in the process that serves /metrics (the first engine), and by every engine
+each time it tells the fronts its load (split/engine_side.py): with several engines (`--engines`), the queues
+are summed over them and the expected wait is the least, the wait of the engine a new request is sent to.
 """
 
 from __future__ import annotations
@@ -48,15 +50,24 @@ def track(gauge: _Gauge, read: Callable[[], float]) -> None:
         gauge.set_function(read)
 
 
+def refresh_tracked() -> None:
+    """Set every tracked gauge of this process from its function (several processes only: one alone reads
+    them as it is scraped)."""
+    for gauge, read in _TRACKED:
+        gauge.set(read())
+
+
 class RuntimeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests_in_flight = Gauge(
             "embedfleet_requests_in_flight", "Requests accepted and not yet answered", registry=r,
             multiprocess_mode="livesum")
-        self.queue_tokens = Gauge("embedfleet_queue_tokens", "Tokens waiting for the engine", ["model"], registry=r)
+        self.queue_tokens = Gauge("embedfleet_queue_tokens", "Tokens waiting for the engine", ["model"], registry=r,
+                                  multiprocess_mode="livesum")
         self.queue_requests = Gauge(
-            "embedfleet_queue_requests", "Requests with inputs waiting for the engine", ["model"], registry=r)
+            "embedfleet_queue_requests", "Requests with inputs waiting for the engine", ["model"], registry=r,
+            multiprocess_mode="livesum")
         self.max_batch_requests = Gauge(
             "embedfleet_max_batch_requests", "Configured most inputs per engine batch", ["model"], registry=r)
         self.max_batch_tokens = Gauge(
@@ -66,7 +77,7 @@ class RuntimeMetrics:
             "admission refuses work expected to wait longer", registry=r)
         self.expected_wait = Gauge(
             "embedfleet_expected_wait_seconds", "Queued tokens divided by measured tokens per second",
-            ["model"], registry=r)
+            ["model"], registry=r, multiprocess_mode="livemin")
         self.request_duration = Histogram(
             "embedfleet_request_duration_seconds", "Time from accepting a request to answering it",
             ["route"], buckets=LATENCY_BUCKETS, registry=r)
@@ -176,8 +187,7 @@ class RuntimeMetrics:
             return self.registry
         from prometheus_client import multiprocess
 
-        for gauge, read in _TRACKED:
-            gauge.set(read())
+        refresh_tracked()
         merged = CollectorRegistry()
         multiprocess.MultiProcessCollector(merged)
         return merged

@@ -146,10 +146,16 @@ def run(args: argparse.Namespace) -> int:
         return settings
     role_name = os.environ.get("_EMBEDFLEET_SPLIT_ROLE")
     fronts = settings.front_processes()
+    if settings.engines > 1 and not fronts:
+        print(f"embedfleet serve: --engines {settings.engines} needs split serving, and this server is one process "
+              f"({'--fronts 0' if settings.fronts == 0 else '--fronts auto chose one on this machine'}); "
+              "set --fronts N as well", file=sys.stderr)
+        return 2
     if role_name is None:
         from embedfleet.runtime.cpus import summary
 
-        log.info("sizing by %s: %s", summary(), f"{fronts} fronts and one engine process" if fronts
+        engines = "one engine process" if settings.engines == 1 else f"{settings.engines} engine processes"
+        log.info("sizing by %s: %s", summary(), f"{fronts} fronts and {engines}" if fronts
                  else "one process (--fronts 0)" if settings.fronts == 0 else "one process (--fronts auto)")
     if fronts and role_name is None:  # split serving: this process supervises the engine and the fronts
         from embedfleet.runtime.split.supervisor import run as supervise

@@ -30,6 +30,7 @@ from embedfleet.runtime.tenants import Tenants
 Device = Literal["cpu", "cuda"]
 MAX_FRONTS = 64
 AUTO_MAX_FRONTS = 8  # --fronts auto: at most this many fronts (a GPU node's cores beyond it serve the engine)
+MAX_ENGINES = 8  # --engines: engine processes per device (each holds a copy of the model)
 DType = Literal["float32", "bfloat16", "float16", "fp8", "int8"]
 EngineName = Literal["torch", "trtllm"]
 
@@ -120,6 +121,11 @@ class RuntimeSettings(BaseSettings):
         "beside one engine process that batches and runs the model (docs/runtime.md, Split serving); 0: one "
         "process does everything; auto: one process on a CPU, and on a GPU one front per core but two, "
         "at most 8, from 4 cores up")
+    engines: int = Field(
+        1, ge=1, le=MAX_ENGINES, description="engine processes of split serving, each with its own copy of the "
+        "model on the same device, its own batches and its own share of the pod's CPU threads; fronts send each "
+        "request to the one with the least expected wait, and a tenant with a quota always to the same one, so "
+        "that its quota stays one per pod (docs/runtime.md, Split serving); more than 1 needs --fronts")
     standby: bool = Field(
         False, description="a parent process imports torch and the web stack once, holds the listening socket "
         "and forks the server; a server that dies of a signal is replaced from it within the model's load "

@@ -200,6 +200,12 @@ class RuntimeSpec(CamelModel):
         "in this many processes beside one engine process that batches and runs the model (docs/runtime.md, "
         "split serving). 0: one process. Unset: the runtime chooses (--fronts auto): one process on a CPU; "
         "on a GPU from 4 cores (the pod's CPU limit counts) one front per core but two, at most 8.")
+    engines: int | None = Field(
+        default=None, ge=1, le=8,
+        description="Engine processes per pod (the runtime's --engines), each with its own copy of the model on "
+        "the same device and its own batches: for a small model that one engine cannot keep a GPU busy with "
+        "(docs/runtime.md, split serving). Needs fronts of at least 1. A tenant with a quota is kept on one "
+        "engine, so its quota stays one per pod. Unset: one.")
     standby: bool | None = Field(
         default=None,
         description="The runtime's --standby: a parent process imports torch and the web stack once and holds "

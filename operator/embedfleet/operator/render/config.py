@@ -55,6 +55,7 @@ def runtime_env(name: str, spec: EmbeddingDeploymentSpec, platform_env: Mapping[
         "EMBEDFLEET_PAYLOAD_LIMIT": rt.payload_limit,
         "EMBEDFLEET_TOKENIZER_WORKERS": rt.tokenizer_workers,
         "EMBEDFLEET_FRONTS": rt.fronts,
+        "EMBEDFLEET_ENGINES": rt.engines,
         "EMBEDFLEET_STANDBY": None if rt.standby is None else str(rt.standby).lower(),
         # the same bounds the gateway sheds by for this deployment (gateway/bounds.py)
         "EMBEDFLEET_MAX_QUEUE_SECONDS": rt.max_queue_seconds,

@@ -63,11 +63,12 @@ NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs"
 
 def create_app(models: Models, gate_state: GateState,
                on_load_failed: Callable[[], None] | None = None, engine_uds: str | None = None,
-               count_requests: bool = True) -> FastAPI:
+               count_requests: bool = True, jobs: bool = True) -> FastAPI:
     """The server over `models`: the models load in the background (so /health answers at once and
     /ready says "loading"); `on_load_failed` is called if they cannot. Split serving (split/): `engine_uds`
     makes this a front process, whose routes it does not serve go to the engine's application on that socket;
-    the engine's application does not count requests (`count_requests`), which its fronts have counted."""
+    the engine's application does not count requests (`count_requests`), which its fronts have counted, and
+    with several engines only the first runs the async jobs' routes and workers (`jobs`), as one server does."""
     settings = models.settings
     metrics = models.metrics
     load_task: dict[str, asyncio.Task] = {}
@@ -120,8 +121,8 @@ def create_app(models: Models, gate_state: GateState,
     app.include_router(quantization_router(models))
     app.include_router(default_router(models))
     # async jobs, workers and embedding cache on Redis (asyncq/); same checks as above. Not in a front process:
-    # its async routes go to the engine, whose application runs the pod's one set of workers
-    if settings.redis_url and engine_uds is None:
+    # its async routes go to the (first) engine, whose application runs the pod's one set of workers
+    if settings.redis_url and engine_uds is None and jobs:
         from embedfleet.runtime.asyncq.routes import async_router
 
         app.include_router(async_router(models))

@@ -21,6 +21,7 @@ from embedfleet.runtime.core.jobs import DeadlineUnmet, QueueFull
 from embedfleet.runtime.core.multivector import Marked
 from embedfleet.runtime.core.oom import is_out_of_memory
 from embedfleet.runtime.core.tokenize import Tokenized
+from embedfleet.runtime.metrics import refresh_tracked
 from embedfleet.runtime.service import ClientGone, Models
 from embedfleet.runtime.split import link
 from embedfleet.runtime.tenants import RequestOverQuota
@@ -109,6 +110,7 @@ class LinkServer:
 
     async def _push_state(self) -> None:
         while True:
+            refresh_tracked()  # this engine's queue gauges, which another engine may be the one to expose
             if self.fronts:
                 snapshot = link.frame(link.STATE, link.orjson.dumps(state_of(self.models)))
                 for front in list(self.fronts):

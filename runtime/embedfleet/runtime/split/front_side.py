@@ -5,9 +5,12 @@ gate and the routes run unchanged: a route tokenizes here and calls `run`, which
 link (link.py) and awaits the vectors. `batcher` is the engine's load as last pushed (`RemoteLoad`): enough
 for the gate's early refusal and for /ready and /load; the engine takes the decisions themselves.
 
-While the link is down (the engine died or is restarting) every model counts as not loaded: new requests get
-503 with Retry-After, /ready turns false, and requests that were waiting get 503 (EngineUnavailable) at
-once instead of hanging.
+With several engines (`--engines N`) a front holds a link to each and sends each request to one of them
+(spread.py); `batcher` is then the least loaded engine's, which is where the request would go.
+
+While no link is up (the engine died or is restarting) every model counts as not loaded: new requests get
+503 with Retry-After, /ready turns false. Requests that were waiting on an engine that died get 503
+(EngineUnavailable) at once instead of hanging, whatever the other engines do.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -28,6 +32,7 @@ from embedfleet.runtime.core.tokenize import Tokenized, TokenizerPool
 from embedfleet.runtime.models.spec import load_spec
 from embedfleet.runtime.service import WATCH_AFTER_S, ClientGone, Models, ModelService, RunResult
 from embedfleet.runtime.split import link
+from embedfleet.runtime.split.spread import Candidate, pick_engine
 from embedfleet.runtime.tenants import RequestOverQuota, Tenant
 from embedfleet.runtime.timing import current_timing
 from embedfleet.runtime.tracing import current_trace
@@ -163,10 +168,17 @@ class EngineLink:
 
 
 class FrontService(ModelService):
-    """A model as a front serves it: spec and tokenizer here, the engine's work over the link."""
+    """A model as a front serves it: spec and tokenizer here, the engines' work over the links."""
 
-    link: EngineLink  # set by FrontModels
-    state: dict | None = None  # this model's part of the engine's last STATE
+    links: list[EngineLink]  # set by FrontModels, one per engine process
+    states: list[dict | None]  # this model's part of each engine's last STATE (None: down or not loaded)
+    unanswered: list[int]  # per engine, the tokens this front sent and has not had answered
+    state: dict | None = None  # the state of the engine `batcher` describes
+
+    def attach(self, links: list[EngineLink]) -> None:
+        self.links = links
+        self.states = [None] * len(links)
+        self.unanswered = [0] * len(links)
 
     async def load(self) -> None:
         self.spec = await asyncio.to_thread(load_spec, self.entry.path, self.entry.name, self.entry.task)
@@ -175,21 +187,39 @@ class FrontService(ModelService):
         if self.spec.task == "embed":
             self.calibration = calibration_file(self.spec.path, self.spec.hidden_size)
 
-    def update(self, state: dict | None) -> None:
-        """The engine's new STATE for this model (None: the link is down or the model is not loaded)."""
-        self.state = state
-        if state is None:
-            self.batcher = None
+    def update(self, state: dict | None, engine: int = 0) -> None:
+        """Engine `engine`'s new STATE for this model (None: its link is down or the model is not loaded
+        there)."""
+        self.states[engine] = state
+        live = [(i, st) for i, st in enumerate(self.states) if st is not None and self.links[i].up]
+        if not live:
+            self.state, self.batcher = None, None
             return
-        self.batcher = RemoteLoad(state["urgent_wait"], state["bulk_wait"], state["saturated"],
-                                  state["queued_tokens"], state["tokens_per_s"])
-        limits = {"max_batch_tokens": state["max_batch_tokens"], "max_batch_requests": state["max_batch_requests"]}
+        _, self.state = min(live, key=lambda pair: (pair[1]["urgent_wait"], pair[0]))
+        st = self.state
+        self.batcher = RemoteLoad(st["urgent_wait"], st["bulk_wait"], st["saturated"], st["queued_tokens"],
+                                  st["tokens_per_s"])
+        limits = {"max_batch_tokens": st["max_batch_tokens"], "max_batch_requests": st["max_batch_requests"]}
         if any(getattr(self.settings, k) != v for k, v in limits.items()):
             self.settings = self.settings.model_copy(update=limits)
 
+    def _candidates(self, urgent: bool) -> list[Candidate]:
+        """The engines that can take this model's work now, as spread.pick_engine weighs them."""
+        return [Candidate(i, st["urgent_wait"] if urgent else st["bulk_wait"], st["tokens_per_s"],
+                          self.unanswered[i], st["saturated"])
+                for i, st in enumerate(self.states) if st is not None and self.links[i].up]
+
+    def _engine_for(self, tokens: int, urgent: bool, tenant: Tenant | None) -> int:
+        quota = tenant.name if tenant is not None and tenant.tokens_per_minute is not None else None
+        index = pick_engine(self._candidates(urgent), tokens, len(self.links), quota)
+        if index is None:
+            raise EngineUnavailable("the engine process is not running (the server is restarting it); "
+                                    "retry shortly")
+        return index
+
     @property
     def not_loaded_message(self) -> str:
-        if self.link.up:
+        if any(lk.up for lk in self.links):
             return super().not_loaded_message
         return "the engine process is not running (the server is restarting it); retry shortly"
 
@@ -215,8 +245,9 @@ class FrontService(ModelService):
             async with self._calibrating:
                 if self.calibration is None:
                     question = {"op": "calibration", "model": self.name}
-                    _, future = self.link.send(lambda i: link.frame(link.CALL, link.ID.pack(i),
-                                                                    link.orjson.dumps(question)))
+                    engine = self.links[self._engine_for(0, True, None)]
+                    _, future = engine.send(lambda i: link.frame(link.CALL, link.ID.pack(i),
+                                                                 link.orjson.dumps(question)))
                     payload, data = await future  # EngineUnavailable: 503 (api/errors.py)
                     if "error" in payload:
                         raise RuntimeError(f"engine: {payload['error']}")
@@ -227,17 +258,18 @@ class FrontService(ModelService):
     async def run(self, tokenized: list[Tokenized], disconnected: Callable[[], Awaitable[None]] | None = None,
                   urgent: bool | None = None, bounded: bool = False, deadline: float | None = None,
                   tenant: Tenant | None = None, arrived: float | None = None) -> RunResult:
-        """The engine runs `ModelService.run` with these arguments (quota, admission, deadline, batching);
+        """An engine runs `ModelService.run` with these arguments (quota, admission, deadline, batching);
         a client that leaves while the work is expected to take a while is told to the engine (CANCEL)."""
         ids = [t.ids for t in tokenized]
-        link.check_size(len(ids), sum(map(len, ids)))  # RequestTooLarge: 413 (api/errors.py)
+        tokens = sum(map(len, ids))
+        link.check_size(len(ids), tokens)  # RequestTooLarge: 413 (api/errors.py)
         pairs = bool(tokenized) and all(t.type_ids is not None for t in tokenized)
         marked = bool(tokenized) and isinstance(tokenized[0], Marked)  # ColBERT inputs (core/multivector.py)
         meta = {"model": self.name, "urgent": urgent, "bounded": bounded, "deadline": deadline, "arrived": arrived,
                 "tenant": tenant.name if tenant is not None else None, "pairs": pairs, "marked": marked}
         trace = current_trace()
         if trace is not None:  # the engine's spans (queue wait, engine batch) continue this request's trace
-            trace.span.set_attributes({"embedfleet.inputs": len(ids), "embedfleet.tokens": sum(map(len, ids))})
+            trace.span.set_attributes({"embedfleet.inputs": len(ids), "embedfleet.tokens": tokens})
             meta["trace"] = trace.carrier()
         types = [t.type_ids for t in tokenized] if pairs else None
         if marked:  # a Marked input says only whether it was truncated: one token more says it was
@@ -245,10 +277,14 @@ class FrontService(ModelService):
             attended = [-1 if t.attended is None else t.attended for t in tokenized]
         else:
             lengths, attended = [t.original_length for t in tokenized], None
-        request_id, future = self.link.send(lambda i: link.submit(i, meta, ids, types, lengths, attended))
-        load = self.batcher  # the engine's figures from before this request: add its own tokens, as it will
-        wait = 0.0 if load is None else (load.expected_wait(bool(urgent))
-                                         + sum(map(len, ids)) / max(load.tokens_per_s, 1.0))
+        as_urgent = self.is_urgent(len(ids)) if urgent is None else urgent
+        engine = self._engine_for(tokens, as_urgent, tenant)
+        engine_link, state = self.links[engine], self.states[engine]
+        request_id, future = engine_link.send(lambda i: link.submit(i, meta, ids, types, lengths, attended))
+        # the engine's figures from before this request: add its own tokens, as it will
+        wait = 0.0 if state is None else ((state["urgent_wait"] if as_urgent else state["bulk_wait"])
+                                          + tokens / max(state["tokens_per_s"], 1.0))
+        self.unanswered[engine] += tokens
         try:
             if disconnected is not None and (deadline is not None or wait >= WATCH_AFTER_S):
                 watcher = asyncio.ensure_future(disconnected())
@@ -261,8 +297,10 @@ class FrontService(ModelService):
             rows, queue_s, inference_s = await future
         except BaseException:  # the client left, or this task was cancelled: the engine drops what is queued
             if not future.done():
-                self.link.cancel(request_id)
+                engine_link.cancel(request_id)
             raise
+        finally:
+            self.unanswered[engine] -= tokens
         timing = current_timing()
         if timing is not None:
             timing.ran(queue_s, inference_s)
@@ -279,15 +317,15 @@ class FrontModels(Models):
 
     service_class = FrontService
 
-    def __init__(self, settings, metrics, link_path: str) -> None:
+    def __init__(self, settings, metrics, link_paths: list[str]) -> None:
         super().__init__(settings, metrics)
-        self.link = EngineLink(link_path, self._on_state)
+        self.links = [EngineLink(path, partial(self._on_state, index)) for index, path in enumerate(link_paths)]
         for service in self.services.values():
-            service.link = self.link  # type: ignore[attr-defined]
+            service.attach(self.links)  # type: ignore[attr-defined]
 
     _loaded_event: asyncio.Event | None = None  # set when the engine first says it has loaded (load waits)
 
-    _engine_startup: dict | None = None  # the engine process's cold start (its STATE), for /load
+    _engine_startup: dict | None = None  # the (first) engine process's cold start (its STATE), for /load
 
     def startup_report(self) -> dict:
         """The engine's cold start (weights, engine load, warm-up, ready: what the operator's cold-start
@@ -302,12 +340,12 @@ class FrontModels(Models):
         report["phases"] = phases
         return report
 
-    def _on_state(self, state: dict | None) -> None:
-        if state is not None and state.get("startup"):
+    def _on_state(self, engine: int, state: dict | None) -> None:
+        if state is not None and state.get("startup") and (engine == 0 or self._engine_startup is None):
             self._engine_startup = state["startup"]
         models = (state or {}).get("models", {})
         for name, service in self.services.items():
-            service.update(models.get(name))  # type: ignore[attr-defined]
+            service.update(models.get(name), engine)  # type: ignore[attr-defined]
         if state is not None and state.get("load_error"):
             self.load_error = f"engine: {state['load_error']}"
         if self._loaded_event is not None and state is not None and state.get("loaded"):
@@ -317,10 +355,12 @@ class FrontModels(Models):
         self._loaded_event = asyncio.Event()
         for service in self.services.values():
             await service.load()
-        self.link.start()
+        for engine_link in self.links:
+            engine_link.start()
         await self._loaded_event.wait()
 
     async def close(self) -> None:
-        await self.link.stop()
+        for engine_link in self.links:
+            await engine_link.stop()
         for service in self.services.values():
             await service.close()

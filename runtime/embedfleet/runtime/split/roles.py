@@ -32,26 +32,37 @@ def front_settings(settings: RuntimeSettings, fronts: int) -> RuntimeSettings:
         "tokenizer_workers": settings.tokenizer_workers or max(1, settings.cores() // share)})
 
 
+def engine_settings(settings: RuntimeSettings) -> RuntimeSettings:
+    """An engine's share of the pod when there are several (--engines): on a CPU, its torch threads are its
+    share of the cores (were each to take them all, the engines' thread pools would fight over them)."""
+    if settings.engines == 1 or settings.num_threads or settings.device != "cpu":
+        return settings
+    return settings.model_copy(update={"num_threads": max(1, settings.cores() // settings.engines)})
+
+
 def build(role: str, settings: RuntimeSettings, gate, metrics, Server):
     """(models, server) of this process, as serve.run needs them."""
     from embedfleet.runtime.api.app import create_app
 
     run_dir = os.environ[RUN_DIR]
+    index = int(os.environ.get(INDEX, "0"))
     if role == "engine":
         from embedfleet.runtime.service import Models
         from embedfleet.runtime.split.engine_side import LinkServer
 
+        settings = engine_settings(settings)
         models = Models(settings, metrics)
-        server = Server(None, settings, gate, metrics,
-                        Role(uds=http_path(run_dir), link=LinkServer(models, link_path(run_dir), gate.tracing)))
-        server.app = create_app(models, gate, on_load_failed=server.load_failed, count_requests=False)
+        link = LinkServer(models, link_path(run_dir, index), gate.tracing)
+        server = Server(None, settings, gate, metrics, Role(uds=http_path(run_dir, index), link=link, index=index))
+        server.app = create_app(models, gate, on_load_failed=server.load_failed, count_requests=False,
+                                jobs=index == 0)
         return models, server
     if role != "front":
         raise SystemExit(f"embedfleet serve: unknown split role {role!r}")
     from embedfleet.runtime.split.front_side import FrontModels
 
     listening = socket.socket(fileno=int(os.environ[LISTEN_FD]))
-    models = FrontModels(settings, metrics, link_path(run_dir))
-    server = Server(None, settings, gate, metrics, Role(sockets=[listening], index=int(os.environ.get(INDEX, "0"))))
+    models = FrontModels(settings, metrics, [link_path(run_dir, k) for k in range(settings.engines)])
+    server = Server(None, settings, gate, metrics, Role(sockets=[listening], index=index))
     server.app = create_app(models, gate, on_load_failed=server.load_failed, engine_uds=http_path(run_dir))
     return models, server

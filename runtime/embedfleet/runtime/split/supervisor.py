@@ -1,4 +1,4 @@
-"""The parent of a split server: holds the listening socket, starts the engine and the fronts, replaces a
+"""The parent of a split server: holds the listening socket, starts the engines and the fronts, replaces a
 front that dies, restarts an engine that is killed, and stops them in order on SIGTERM.
 
 The listening socket is created here once and inherited by every front, so the kernel hands each new
@@ -6,9 +6,10 @@ connection to whichever front accepts first, and a front that dies loses only it
 queue of connections not yet accepted belongs to the socket, not to the front.
 
 Stopping (SIGTERM): the fronts drain first (each turns /ready false, answers new work 503 and finishes
-what it accepted, within --drain-timeout), then the engine stops (nothing is in it by then). SIGINT stops the
-same way without waiting for the drain. A front that keeps dying (more than MAX_RESTARTS in a minute), or an
-engine that exits by itself (its models failed to load), stops the server with status 1.
+what it accepted, within --drain-timeout), then the engines stop (nothing is in them by then). SIGINT stops the
+same way without waiting for the drain. A front that keeps dying (more than MAX_RESTARTS in a minute), an
+engine that exits by itself (its models failed to load), or engines killed more than MAX_ENGINE_RESTARTS times
+in ENGINE_WINDOW_S, stops the server with status 1.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ log = logging.getLogger("embedfleet.serve")
 ROLE = "_EMBEDFLEET_SPLIT_ROLE"  # engine | front (set by the supervisor for its children only)
 RUN_DIR = "_EMBEDFLEET_SPLIT_DIR"  # the private directory of the sockets and the metrics files
 LISTEN_FD = "_EMBEDFLEET_SPLIT_FD"  # a front's inherited listening socket
-INDEX = "_EMBEDFLEET_SPLIT_INDEX"
+INDEX = "_EMBEDFLEET_SPLIT_INDEX"  # a front's or an engine's number (0, 1, ...)
 MAX_RESTARTS = 10  # of fronts, per minute, before the server gives up
 MAX_ENGINE_RESTARTS = 3  # of a killed engine, in ENGINE_WINDOW_S: a crash loop ends the server (status 1)
 ENGINE_WINDOW_S = 600.0
@@ -41,12 +42,14 @@ POLL_S = 0.25  # how soon a dead child is noticed (a poll costs the supervisor ~
 PR_SET_PDEATHSIG = 1
 
 
-def link_path(run_dir: str) -> str:
-    return os.path.join(run_dir, "engine.link")
+def link_path(run_dir: str, engine: int = 0) -> str:
+    """Engine `engine`'s link socket (fronts send it token ids)."""
+    return os.path.join(run_dir, f"engine-{engine}.link")
 
 
-def http_path(run_dir: str) -> str:
-    return os.path.join(run_dir, "engine.http")
+def http_path(run_dir: str, engine: int = 0) -> str:
+    """Engine `engine`'s own application (engine 0's answers the routes fronts proxy)."""
+    return os.path.join(run_dir, f"engine-{engine}.http")
 
 
 def _die_with(parent: int):
@@ -76,31 +79,30 @@ class Supervisor:
     fronts: int
     run_dir: str = ""
     sock: socket.socket | None = None
-    engine: subprocess.Popen | None = None
+    engine: dict[int, subprocess.Popen] = field(default_factory=dict)
     front: dict[int, subprocess.Popen] = field(default_factory=dict)
     restarts: deque = field(default_factory=deque)
     engine_restarts: deque = field(default_factory=deque)
     stopping: str = ""  # "", "drain" (SIGTERM) or "now" (SIGINT)
 
-    def _env(self, role: str, index: int | None = None) -> dict[str, str]:
-        env = {**os.environ, ROLE: role, RUN_DIR: self.run_dir,
+    def _env(self, role: str, index: int) -> dict[str, str]:
+        env = {**os.environ, ROLE: role, RUN_DIR: self.run_dir, INDEX: str(index),
                "PROMETHEUS_MULTIPROC_DIR": os.path.join(self.run_dir, "metrics")}
         if role == "front":
             assert self.sock is not None
             env[LISTEN_FD] = str(self.sock.fileno())
-            env[INDEX] = str(index)
             # a front tokenizes with its share of the cores; the engine keeps its own threads
             env.setdefault("RAYON_NUM_THREADS", str(max(1, self.settings.cores() // self.fronts)))
         return env
 
-    def _spawn(self, role: str, index: int | None = None) -> subprocess.Popen:
+    def _spawn(self, role: str, index: int) -> subprocess.Popen:
         command = [sys.executable, "-m", "embedfleet.runtime.serve", *self.argv]
         fds = (self.sock.fileno(),) if role == "front" and self.sock is not None else ()
         # its own session: a signal meant for the supervisor (a terminal's Ctrl-C, a group kill) is not also
         # delivered to the children behind its back; the supervisor passes each on in order
         child = subprocess.Popen(command, env=self._env(role, index), pass_fds=fds,
                                  preexec_fn=_die_with(os.getpid()), start_new_session=True)
-        log.info("started the %s%s (pid %d)", role, f" {index}" if index is not None else "", child.pid)
+        log.info("started the %s %d (pid %d)", role, index, child.pid)
         return child
 
     def _forget(self, pid: int) -> None:
@@ -115,12 +117,13 @@ class Supervisor:
         os.mkdir(os.path.join(self.run_dir, "metrics"))
         s = self.settings
         self.sock = listen(s.host, s.port, backlog=1024)
-        log.info("listening on http://%s:%d with %d front processes and one engine process", s.host,
-                 self.sock.getsockname()[1], self.fronts)
+        log.info("listening on http://%s:%d with %d front processes and %d engine process%s", s.host,
+                 self.sock.getsockname()[1], self.fronts, s.engines, "es" if s.engines > 1 else "")
         signal.signal(signal.SIGTERM, lambda *_: self._stop("drain"))
         signal.signal(signal.SIGINT, lambda *_: self._stop("now"))
         try:
-            self.engine = self._spawn("engine")
+            for index in range(self.settings.engines):
+                self.engine[index] = self._spawn("engine", index)
             for index in range(self.fronts):
                 if self.stopping:  # a signal came while they were starting: the rest are not started
                     break
@@ -147,28 +150,25 @@ class Supervisor:
         while True:
             if self.stopping:
                 return self._wind_down()
-            assert self.engine is not None
-            code = self.engine.poll()
-            if code is not None:
-                self._forget(self.engine.pid)
+            for index, child in list(self.engine.items()):
+                code = child.poll()
+                if code is None:
+                    continue
+                self._forget(child.pid)
                 if code >= 0:  # it exited by itself: its models failed to load (it said why), or it was told to
-                    log.error("the engine process exited with status %d; stopping", code)
-                    self._stop("now")
-                    self._wind_down()
-                    return 1
+                    log.error("engine %d exited with status %d; stopping", index, code)
+                    return self._give_up()
                 now = time.monotonic()
                 self.engine_restarts.append(now)
                 while self.engine_restarts and self.engine_restarts[0] < now - ENGINE_WINDOW_S:
                     self.engine_restarts.popleft()
                 if len(self.engine_restarts) > MAX_ENGINE_RESTARTS:
-                    log.error("the engine process was killed %d times in %.0f s; stopping",
+                    log.error("engine processes were killed %d times in %.0f s; stopping",
                               len(self.engine_restarts), ENGINE_WINDOW_S)
-                    self._stop("now")
-                    self._wind_down()
-                    return 1
-                log.error("the engine process was killed by signal %d; restarting it (fronts answer 503 "
-                          "meanwhile)", -code)
-                self.engine = self._spawn("engine")
+                    return self._give_up()
+                log.error("engine %d was killed by signal %d; restarting it (meanwhile fronts send its share to "
+                          "the other engines, or answer 503 if there are none)", index, -code)
+                self.engine[index] = self._spawn("engine", index)
             for index, child in list(self.front.items()):
                 code = child.poll()
                 if code is None:
@@ -180,22 +180,28 @@ class Supervisor:
                     self.restarts.popleft()
                 if len(self.restarts) > MAX_RESTARTS:
                     log.error("front processes died %d times in a minute; stopping", len(self.restarts))
-                    self._stop("now")
-                    self._wind_down()
-                    return 1
+                    return self._give_up()
                 log.warning("front %d (pid %d) ended with status %s; starting another", index, child.pid, code)
                 self.front[index] = self._spawn("front", index)
             time.sleep(POLL_S)
 
+    def _give_up(self) -> int:
+        self._stop("now")
+        self._wind_down()
+        return 1
+
     def _wind_down(self) -> int:
-        """Fronts first (they drain), then the engine."""
+        """Fronts first (they drain), then the engines."""
         limit = time.monotonic() + self.settings.drain_timeout + 5
         self._signal_fronts()  # again: a front started while the signal arrived had not had it
         for child in self.front.values():
             self._wait(child, limit)
-        if self.engine is not None and self.engine.poll() is None:
-            self.engine.send_signal(signal.SIGTERM if self.stopping == "drain" else signal.SIGINT)
-            self._wait(self.engine, time.monotonic() + self.settings.drain_timeout + 5)
+        engines = [child for child in self.engine.values() if child.poll() is None]
+        for child in engines:
+            child.send_signal(signal.SIGTERM if self.stopping == "drain" else signal.SIGINT)
+        limit = time.monotonic() + self.settings.drain_timeout + 5
+        for child in engines:
+            self._wait(child, limit)
         return 0
 
     @staticmethod
@@ -208,7 +214,7 @@ class Supervisor:
             child.wait()
 
     def _end(self) -> None:
-        for child in [*self.front.values(), *([self.engine] if self.engine else [])]:
+        for child in [*self.front.values(), *self.engine.values()]:
             if child.poll() is None:
                 child.kill()
                 child.wait()

@@ -1,0 +1,134 @@
+"""Several engine processes behind the fronts (`embedfleet serve --fronts N --engines M`): real processes.
+
+Two fronts and two engines, each engine with its own copy of the model. What a client sees must not change:
+the same bytes as one process, one quota per pod, one view of the metrics; the work is spread over both
+engines; and an engine killed costs only what it held: the other keeps the pod serving and Ready.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.procs import RuntimeServer, start_runtime
+from tests.runtime.test_split import MODEL, TEXTS, children, fresh
+
+pytestmark = pytest.mark.timeout(600)
+ENGINES = 2
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> RuntimeServer:
+    keys = tmp_path_factory.mktemp("engines") / "keys.yaml"
+    keys.write_text('tenants:\n  - name: open\n    keys: ["sk-engines-open-0123456789"]\n'
+                    '  - name: metered\n    keys: ["sk-engines-metered-0123456789"]\n    tokens_per_minute: 120\n')
+    srv = start_runtime("--fronts", "2", "--engines", str(ENGINES), "--api-keys", str(keys))
+    srv.headers = {"authorization": "Bearer sk-engines-open-0123456789"}
+    yield srv
+    srv.stop()
+
+
+def _load(srv: RuntimeServer, requests: int, outcomes: list) -> None:
+    with srv.client() as c:
+        for i in range(requests):
+            texts = [f"spread over the engines, request {i} text {j}" for j in range(32)]
+            try:
+                outcomes.append(c.post("/v1/embeddings", json={"input": texts}).status_code)
+            except httpx.TransportError as exc:
+                outcomes.append(type(exc).__name__)
+
+
+def test_both_engines_take_work_and_the_answers_are_one_process_s(engines, server):
+    roles = children(engines)
+    assert len(roles["engine"]) == ENGINES and len(roles["front"]) == 2, roles
+    before = {pid: cpu_seconds(pid) for pid in roles["engine"]}
+    outcomes: list = []
+    threads = [threading.Thread(target=_load, args=(engines, 12, outcomes)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Counter(outcomes) == {200: 48}, Counter(outcomes)
+    used = {pid: cpu_seconds(pid) - before[pid] for pid in roles["engine"]}
+    # each engine ran a real share of the 1,536 inputs (all on one would leave the other near 0)
+    assert min(used.values()) > 0.2 * max(used.values()), used
+    cases = [("/v1/embeddings", {"input": TEXTS}), ("/v1/embeddings", {"input": TEXTS, "encoding_format": "base64"}),
+             ("/embed", {"inputs": TEXTS, "normalize": False, "truncate": True}),
+             ("/rerank", {"query": "fox", "texts": TEXTS}), ("/v1/embeddings", {"input": "x", "model": "nope"})]
+    with server.client() as one:
+        for path, body in cases:
+            want = one.post(path, json=body)
+            for _ in range(4):  # new connections, over both fronts and so both engines
+                got = fresh(engines, "POST", path, json=body)
+                assert (got.status_code, got.content) == (want.status_code, want.content), (path, got.text[:300])
+
+
+def test_a_tenant_quota_is_one_per_pod_across_engines(engines):
+    """120 tokens a minute for the pod: were each engine to keep its own bucket, two engines would let
+    through about twice that."""
+    headers = {"authorization": "Bearer sk-engines-metered-0123456789"}
+    started, accepted, codes = time.monotonic(), 0, Counter()
+    for i in range(30):
+        answer = fresh(engines, "POST", "/v1/embeddings", json={"input": f"metered words number {i} here"},
+                       headers=headers)
+        codes[answer.status_code] += 1
+        if answer.status_code == 200:
+            accepted += answer.json()["usage"]["total_tokens"]
+        else:
+            assert answer.status_code == 429 and answer.json()["error"]["code"] == "quota_exceeded", answer.text
+    refill = (time.monotonic() - started) * 120 / 60
+    assert codes[429] > 0, codes
+    assert accepted <= 120 + refill, (accepted, refill, codes)
+
+
+def test_the_metrics_count_every_engine_once(engines):
+    before = engines.metric("embedfleet_inputs_total")
+    for i in range(12):
+        assert fresh(engines, "POST", "/embed", json={"inputs": [f"counted {i}", "twice"]}).status_code == 200
+    assert engines.metric("embedfleet_inputs_total") - before == 24
+    assert engines.metric("embedfleet_queue_tokens", model=MODEL) == 0
+    assert engines.metric("embedfleet_ready") == 1
+
+
+def test_an_engine_killed_leaves_the_pod_ready_and_serving_on_the_other(engines):
+    victim = max(children(engines)["engine"])
+    subprocess.run(["kill", "-KILL", str(victim)], check=True)
+    time.sleep(0.5)  # the fronts see the link close at once; a request sent in that instant may get 503
+    assert fresh(engines, "GET", "/ready").status_code == 200
+    outcomes: list = []
+    threads = [threading.Thread(target=_load, args=(engines, 5, outcomes)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Counter(outcomes) == {200: 20}, Counter(outcomes)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        alive = children(engines)["engine"]
+        if victim not in alive and len(alive) == ENGINES:
+            break
+        time.sleep(0.2)
+    assert victim not in children(engines)["engine"] and len(children(engines)["engine"]) == ENGINES
+    assert "was killed by signal 9; restarting it" in engines.log()
+    engines.wait_ready(timeout=180)
+    assert fresh(engines, "POST", "/v1/embeddings", json={"input": "after"}).status_code == 200
+
+
+def test_more_than_one_engine_without_fronts_is_refused_with_the_reason():
+    srv = start_runtime("--fronts", "0", "--engines", "2", wait_ready=False)
+    try:
+        assert srv.proc.wait(timeout=60) == 2
+        assert "--engines 2 needs split serving" in srv.log() and "--fronts N" in srv.log()
+    finally:
+        srv.stop()
