@@ -206,6 +206,24 @@ def thread_cpu_seconds(pid: int) -> tuple[float, float]:
     return main, sum(kinds.values())
 
 
+# Python code a bench's server runs before the runtime: every Python thread named "engine..." or "tokenizer..."
+# carries that kind as its OS name from its start, as the runtime now names its own (core/engine_thread.py).
+# A baseline tree older than that names none, so its engine thread would count as a library thread and its
+# rest less the tokenizer would leave its engine thread out, where this tree's counts it: this makes the two
+# alike. HF tokenizers' workers inherit the name of the tokenizer thread that starts them, in either tree.
+NAME_THREADS = """
+import ctypes as _ctypes, threading as _threading
+def _named(run, _prctl=_ctypes.CDLL(None).prctl):
+    def named_run(self):
+        kind = next((k for k in ("engine", "tokenizer") if self.name.startswith(k)), None)
+        if kind is not None:
+            _prctl(15, _ctypes.c_char_p(kind.encode()), 0, 0, 0)
+        return run(self)
+    return named_run
+_threading.Thread.run = _named(_threading.Thread.run)
+"""
+
+
 def thread_cpu_by_kind(pid: int) -> dict[str, float]:
     """CPU seconds of a server process' threads by what they are, from their OS names (the runtime names its
     own: core/engine_thread.py `name_os_thread`): "loop" (the main thread), "engine", "tokenizer" (the

@@ -11,7 +11,9 @@ Setup: each server runs `embedfleet serve --max-batch-requests 1024 --max-batch-
 CPU 0, with TorchEngine.embed replaced by the null engine; the load runs in this process on CPU 1: 32
 concurrent clients (httpx), 64 texts of bench/_common.corpus() per request, encoding_format base64. Both
 servers stay up; rounds alternate between them (baseline, this tree, baseline, ...), each after a warm-up
-round, so that the machine's load (shared) falls on both alike.
+round, so that the machine's load (shared) falls on both alike. With --restarts N the pair of servers is
+started N times in turn and all their rounds pooled: on a shared host one process can run slower than another
+of the same code for its whole life (by up to a quarter here), which alternating rounds cannot even out.
 
 Baseline: the code of a git checkout, e.g. `git worktree add /tmp/hostpath-base <commit>` (the tree this
 work started from), passed as --baseline-tree.
@@ -35,10 +37,10 @@ Figures, per scenario:
                               names (bench/_common.py thread_cpu_by_kind): loop, engine, tokenizer (the pool
                               and HF tokenizers' workers, which inherit its name), library, other
   rest_in_server_cpu_ms_per_1k  the server's CPU less its tokenizer and library threads', the median round:
-                              the host path without the tokenizer, counted in the server itself. A tree
-                              that does not name its threads (older than that) has its engine and tokenizer
-                              threads all counted as library, so its rest is its event loop alone: a figure
-                              against such a baseline flatters the baseline, never this tree
+                              the host path without the tokenizer, counted in the server itself. The
+                              launcher names both trees' engine and tokenizer threads the same way
+                              (_common.NAME_THREADS), so a baseline older than the runtime's own thread
+                              names has its engine thread counted in its rest too
   rest_in_server_ratio        this tree's rest over the baseline's
 
 --packed: the null engine declares packed sequences, as CUDA's BERT-family engines do (the planner packs the
@@ -76,6 +78,7 @@ from pathlib import Path
 import httpx
 
 from _common import (
+    NAME_THREADS,
     ROOT,
     add_results_dir,
     baseline_checkout,
@@ -89,7 +92,7 @@ from _common import (
     wait_ready,
 )
 
-LAUNCHER = """
+LAUNCHER = NAME_THREADS + """
 import sys, time
 import numpy as np
 tree, per_token_s, packed = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "packed"
@@ -183,7 +186,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline-tree", type=Path, required=True, help="a checkout of the baseline commit")
     ap.add_argument("--texts", type=int, default=16384, help="texts per round")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds per side")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per side, per pair of servers")
+    ap.add_argument("--restarts", type=int, default=1,
+                    help="pairs of servers started one after the other per scenario, their rounds pooled")
     ap.add_argument("--per-token-us", type=float, default=3.0,
                     help="the slow engine's time per padded token (microseconds)")
     ap.add_argument("--per-request", type=int, default=64)
@@ -199,17 +204,18 @@ def main() -> None:
     scenarios = {"null_engine": 0.0, "slow_engine": args.per_token_us * 1e-6}
     figures = {}
     for scenario, per_token_s in scenarios.items():
-        servers = {name: NullServer(tree, {0}, per_token_s, args.packed) for name, tree in sides.items()}
-        try:
-            for server in servers.values():  # warm-up: connections, allocator, first batches
-                measure(server, texts[:4096], args.per_request, args.concurrency)
-            rounds: dict[str, list[dict]] = {name: [] for name in sides}
-            for _ in range(args.rounds):
-                for name, server in servers.items():
-                    rounds[name].append(measure(server, texts, args.per_request, args.concurrency))
-        finally:
-            for server in servers.values():
-                server.stop()
+        rounds: dict[str, list[dict]] = {name: [] for name in sides}
+        for _ in range(args.restarts):  # a process' own luck (its placement on a shared host) falls on both sides
+            servers = {name: NullServer(tree, {0}, per_token_s, args.packed) for name, tree in sides.items()}
+            try:
+                for server in servers.values():  # warm-up: connections, allocator, first batches
+                    measure(server, texts[:4096], args.per_request, args.concurrency)
+                for _ in range(args.rounds):
+                    for name, server in servers.items():
+                        rounds[name].append(measure(server, texts, args.per_request, args.concurrency))
+            finally:
+                for server in servers.values():
+                    server.stop()
         base, new = summary(rounds["baseline"]), summary(rounds["this_tree"])
         figures[scenario] = {"baseline": base, "this_tree": new,
                              "speedup": round(new["embeddings_per_s"] / base["embeddings_per_s"], 3),
@@ -225,7 +231,7 @@ def main() -> None:
                   ["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", "runtime"]).returncode else ""),
               **figures, "packed": args.packed,
               "slow_engine_us_per_padded_token": args.per_token_us, "texts_per_round": args.texts,
-              "rounds": args.rounds, "per_request": args.per_request,
+              "rounds": args.rounds, "restarts": args.restarts, "per_request": args.per_request,
               "concurrency": args.concurrency, "encoding_format": "base64", "base64_library": library,
               "python": platform.python_version(), "machine": f"{platform.machine()}, shared 2-core VM"}
     line = json.dumps(result)

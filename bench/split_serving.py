@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 
 from _common import (
+    NAME_THREADS,
     ROOT,
     add_results_dir,
     baseline_checkout,
@@ -80,7 +81,7 @@ from host_path import load
 
 # Loaded by every process of the server (sitecustomize): the engine process (or the single process) gets the
 # null engine; a front never imports torch, so it is left alone.
-SITE = """
+SITE = NAME_THREADS + """
 import os, time
 if os.environ.get("_EMBEDFLEET_SPLIT_ROLE") != "front" and os.environ.get("BENCH_NULL_ENGINE") == "1":
     import numpy as np

@@ -246,6 +246,28 @@ def test_a_slowed_engine_is_seen_within_two_batches(seed, history, tokens, secon
     assert d.rate(t) <= tokens / seconds * (1 + 1e-9)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["observe", "read", "seed"]), st.floats(0.0, 4.0),
+                          st.integers(0, 20_000), st.floats(0.0, 2.0)), max_size=40))
+def test_a_read_is_the_estimate_of_the_figures_however_reads_and_batches_interleave(steps):
+    """The rate kept between batches is the rate worked out afresh from the window at every read."""
+    d, now = DrainRate(window_s=3.0), 0.0
+    for op, gap, n, seconds in steps:
+        now += gap
+        if op == "observe":
+            d.observe(now, n, seconds)
+        elif op == "seed":
+            d.seed(n, seconds)
+        else:
+            running, elapsed = n // 2, seconds
+            got = d.rate(now, running, elapsed)
+            window = [b for b in d._window if b.ended >= now - d.window_s]
+            last = window[-BATCHES:]
+            want = estimate(d.long_run, (sum(b.tokens for b in window), sum(b.seconds for b in window)),
+                            (sum(b.tokens for b in last), sum(b.seconds for b in last)), running, elapsed)
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (got, want)
+
+
 def test_the_recent_figures_forget_old_batches_and_the_seed_is_long_run_only():
     d = DrainRate(window_s=3.0)
     d.seed(10_000, 1.0)

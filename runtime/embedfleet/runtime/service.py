@@ -429,7 +429,8 @@ class ModelService:
         """
         assert self.batcher is not None
         name = tenant.name if tenant is not None else DEFAULT_TENANT
-        tokens = sum(len(t) for t in tokenized)
+        lengths = list(map(len, tokenized))  # once per input: the batch manager reuses them
+        tokens = sum(lengths)
         truncated = sum(t.truncated for t in tokenized)
         if truncated:
             self.metrics.truncated.inc(truncated)
@@ -448,10 +449,10 @@ class ModelService:
         submit = partial(self._rows, urgent=urgent, disconnected=disconnected, max_wait=max_wait, deadline=deadline,
                          tenant=name, arrived=arrived)
         try:
-            if self.vector_cache is not None and self.task == "embed":
+            if self.vector_cache is not None and self.task == "embed":  # it submits the inputs it does not hold
                 rows = await self.vector_cache.through(self.spec.digest, tokenized, submit)
             else:
-                rows = await submit(tokenized)
+                rows = await submit(tokenized, lengths=lengths)
         except (QueueFull, DeadlineUnmet) as exc:
             if charged:
                 tenant.give_back(tokens)
@@ -468,15 +469,16 @@ class ModelService:
 
     async def _rows(self, tokenized: list[Tokenized], urgent: bool,
                     disconnected: Callable[[], Awaitable[None]] | None, max_wait: float | None = None,
-                    deadline: float | None = None, tenant: str = "", arrived: float | None = None) -> np.ndarray:
+                    deadline: float | None = None, tenant: str = "", arrived: float | None = None,
+                    lengths: list[int] | None = None) -> np.ndarray:
         """Submit and wait. A client leaving is watched (a task reading the connection) only for work
         expected to take WATCH_AFTER_S or more: dropping a query's few milliseconds of work saves
         nothing, and the watcher costs every query a task and a wait on two futures."""
         trace = current_trace()
         if trace is not None:
-            trace.queued(len(tokenized), sum(len(t) for t in tokenized), urgent)
+            trace.queued(len(tokenized), sum(map(len, tokenized)), urgent)
         job = self.batcher.submit(tokenized, urgent=urgent, max_wait=max_wait, deadline=deadline, tenant=tenant,
-                                  arrived=arrived, trace=trace)
+                                  arrived=arrived, trace=trace, lengths=lengths)
         timing = current_timing()
         if deadline is None and (disconnected is None or self.batcher.expected_wait(urgent) < WATCH_AFTER_S):
             rows = await job.future

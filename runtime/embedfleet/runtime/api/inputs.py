@@ -18,6 +18,11 @@ def as_batch(raw: str | list, max_client_batch: int, vocab_size: int) -> list[st
     if len(batch) > max_client_batch:
         raise ApiError(413, f"batch of {len(batch)} inputs is over the limit of {max_client_batch} per request "
                        "(--max-client-batch-size); split it", "batch_too_large")
+    if all(isinstance(item, str) for item in batch):  # texts, the common case: one pass, the blank one found after
+        if not all(map(str.strip, batch)):
+            i = next(i for i, item in enumerate(batch) if not item.strip())
+            raise ApiError(422, f"input {i} is empty or whitespace only", "empty_input")
+        return batch
     for i, item in enumerate(batch):
         if isinstance(item, str):
             if not item.strip():

@@ -187,8 +187,11 @@ class BatchManager:
         return rate
 
     def expected_wait(self, urgent: bool = False) -> float:
+        ahead = self.ahead_of(urgent)
+        if not ahead:  # nothing ahead: no wait whatever the rate (the gate asks on every request)
+            return 0.0
         rate = self.drain_rate(urgent)
-        return self.ahead_of(urgent) / rate if rate else 0.0
+        return ahead / rate if rate else 0.0
 
     def seed_rate(self, tokens: int, seconds: float) -> None:
         """Start the drain rate from a timed batch (ModelService.load runs one at start-up), so the
@@ -197,15 +200,17 @@ class BatchManager:
 
     def submit(self, inputs: Sequence, urgent: bool, max_wait: float | None = None,
                deadline: float | None = None, tenant: str = "", arrived: float | None = None,
-               trace: RequestTrace | None = None) -> Job:
+               trace: RequestTrace | None = None, lengths: list[int] | None = None) -> Job:
         """Queue a request's inputs; await `job.future` for the rows in input order.
 
         Raises QueueFull past the token cap or when the expected wait passes `max_wait` seconds, and
         DeadlineUnmet when it passes `deadline` (a time.monotonic() value). `arrived` (time.monotonic()
         when the server accepted the request): the bound counts from there, so time already spent
-        reading, parsing and tokenizing under load is part of the promise. Cost: O(len(inputs)).
+        reading, parsing and tokenizing under load is part of the promise. `lengths`: each input's
+        `len`, where the caller has them already. Cost: O(len(inputs)).
         """
-        lengths = list(map(len, inputs))
+        if lengths is None:
+            lengths = list(map(len, inputs))
         tokens = sum(lengths)
         now = time.monotonic()
         bound = max_wait

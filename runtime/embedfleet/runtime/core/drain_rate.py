@@ -69,7 +69,10 @@ def estimate(long_run: float, window: tuple[float, float] = (0.0, 0.0), last: tu
 
 class DrainRate:
     """The figures `estimate` reads, kept as batches leave the engine: O(1) per batch and per read
-    (running sums over the window; old batches leave it as time passes, each once)."""
+    (running sums over the window; old batches leave it as time passes, each once). The estimate without
+    the running batch changes only when a batch arrives or leaves the window, so it is kept between the
+    two; a read then only checks the window's oldest batch and the running batch (admission, the gate and
+    the planner read the rate several times per request)."""
 
     def __init__(self, smooth_s: float = SMOOTH_S, window_s: float = WINDOW_S, batches: int = BATCHES) -> None:
         self.smooth_s = smooth_s
@@ -81,6 +84,7 @@ class DrainRate:
         self._window: deque[Drained] = deque()
         self._window_tokens = 0
         self._window_seconds = 0.0
+        self._base: float | None = None  # estimate() with no running batch; None: to be worked out again
 
     def seed(self, tokens: int, seconds: float) -> None:
         """A timed batch before any traffic (start-up): the long-run rate only, forgotten after a few seconds of
@@ -98,19 +102,28 @@ class DrainRate:
         self._forget(ended)
 
     def rate(self, now: float, running_tokens: int = 0, running_s: float = 0.0) -> float:
-        """The rate at `now` (the clock of `observe`'s `ended`)."""
+        """The rate at `now` (the clock of `observe`'s `ended`): `estimate` of the figures, the same value."""
         self._forget(now)
-        last = list(islice(reversed(self._window), self.batches))
-        return estimate(self.long_run, (self._window_tokens, self._window_seconds),
-                        (sum(b.tokens for b in last), sum(b.seconds for b in last)), running_tokens, running_s)
+        rate = self._base
+        if rate is None:
+            last = list(islice(reversed(self._window), self.batches))
+            rate = self._base = estimate(self.long_run, (self._window_tokens, self._window_seconds),
+                                         (sum(b.tokens for b in last), sum(b.seconds for b in last)))
+        if rate > 0 and running_tokens > 0 and running_s * rate > running_tokens:
+            return running_tokens / running_s  # as estimate() treats a running batch
+        return rate
 
     def _forget(self, now: float) -> None:
-        while self._window and self._window[0].ended < now - self.window_s:
-            old = self._window.popleft()
+        window = self._window
+        if not window or window[0].ended >= now - self.window_s:
+            return
+        while window and window[0].ended < now - self.window_s:
+            old = window.popleft()
             self._window_tokens -= old.tokens
             self._window_seconds -= old.seconds
-        if not self._window:
+        if not window:
             self._window_tokens, self._window_seconds = 0, 0.0  # no float residue
+        self._base = None
 
     def _decay_in(self, tokens: int, seconds: float) -> None:
         if seconds <= 0 or tokens <= 0:
@@ -119,6 +132,7 @@ class DrainRate:
         self._sum_tokens = keep * self._sum_tokens + tokens
         self._sum_seconds = keep * self._sum_seconds + seconds
         self.long_run = self._sum_tokens / self._sum_seconds
+        self._base = None
 
 
 def timed_seed(run: Callable[[list], object], batch: Sequence, runs: int = SEED_RUNS,
