@@ -39,6 +39,15 @@ def engines(tmp_path_factory) -> RuntimeServer:
     srv.stop()
 
 
+def scrape(srv: RuntimeServer) -> dict[str, float]:
+    """The model's samples of one /metrics page, by name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    return {sample.name: sample.value for family in text_string_to_metric_families(page)
+            for sample in family.samples if sample.labels.get("model") == MODEL}
+
+
 def _load(srv: RuntimeServer, requests: int, outcomes: list) -> None:
     with srv.client() as c:
         for i in range(requests):
@@ -99,6 +108,28 @@ def test_the_metrics_count_every_engine_once(engines):
     assert engines.metric("embedfleet_inputs_total") - before == 24
     assert engines.metric("embedfleet_queue_tokens", model=MODEL) == 0
     assert engines.metric("embedfleet_ready") == 1
+
+
+def test_the_expected_wait_metric_shows_an_engines_queue(engines):
+    """Fronts hold no queue and write 0 for the gauge: the pod's reading must still be the engines' wait."""
+    long_texts = ["a long input of many words to keep the engine busy " * 40] * 384
+
+    def bulk() -> None:
+        with engines.client() as c:
+            c.post("/embed", json={"inputs": long_texts, "truncate": True})
+
+    t = threading.Thread(target=bulk)
+    t.start()
+    seen = []
+    deadline = time.monotonic() + 60
+    while t.is_alive() and time.monotonic() < deadline:
+        page = scrape(engines)  # both from one page: the queue may drain between two
+        if page.get("embedfleet_queue_tokens", 0) > 0:
+            seen.append((page["embedfleet_queue_tokens"], page["embedfleet_expected_wait_seconds"]))
+        time.sleep(0.2)
+    t.join()
+    assert seen, "the queue was never seen"
+    assert all(wait > 0 for _, wait in seen), seen
 
 
 def test_an_engine_killed_leaves_the_pod_ready_and_serving_on_the_other(engines):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedfleet.runtime.split.spread import Candidate, home_engine, pick_engine
+from embedfleet.runtime.split.spread import Candidate, pick_engine
 
 candidates = st.lists(
     st.builds(Candidate, index=st.integers(0, 7), wait=st.floats(0, 30), tokens_per_s=st.floats(0, 1e6),
@@ -20,7 +20,7 @@ def start(c: Candidate, tokens: int) -> float:
 @settings(max_examples=300, deadline=None)
 @given(candidates, st.integers(0, 50_000))
 def test_the_request_goes_where_it_would_start_soonest_among_those_not_saturated(cands, tokens):
-    picked = pick_engine(cands, tokens, 8)
+    picked = pick_engine(cands, tokens)
     if not cands:
         assert picked is None
         return
@@ -31,24 +31,12 @@ def test_the_request_goes_where_it_would_start_soonest_among_those_not_saturated
 
 
 @settings(max_examples=300, deadline=None)
-@given(candidates, st.integers(0, 50_000), st.text(min_size=1, max_size=20), st.integers(1, 8))
-def test_a_tenant_with_a_quota_stays_on_its_home_engine_while_that_one_can_take_work(cands, tokens, tenant, n):
-    cands = [c for c in cands if c.index < n]
-    picked = pick_engine(cands, tokens, n, quota_tenant=tenant)
-    home = home_engine(tenant, n)
-    if any(c.index == home for c in cands):
-        assert picked == home  # however loaded: its one bucket is there
-    elif cands:
-        assert picked in {c.index for c in cands}  # its home is restarting: another serves it meanwhile
-    else:
-        assert picked is None
-
-
-def test_the_home_engine_is_the_same_in_every_process_and_spreads_tenants():
-    """A hash of the name, not Python's (salted per process): every front agrees on it."""
-    assert home_engine("team-search", 4) == home_engine("team-search", 4)
-    homes = {home_engine(f"tenant-{i}", 4) for i in range(40)}
-    assert homes == {0, 1, 2, 3}
+@given(candidates, st.integers(0, 50_000))
+def test_a_tenant_with_a_quota_goes_to_the_first_engine_up_however_loaded(cands, tokens):
+    """One engine keeps its bucket (and engine 0 also runs the async jobs that charge it): spread, it would
+    get a bucket per engine."""
+    picked = pick_engine(cands, tokens, quota=True)
+    assert picked == (min(c.index for c in cands) if cands else None)
 
 
 def test_a_fronts_own_unanswered_work_spreads_a_burst_the_snapshot_has_not_seen():
@@ -57,5 +45,39 @@ def test_a_fronts_own_unanswered_work_spreads_a_burst_the_snapshot_has_not_seen(
     unanswered = [0, 0]
     for _ in range(10):
         cands = [Candidate(i, 0.0, 1000.0, unanswered[i]) for i in range(2)]
-        unanswered[pick_engine(cands, 100, 2)] += 100
+        unanswered[pick_engine(cands, 100)] += 100
     assert unanswered == [500, 500]
+
+
+class _Link:
+    def __init__(self, up: bool = True) -> None:
+        self.up = up
+
+
+def _state(urgent: float, bulk: float, saturated: bool, queued: int, rate: float, max_tokens: int = 16384) -> dict:
+    return {"urgent_wait": urgent, "bulk_wait": bulk, "saturated": saturated, "queued_tokens": queued,
+            "tokens_per_s": rate, "max_batch_tokens": max_tokens, "max_batch_requests": 32, "vector_space": None,
+            "fingerprint": None, "effective_dtype": "float32", "probe": "pending"}
+
+
+def test_a_fronts_view_of_several_engines_is_the_pods_not_one_engines():
+    """The gate refuses before reading a body on this view: one engine full of backfill (so its urgent wait
+    is the least) must not make the pod look full while another engine has room."""
+    from embedfleet.runtime.settings import RuntimeSettings
+    from embedfleet.runtime.split.front_side import FrontService
+
+    svc = FrontService.__new__(FrontService)
+    svc.settings = RuntimeSettings()
+    svc.attach([_Link(), _Link(), _Link(up=False)])
+    svc.update(_state(0.01, 9.0, True, 50_000, 1000.0), 0)
+    svc.update(_state(0.2, 0.3, False, 300, 1500.0, max_tokens=8192), 1)
+    svc.update(_state(0.0, 0.0, False, 0, 9999.0), 2)  # its link is down: not counted
+    load = svc.batcher
+    assert (load.urgent_wait, load.bulk_wait, load.saturated) == (0.01, 0.3, False)
+    assert (load.queued_tokens, load.tokens_per_s) == (50_300, 2500.0)
+    assert svc.settings.max_batch_tokens == 8192  # the smallest engine's limits
+    svc.update(_state(0.5, 0.5, True, 9000, 1500.0), 1)
+    assert svc.batcher.saturated  # full only when every live engine is
+    svc.update(None, 0)
+    svc.update(None, 1)
+    assert svc.batcher is None and svc.state is None

@@ -10,7 +10,8 @@ up: counters and histograms summed, gauges as their `multiprocess_mode` says (th
 engine, requests in flight summed over the live processes). Gauges read when scraped (`track`) are set
 from their functions just before, in the process that serves /metrics (the first engine), and by every engine
 each time it tells the fronts its load (split/engine_side.py): with several engines (`--engines`), the queues
-are summed over them and the expected wait is the least, the wait of the engine a new request is sent to.
+are summed over them and the expected wait is the most loaded engine's (fronts hold 0 for it, so the largest
+is the only reading that never hides an engine's wait).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class RuntimeMetrics:
             "admission refuses work expected to wait longer", registry=r)
         self.expected_wait = Gauge(
             "embedfleet_expected_wait_seconds", "Queued tokens divided by measured tokens per second",
-            ["model"], registry=r, multiprocess_mode="livemin")
+            ["model"], registry=r)
         self.request_duration = Histogram(
             "embedfleet_request_duration_seconds", "Time from accepting a request to answering it",
             ["route"], buckets=LATENCY_BUCKETS, registry=r)

@@ -124,7 +124,9 @@ def gpu_batching(settings: RuntimeSettings, engine: Engine, run: Callable[[list]
     fields = ("max_batch_tokens", "max_batch_requests", "batch_overhead_tokens")
     user = {f: getattr(settings, f) for f in fields if f in settings.model_fields_set}
     spec = engine.spec  # type: ignore[attr-defined]
-    chosen = sizing.choose(user, model.config, engine.effective_dtype, engine.free_memory(), spec.max_length)
+    # several engines on one GPU (--engines): each sizes its batches from its share of the free memory
+    free = engine.free_memory() // max(1, settings.engines)
+    chosen = sizing.choose(user, model.config, engine.effective_dtype, free, spec.max_length)
     if "batch_overhead_tokens" in user:
         return chosen
     token = spec.pad_token_id + 1

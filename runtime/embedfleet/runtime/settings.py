@@ -123,9 +123,10 @@ class RuntimeSettings(BaseSettings):
         "at most 8, from 4 cores up")
     engines: int = Field(
         1, ge=1, le=MAX_ENGINES, description="engine processes of split serving, each with its own copy of the "
-        "model on the same device, its own batches and its own share of the pod's CPU threads; fronts send each "
-        "request to the one with the least expected wait, and a tenant with a quota always to the same one, so "
-        "that its quota stays one per pod (docs/runtime.md, Split serving); more than 1 needs --fronts")
+        "model on the same device and its own batches (on a CPU its share of the cores, on a GPU its share of "
+        "the free memory); fronts send each request to the one with the least expected wait, and a tenant with "
+        "a quota to the first one up, so that its quota stays one per pod (docs/runtime.md, Split serving); "
+        "more than 1 needs --fronts")
     standby: bool = Field(
         False, description="a parent process imports torch and the web stack once, holds the listening socket "
         "and forks the server; a server that dies of a signal is replaced from it within the model's load "

@@ -68,7 +68,8 @@ def create_app(models: Models, gate_state: GateState,
     /ready says "loading"); `on_load_failed` is called if they cannot. Split serving (split/): `engine_uds`
     makes this a front process, whose routes it does not serve go to the engine's application on that socket;
     the engine's application does not count requests (`count_requests`), which its fronts have counted, and
-    with several engines only the first runs the async jobs' routes and workers (`jobs`), as one server does."""
+    with several engines only the first runs the async jobs' routes and workers (`jobs`), as one server does;
+    every engine reads and fills the embedding cache."""
     settings = models.settings
     metrics = models.metrics
     load_task: dict[str, asyncio.Task] = {}
@@ -122,10 +123,10 @@ def create_app(models: Models, gate_state: GateState,
     app.include_router(default_router(models))
     # async jobs, workers and embedding cache on Redis (asyncq/); same checks as above. Not in a front process:
     # its async routes go to the (first) engine, whose application runs the pod's one set of workers
-    if settings.redis_url and engine_uds is None and jobs:
+    if settings.redis_url and engine_uds is None:
         from embedfleet.runtime.asyncq.routes import async_router
 
-        app.include_router(async_router(models))
+        app.include_router(async_router(models, jobs=jobs))
 
     app.openapi = with_request_schemas(app)
     return app

@@ -37,10 +37,11 @@ def store_unavailable(exc: RedisError) -> errors.ApiError:
                            {"retry-after": "2"})
 
 
-def async_router(models: Models) -> APIRouter:
-    """The async routes (when --async-enabled) and, in their lifespan, worker + cache (when asked)."""
+def async_router(models: Models, jobs: bool = True) -> APIRouter:
+    """The async routes (when --async-enabled) and, in their lifespan, worker + cache (when asked). `jobs`
+    false (a split server's engines after the first): the embedding cache only, no routes and no worker."""
     settings = models.settings
-    runtime = AsyncRuntime(models, run_worker=settings.async_worker)
+    runtime = AsyncRuntime(models, run_worker=settings.async_worker and jobs)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -51,7 +52,7 @@ def async_router(models: Models) -> APIRouter:
             await runtime.stop()
 
     router = APIRouter(lifespan=lifespan, tags=["async"])
-    if not settings.async_enabled:
+    if not settings.async_enabled or not jobs:
         return router
 
     async def submit(kind: str, request: Request):

@@ -191,15 +191,17 @@ class FrontService(ModelService):
         """Engine `engine`'s new STATE for this model (None: its link is down or the model is not loaded
         there)."""
         self.states[engine] = state
-        live = [(i, st) for i, st in enumerate(self.states) if st is not None and self.links[i].up]
+        live = [st for i, st in enumerate(self.states) if st is not None and self.links[i].up]
         if not live:
             self.state, self.batcher = None, None
             return
-        _, self.state = min(live, key=lambda pair: (pair[1]["urgent_wait"], pair[0]))
-        st = self.state
-        self.batcher = RemoteLoad(st["urgent_wait"], st["bulk_wait"], st["saturated"], st["queued_tokens"],
-                                  st["tokens_per_s"])
-        limits = {"max_batch_tokens": st["max_batch_tokens"], "max_batch_requests": st["max_batch_requests"]}
+        self.state = live[0]  # the model card's figures (dtype, fingerprint, ...): the same on every engine
+        # the pod's load as the gate reads it: a new request goes to the engine it would wait least on, so the
+        # least waits; full only when every engine is; the queues and drain rates add up
+        self.batcher = RemoteLoad(min(st["urgent_wait"] for st in live), min(st["bulk_wait"] for st in live),
+                                  all(st["saturated"] for st in live), sum(st["queued_tokens"] for st in live),
+                                  sum(st["tokens_per_s"] for st in live))
+        limits = {k: min(st[k] for st in live) for k in ("max_batch_tokens", "max_batch_requests")}
         if any(getattr(self.settings, k) != v for k, v in limits.items()):
             self.settings = self.settings.model_copy(update=limits)
 
@@ -210,8 +212,8 @@ class FrontService(ModelService):
                 for i, st in enumerate(self.states) if st is not None and self.links[i].up]
 
     def _engine_for(self, tokens: int, urgent: bool, tenant: Tenant | None) -> int:
-        quota = tenant.name if tenant is not None and tenant.tokens_per_minute is not None else None
-        index = pick_engine(self._candidates(urgent), tokens, len(self.links), quota)
+        quota = tenant is not None and tenant.tokens_per_minute is not None
+        index = pick_engine(self._candidates(urgent), tokens, quota)
         if index is None:
             raise EngineUnavailable("the engine process is not running (the server is restarting it); "
                                     "retry shortly")
@@ -278,6 +280,7 @@ class FrontService(ModelService):
         else:
             lengths, attended = [t.original_length for t in tokenized], None
         as_urgent = self.is_urgent(len(ids)) if urgent is None else urgent
+        as_urgent = as_urgent and (tenant is None or tenant.interactive)  # the engine runs a batch tenant's as bulk
         engine = self._engine_for(tokens, as_urgent, tenant)
         engine_link, state = self.links[engine], self.states[engine]
         request_id, future = engine_link.send(lambda i: link.submit(i, meta, ids, types, lengths, attended))

@@ -7,14 +7,15 @@ whose work would start soonest: the expected wait the engine reported, plus the 
 and this request's at the engine's drain rate. Counting its own unanswered work is what keeps a front from
 sending every request of a burst to the engine that looked idle in the last snapshot.
 
-A tenant with a quota goes to one engine, the same for every front (a hash of its name), while that engine
-can take work: its quota is kept by that engine alone, so it stays one quota per pod. Were its requests
-spread, each engine would keep a bucket of its own and the tenant would get N quotas.
+A tenant with a quota goes to the first engine that is up (engine 0, unless it is restarting): its quota is
+kept by that engine alone, so it stays one quota per pod, and engine 0 is also where the pod's async job
+workers run and charge the same tenant's bucket. Were its requests spread, each engine would keep a bucket of
+its own and the tenant would get N quotas; while engine 0 restarts they all go to the next one, so for those
+seconds the tenant has at most two buckets. Such a tenant is served by one engine's capacity at a time.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,23 +32,14 @@ class Candidate:
     saturated: bool = False
 
 
-def home_engine(tenant: str, engines: int) -> int:
-    """The engine a tenant with a quota is kept on: the same in every front and every restart."""
-    return zlib.crc32(tenant.encode("utf-8")) % max(1, engines)
-
-
-def pick_engine(candidates: Sequence[Candidate], tokens: int, engines: int,
-                quota_tenant: str | None = None) -> int | None:
+def pick_engine(candidates: Sequence[Candidate], tokens: int, quota: bool = False) -> int | None:
     """The index of the engine to send `tokens` to, among `candidates` (the engines whose link is up and
-    whose model is loaded), or None when there are none. `quota_tenant`: a tenant whose quota the engines
-    keep; it goes to its home engine when that is a candidate (else, while it restarts, to the best other)."""
+    whose model is loaded), or None when there are none. `quota`: the request's tenant has a quota the
+    engines keep: it goes to the lowest-numbered candidate, whatever the loads."""
     if not candidates:
         return None
-    if quota_tenant is not None:
-        home = home_engine(quota_tenant, engines)
-        for c in candidates:
-            if c.index == home:
-                return home
+    if quota:
+        return min(c.index for c in candidates)
     open_ = [c for c in candidates if not c.saturated] or list(candidates)
 
     def start(c: Candidate) -> tuple[float, int, int]:

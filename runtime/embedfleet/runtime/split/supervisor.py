@@ -36,7 +36,7 @@ RUN_DIR = "_EMBEDFLEET_SPLIT_DIR"  # the private directory of the sockets and th
 LISTEN_FD = "_EMBEDFLEET_SPLIT_FD"  # a front's inherited listening socket
 INDEX = "_EMBEDFLEET_SPLIT_INDEX"  # a front's or an engine's number (0, 1, ...)
 MAX_RESTARTS = 10  # of fronts, per minute, before the server gives up
-MAX_ENGINE_RESTARTS = 3  # of a killed engine, in ENGINE_WINDOW_S: a crash loop ends the server (status 1)
+MAX_ENGINE_RESTARTS = 3  # of a killed engine (per engine), in ENGINE_WINDOW_S: a crash loop ends the server
 ENGINE_WINDOW_S = 600.0
 POLL_S = 0.25  # how soon a dead child is noticed (a poll costs the supervisor ~0.1 ms)
 PR_SET_PDEATHSIG = 1
@@ -162,7 +162,7 @@ class Supervisor:
                 self.engine_restarts.append(now)
                 while self.engine_restarts and self.engine_restarts[0] < now - ENGINE_WINDOW_S:
                     self.engine_restarts.popleft()
-                if len(self.engine_restarts) > MAX_ENGINE_RESTARTS:
+                if len(self.engine_restarts) > MAX_ENGINE_RESTARTS * len(self.engine):
                     log.error("engine processes were killed %d times in %.0f s; stopping",
                               len(self.engine_restarts), ENGINE_WINDOW_S)
                     return self._give_up()
