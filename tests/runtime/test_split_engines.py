@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.procs import RuntimeServer, start_runtime
-from tests.runtime.test_split import MODEL, TEXTS, children, fresh
+from tests.runtime.test_split import MODEL, TEXTS, assert_one_quota_per_pod, children, fresh
 
 pytestmark = pytest.mark.timeout(600)
 ENGINES = 2
@@ -48,27 +48,33 @@ def scrape(srv: RuntimeServer) -> dict[str, float]:
             for sample in family.samples if sample.labels.get("model") == MODEL}
 
 
-def _load(srv: RuntimeServer, requests: int, outcomes: list) -> None:
-    with srv.client() as c:
-        for i in range(requests):
-            texts = [f"spread over the engines, request {i} text {j}" for j in range(32)]
-            try:
-                outcomes.append(c.post("/v1/embeddings", json={"input": texts}).status_code)
-            except httpx.TransportError as exc:
-                outcomes.append(type(exc).__name__)
+def clients(srv: RuntimeServer, count: int, requests: int) -> Counter:
+    """`count` clients at once, each sending `requests` requests of 32 texts in turn: their outcomes."""
+    outcomes: list = []
+
+    def one() -> None:
+        with srv.client() as c:
+            for i in range(requests):
+                texts = [f"spread over the engines, request {i} text {j}" for j in range(32)]
+                try:
+                    outcomes.append(c.post("/v1/embeddings", json={"input": texts}).status_code)
+                except httpx.TransportError as exc:
+                    outcomes.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return Counter(outcomes)
 
 
 def test_both_engines_take_work_and_the_answers_are_one_process_s(engines, server):
     roles = children(engines)
     assert len(roles["engine"]) == ENGINES and len(roles["front"]) == 2, roles
     before = {pid: cpu_seconds(pid) for pid in roles["engine"]}
-    outcomes: list = []
-    threads = [threading.Thread(target=_load, args=(engines, 12, outcomes)) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert Counter(outcomes) == {200: 48}, Counter(outcomes)
+    outcomes = clients(engines, 4, 12)
+    assert outcomes == {200: 48}, outcomes
     used = {pid: cpu_seconds(pid) - before[pid] for pid in roles["engine"]}
     # each engine ran a real share of the 1,536 inputs (all on one would leave the other near 0)
     assert min(used.values()) > 0.2 * max(used.values()), used
@@ -86,19 +92,7 @@ def test_both_engines_take_work_and_the_answers_are_one_process_s(engines, serve
 def test_a_tenant_quota_is_one_per_pod_across_engines(engines):
     """120 tokens a minute for the pod: were each engine to keep its own bucket, two engines would let
     through about twice that."""
-    headers = {"authorization": "Bearer sk-engines-metered-0123456789"}
-    started, accepted, codes = time.monotonic(), 0, Counter()
-    for i in range(30):
-        answer = fresh(engines, "POST", "/v1/embeddings", json={"input": f"metered words number {i} here"},
-                       headers=headers)
-        codes[answer.status_code] += 1
-        if answer.status_code == 200:
-            accepted += answer.json()["usage"]["total_tokens"]
-        else:
-            assert answer.status_code == 429 and answer.json()["error"]["code"] == "quota_exceeded", answer.text
-    refill = (time.monotonic() - started) * 120 / 60
-    assert codes[429] > 0, codes
-    assert accepted <= 120 + refill, (accepted, refill, codes)
+    assert_one_quota_per_pod(engines, "sk-engines-metered-0123456789")
 
 
 def test_the_metrics_count_every_engine_once(engines):
@@ -137,13 +131,8 @@ def test_an_engine_killed_leaves_the_pod_ready_and_serving_on_the_other(engines)
     subprocess.run(["kill", "-KILL", str(victim)], check=True)
     time.sleep(0.5)  # the fronts see the link close at once; a request sent in that instant may get 503
     assert fresh(engines, "GET", "/ready").status_code == 200
-    outcomes: list = []
-    threads = [threading.Thread(target=_load, args=(engines, 5, outcomes)) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert Counter(outcomes) == {200: 20}, Counter(outcomes)
+    outcomes = clients(engines, 4, 5)
+    assert outcomes == {200: 20}, outcomes
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         alive = children(engines)["engine"]
