@@ -6,7 +6,7 @@ link (link.py) and awaits the vectors. `batcher` is the engine's load as last pu
 for the gate's early refusal and for /ready and /load; the engine takes the decisions themselves.
 
 With several engines (`--engines N`) a front holds a link to each and sends each request to one of them
-(spread.py); `batcher` is then the least loaded engine's, which is where the request would go.
+(spread.py); `batcher` is then the pod's load built from every engine's (`FrontService.update`).
 
 While no link is up (the engine died or is restarting) every model counts as not loaded: new requests get
 503 with Retry-After, /ready turns false. Requests that were waiting on an engine that died get 503
@@ -173,7 +173,7 @@ class FrontService(ModelService):
     links: list[EngineLink]  # set by FrontModels, one per engine process
     states: list[dict | None]  # this model's part of each engine's last STATE (None: down or not loaded)
     unanswered: list[int]  # per engine, the tokens this front sent and has not had answered
-    state: dict | None = None  # the state of the engine `batcher` describes
+    state: dict | None = None  # the first live engine's state: the model card's figures, the same on every one
 
     def attach(self, links: list[EngineLink]) -> None:
         self.links = links
