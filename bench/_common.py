@@ -37,18 +37,27 @@ def corpus(n: int = 10_000, seed: int = 0) -> list[str]:
     return texts
 
 
+CODE_PATHS = ("runtime", "operator", "client", "gateway", "bench")  # what a row's figures come from
+
+
 def run_meta() -> dict:
     """What a results row says of where it came from: the commit (git, or EMBEDFLEET_COMMIT where the tree
-    travelled without its .git, as to a GPU machine), the machine (CPU model, cores), the date, the command.
+    travelled without its .git, as to a GPU machine), with "+dirty" when the code had uncommitted changes,
+    the machine (CPU model, cores), the date, the command.
     The tree is named as safe to git, so that a bench run as root on a user's checkout (the real-node ones,
     under sudo) still finds its commit."""
     import platform
 
     commit = os.environ.get("EMBEDFLEET_COMMIT", "")
     if not commit:
+        git = ["git", "-c", f"safe.directory={ROOT}", "-C", str(ROOT)]
         try:
-            commit = subprocess.run(["git", "-c", f"safe.directory={ROOT}", "-C", str(ROOT), "rev-parse",
-                                     "--short=12", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+            commit = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                    timeout=10).stdout.strip()
+            changed = subprocess.run([*git, "status", "--porcelain", "--", *CODE_PATHS, ":!bench/results"],
+                                     capture_output=True, text=True, timeout=10).stdout.strip()
+            if commit and changed:  # the code measured is not the commit's: the row must not say it is
+                commit += "+dirty"
         except (OSError, subprocess.SubprocessError):
             commit = ""
     try:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 # Only what parsing and checking the flags needs is imported here: a refused configuration exits in a fraction
 # of a second instead of after torch, the engines and the web stack (imported in `run`, once the settings hold).
 from embedfleet.runtime.settings import RuntimeSettings, add_settings_arguments, settings_or_exit_code
+from embedfleet.runtime.startgc import hold, release
 
 if TYPE_CHECKING:
     from embedfleet.runtime.api.gate import GateState
@@ -141,6 +142,14 @@ def verify_model(settings: RuntimeSettings) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    hold()  # no collections while the server starts; the app's lifespan releases it once ready (startgc.py)
+    try:
+        return _run(args)
+    finally:
+        release()
+
+
+def _run(args: argparse.Namespace) -> int:
     settings = settings_or_exit_code(args, "serve")
     if isinstance(settings, int):
         return settings
@@ -162,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
         if settings.standby:
             log.info("--standby: the split's supervisor already replaces an engine that dies; not used")
+        release()  # the supervisor starts nothing itself and lives as long as the pod
         return supervise(settings, list(getattr(args, "argv", sys.argv[2:])), fronts)
     if settings.standby and role_name is None:  # a parent that imports once and replaces a server that dies
         from embedfleet.runtime.standby import run as standby

@@ -40,6 +40,7 @@ from embedfleet.runtime.cold_start import STARTED_ENV as STARTED
 from embedfleet.runtime.cold_start import process_age_s
 from embedfleet.runtime.settings import RuntimeSettings
 from embedfleet.runtime.split.supervisor import PR_SET_PDEATHSIG, listen
+from embedfleet.runtime.startgc import release
 
 log = logging.getLogger("embedfleet.serve")
 #: What the server imports on its way to serving the torch engine: imported once, in the parent.
@@ -178,6 +179,7 @@ def run(settings: RuntimeSettings, serve: Callable[[socket.socket], int]) -> int
              "replaced from here if it dies", time.perf_counter() - started,
              f" (not installed: {', '.join(missing)})" if missing else "", settings.host, sock.getsockname()[1])
     gc.freeze()  # the imported objects stay out of the collector's passes: fewer pages copied into each child
+    release()  # a parent that lives as long as the pod collects its own garbage (startgc.py)
     try:
         return Standby(serve, sock).run()
     finally:

@@ -40,6 +40,7 @@ from embedfleet.runtime.api.routes_quantize import quantization_router
 from embedfleet.runtime.api.routes_rank import rank_router
 from embedfleet.runtime.api.routes_sparse import sparse_router
 from embedfleet.runtime.service import Models
+from embedfleet.runtime.startgc import release
 
 __all__ = ["JSON", "LIST_FIELDS", "REQUEST_MODELS", "TEXT_LIST_FIELDS", "WORK_ROUTES", "body_of", "create_app",
            "deadline_of", "is_bulk", "load_json", "parse", "precheck", "validate", "wait_disconnect",
@@ -85,6 +86,8 @@ def create_app(models: Models, gate_state: GateState,
             except Exception:
                 if on_load_failed:
                     on_load_failed()
+            finally:
+                release()  # the start is over: collection resumes, its objects frozen (startgc.py)
 
         load_task["t"] = asyncio.create_task(load())
         yield

@@ -1,0 +1,85 @@
+"""The collector is off while a server starts and back on, with the start's objects frozen, once it is
+ready or its start has failed (runtime/startgc.py): through the application's own lifespan, with the real
+default model."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+from embedfleet.runtime import startgc
+from embedfleet.runtime.api.app import create_app
+from embedfleet.runtime.api.gate import GateState
+from embedfleet.runtime.metrics import RuntimeMetrics
+from embedfleet.runtime.service import Models
+from embedfleet.runtime.settings import RuntimeSettings
+
+
+@pytest.fixture(autouse=True)
+def collector_as_it_was() -> Iterator[None]:
+    """Each test leaves the process' collector on and nothing frozen, whatever it did."""
+    yield
+    startgc.release()
+    gc.enable()
+    gc.unfreeze()
+
+
+def test_hold_turns_the_collector_off_and_release_freezes_and_turns_it_on() -> None:
+    gc.unfreeze()
+    startgc.hold()
+    assert not gc.isenabled() and startgc.held()
+    startgc.release()
+    assert gc.isenabled() and not startgc.held()
+    assert gc.get_freeze_count() > 0, "what the start made is moved out of the collector's passes"
+    frozen = gc.get_freeze_count()
+    startgc.release()  # a second release changes nothing
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+def test_a_collector_turned_off_by_the_caller_is_left_to_it() -> None:
+    gc.unfreeze()
+    gc.disable()
+    startgc.hold()
+    startgc.release()
+    assert not gc.isenabled(), "release turns on only what hold turned off"
+    assert gc.get_freeze_count() == 0
+
+
+class FailingModels(Models):
+    async def load(self) -> None:
+        raise RuntimeError("no weights here")
+
+
+async def start(models: Models) -> tuple[bool, bool, int]:
+    """Run the app's lifespan until its load is over: (collector on while loading, on after, frozen after)."""
+    failed = asyncio.Event()
+    app = create_app(models, GateState(), on_load_failed=failed.set)
+    async with app.router.lifespan_context(app):
+        during = gc.isenabled()
+        for _ in range(1200):
+            if models.loaded or failed.is_set():
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the load task's `finally` runs on the turn after it finished
+        return during, gc.isenabled(), gc.get_freeze_count()
+
+
+def test_the_lifespan_releases_the_collector_once_the_model_is_ready() -> None:
+    gc.unfreeze()
+    startgc.hold()
+    models = Models(RuntimeSettings(), RuntimeMetrics())
+    during, after, frozen = asyncio.run(start(models))
+    assert models.loaded
+    assert not during, "the model loads with the collector off"
+    assert after and frozen > 0, "ready: collection resumes, the start's objects frozen"
+
+
+def test_the_lifespan_releases_the_collector_when_the_start_fails() -> None:
+    gc.unfreeze()
+    startgc.hold()
+    during, after, frozen = asyncio.run(start(FailingModels(RuntimeSettings(), RuntimeMetrics())))
+    assert not during
+    assert after and frozen > 0, "a failed start turns the collector back on too"
