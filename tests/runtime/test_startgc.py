@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -83,3 +87,48 @@ def test_the_lifespan_releases_the_collector_when_the_start_fails() -> None:
     during, after, frozen = asyncio.run(start(FailingModels(RuntimeSettings(), RuntimeMetrics())))
     assert not during
     assert after and frozen > 0, "a failed start turns the collector back on too"
+
+
+START_LEFTOVER = """
+import tracemalloc
+tracemalloc.start()
+import asyncio, gc, json
+from embedfleet.runtime import startgc
+startgc.hold()
+from embedfleet.runtime.api.app import create_app
+from embedfleet.runtime.api.gate import GateState
+from embedfleet.runtime.metrics import RuntimeMetrics
+from embedfleet.runtime.service import Models
+from embedfleet.runtime.settings import RuntimeSettings
+
+async def main():
+    models = Models(RuntimeSettings(), RuntimeMetrics())
+    app = create_app(models, GateState())
+    async with app.router.lifespan_context(app):
+        while not models.loaded:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0)
+        frozen = gc.get_freeze_count()
+        gc.unfreeze()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        before = tracemalloc.get_traced_memory()[0]
+        gc.collect()
+        arrays = [type(o).__name__ for o in gc.garbage if hasattr(o, "nbytes") or hasattr(o, "element_size")]
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.collect()
+        print(json.dumps({"frozen": frozen, "freed": before - tracemalloc.get_traced_memory()[0], "arrays": arrays}))
+asyncio.run(main())
+"""
+
+
+def test_what_a_start_leaves_frozen_is_at_most_two_megabytes() -> None:
+    """The price of freezing instead of collecting (docs/performance.md, Start-up): the cycles a start of the
+    default model leaves, measured by what collecting them would free, in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", START_LEFTOVER], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["frozen"] > 100_000, "the start's objects were frozen"
+    assert found["arrays"] == [], "no array or tensor is left in a cycle"
+    assert found["freed"] <= 2 * 1024 * 1024, f"{found['freed']} bytes of cycles left frozen by the start"

@@ -1,16 +1,16 @@
 """No cyclic garbage collection while a server starts; what the start made is frozen once it is ready.
 
-A start imports torch and the web stack and loads the model: about 340,000 objects the collector tracks,
-nearly all of which live as long as the process. Each collection of the older generations walks all of
-them again, and a start triggers many: on two cores they were about a quarter of a second of the default
-model's start (`bench/serve_start.py`). What they found was under a megabyte of cycles (import-time
-tuples, cells and functions; no array or tensor), so the start runs without them (`hold`), and once the
-server is ready, or its start has failed, everything alive is moved to the permanent generation
-(`gc.freeze`) and collection resumes (`release`): later collections walk only what was made after, and
-the start's few cycles stay where they are (the price: that memory, once).
+A start imports torch and the web stack and loads the model: hundreds of thousands of objects the collector
+tracks, nearly all of which live as long as the process. Each collection of the older generations walks all
+of them again, and a start triggers many, to find few cycles (import-time tuples, cells and functions). So the
+start runs without them (`hold`), and once the server is ready, or its start has failed, everything alive is
+moved to the permanent generation (`gc.freeze`) and collection resumes (`release`): later collections walk
+only what was made after, and the start's cycles stay where they are (the price: that memory, once;
+tests/runtime/test_startgc.py bounds it). What it saves is in docs/performance.md (Start-up).
 
 `hold` is a no-op where the collector is already off (a caller that manages it itself), and so is the
-`release` that follows it.
+`release` that follows it. A standby parent (standby.py) and a split server's supervisor release at once:
+they live as long as the pod and start nothing of their own.
 """
 
 from __future__ import annotations
