@@ -12,6 +12,9 @@ client asked for no truncation) and must keep the model's special tokens at both
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,18 @@ Direction = Literal["right", "left"]
 
 
 INLINE_CHARS = 512  # a lone text this short is tokenized on the event loop (see encode)
+MERGE_TEXTS = 256  # at most this many texts of queued calls are tokenized in one batch (see encode)
+
+
+def _answer(answers: list[tuple[asyncio.Future, list | None, BaseException | None]]) -> None:
+    """On the event loop: complete the futures of calls tokenized together (a caller that left is skipped)."""
+    for future, result, error in answers:
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 class InputTooLong(ValueError):
     def __init__(self, index: int, tokens: int, limit: int) -> None:
@@ -101,6 +116,18 @@ def truncate_ids(ids: list[int], limit: int, direction: Direction) -> list[int]:
     return ids[:limit] if direction == "right" else ids[len(ids) - limit:]
 
 
+@dataclass(slots=True)
+class _Pending:
+    """One `encode` call waiting for a tokenizer thread: its texts, how to cut them, where its answer goes."""
+
+    texts: list[str]
+    limit: int
+    truncate: bool
+    direction: Direction
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
 class TokenizerPool:
     def __init__(self, tokenizer_file: Path, workers: int) -> None:
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
@@ -108,18 +135,31 @@ class TokenizerPool:
         self.tokenizer.no_padding()
         self._pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="tokenizer",
                                         initializer=name_os_thread, initargs=("tokenizer",))
+        self._pending: deque[_Pending] = deque()  # encode calls not yet taken by a thread (see encode)
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:  # calls no thread will take now: their callers are cancelled, as the pool's would be
+            left, self._pending = list(self._pending), deque()
+        for call in left:
+            with contextlib.suppress(RuntimeError):
+                call.loop.call_soon_threadsafe(call.future.cancel)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def _encode_sync(self, texts: list[str], limit: int, truncate: bool, direction: Direction) -> list[Tokenized]:
+    def _encodings(self, texts: list[str]) -> list[Encoding]:
         if len(texts) == 1:
-            encodings: list[Encoding] = [self.tokenizer.encode(texts[0])]
-        else:
-            encodings = self.tokenizer.encode_batch_fast(texts)
+            return [self.tokenizer.encode(texts[0])]
+        return self.tokenizer.encode_batch_fast(texts)
+
+    def _encode_sync(self, texts: list[str], limit: int, truncate: bool, direction: Direction) -> list[Tokenized]:
+        return self._cut(self._encodings(texts), limit, truncate, direction)
+
+    @staticmethod
+    def _cut(encodings: list[Encoding], limit: int, truncate: bool, direction: Direction) -> list[Tokenized]:
+        """The engine inputs of one call's encodings: refused (InputTooLong) or cut to `limit`."""
         out = []
         for i, enc in enumerate(encodings):
             ids = enc.ids  # a new list on every read: read once
@@ -151,10 +191,60 @@ class TokenizerPool:
     async def encode(self, texts: list[str], limit: int, truncate: bool = True,
                      direction: Direction = "right") -> list[Tokenized]:
         """Tokenize on the pool; one short text is tokenized inline instead: ~100 us of work, where the
-        two thread hops cost as much again and lengthen the single-query tail (bench/fastpath.py)."""
+        two thread hops cost as much again and lengthen the single-query tail (bench/fastpath.py).
+
+        Calls that wait for a thread together are tokenized together: a thread that comes free takes every
+        call queued by then (up to MERGE_TEXTS texts), encodes their texts in one batch and answers them all
+        in one callback on the event loop. Under load the loop then wakes once for several requests instead
+        of once each, which on a busy host cost it more than the request's own work; a call that finds a
+        thread free is taken alone, as before. Each call keeps its own limit, truncation and errors."""
         if len(texts) == 1 and len(texts[0]) <= INLINE_CHARS:
             return self._encode_sync(texts, limit, truncate, direction)
-        return await self._run(self._encode_sync, texts, limit, truncate, direction)
+        loop = asyncio.get_running_loop()
+        call = _Pending(texts, limit, truncate, direction, loop.create_future(), loop)
+        with self._lock:
+            self._pending.append(call)
+        try:
+            self._pool.submit(self._drain)  # one turn per call: a turn that finds the queue empty ends at once
+        except RuntimeError:  # shut down (close): as run_in_executor would, and nothing left queued
+            with self._lock, contextlib.suppress(ValueError):
+                self._pending.remove(call)
+            raise
+        return await call.future
+
+    def _drain(self) -> None:
+        """On a tokenizer thread: take the calls queued now, tokenize their texts in one batch, answer them."""
+        taken: list[_Pending] = []
+        count = 0
+        with self._lock:
+            while self._pending and (not taken or count + len(self._pending[0].texts) <= MERGE_TEXTS):
+                call = self._pending.popleft()
+                if call.future.done():  # its caller left (cancelled): nothing to tokenize for it
+                    continue
+                taken.append(call)
+                count += len(call.texts)
+        if not taken:
+            return
+        answers: list[tuple[asyncio.Future, list[Tokenized] | None, BaseException | None]] = []
+        try:
+            texts = taken[0].texts if len(taken) == 1 else [text for call in taken for text in call.texts]
+            encodings = self._encodings(texts)
+        except BaseException as exc:  # the tokenizer itself failed: every call taken hears it
+            answers = [(call.future, None, exc) for call in taken]
+        else:
+            at = 0
+            for call in taken:
+                part, at = encodings[at:at + len(call.texts)], at + len(call.texts)
+                try:
+                    answers.append((call.future, self._cut(part, call.limit, call.truncate, call.direction), None))
+                except InputTooLong as exc:  # this call's texts only
+                    answers.append((call.future, None, exc))
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for call, answer in zip(taken, answers, strict=True):
+            by_loop.setdefault(call.loop, []).append(answer)
+        for loop, some in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
+                loop.call_soon_threadsafe(_answer, some)
 
     @staticmethod
     def from_ids(token_lists: list[list[int]], limit: int, truncate: bool, direction: Direction) -> list[Tokenized]:
