@@ -388,7 +388,8 @@ class ModelService:
             trace.tokenizing(self.name, pairs=False)
         started = time.perf_counter()
         if inputs and isinstance(inputs[0], str):
-            out = await self.tokenizer.encode(list(inputs), self.input_limit, truncate, direction)
+            out = await self.tokenizer.encode(list(inputs), self.input_limit, truncate, direction,
+                                              merge=not self.is_urgent(len(inputs)))  # bulk work only
         else:
             out = TokenizerPool.from_ids(list(inputs), self.input_limit, truncate, direction)
         if timing is not None:

@@ -40,7 +40,7 @@ from embedfleet.runtime.cold_start import STARTED_ENV as STARTED
 from embedfleet.runtime.cold_start import process_age_s
 from embedfleet.runtime.settings import RuntimeSettings
 from embedfleet.runtime.split.supervisor import PR_SET_PDEATHSIG, listen
-from embedfleet.runtime.startgc import release
+from embedfleet.runtime.startgc import hold, release
 
 log = logging.getLogger("embedfleet.serve")
 #: What the server imports on its way to serving the torch engine: imported once, in the parent.
@@ -116,6 +116,7 @@ class Standby:
                 else:
                     os.environ.pop(STARTED, None)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+                hold()  # the server's own start collects rarely too; its lifespan releases (startgc.py)
                 code = self.serve(self.sock)
             except BaseException:  # whatever happened, the child must not return into the parent's loop
                 log.exception("the server failed")

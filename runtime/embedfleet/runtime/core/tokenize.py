@@ -29,6 +29,7 @@ Direction = Literal["right", "left"]
 
 INLINE_CHARS = 512  # a lone text this short is tokenized on the event loop (see encode)
 MERGE_TEXTS = 256  # at most this many texts of queued calls are tokenized in one batch (see encode)
+MERGE_CHARS = 131_072  # and at most this many characters: a few tens of ms of one core's tokenizing
 
 
 def _answer(answers: list[tuple[asyncio.Future, list | None, BaseException | None]]) -> None:
@@ -121,6 +122,7 @@ class _Pending:
     """One `encode` call waiting for a tokenizer thread: its texts, how to cut them, where its answer goes."""
 
     texts: list[str]
+    chars: int
     limit: int
     truncate: bool
     direction: Direction
@@ -135,6 +137,7 @@ class TokenizerPool:
         self.tokenizer.no_padding()
         self._pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="tokenizer",
                                         initializer=name_os_thread, initargs=("tokenizer",))
+        self._workers = max(workers, 1)
         self._pending: deque[_Pending] = deque()  # encode calls not yet taken by a thread (see encode)
         self._lock = threading.Lock()
 
@@ -189,19 +192,24 @@ class TokenizerPool:
         return await self._run(self._encode_pairs_sync, pairs, limit, truncate, direction)
 
     async def encode(self, texts: list[str], limit: int, truncate: bool = True,
-                     direction: Direction = "right") -> list[Tokenized]:
+                     direction: Direction = "right", merge: bool = False) -> list[Tokenized]:
         """Tokenize on the pool; one short text is tokenized inline instead: ~100 us of work, where the
         two thread hops cost as much again and lengthen the single-query tail (bench/fastpath.py).
 
-        Calls that wait for a thread together are tokenized together: a thread that comes free takes every
-        call queued by then (up to MERGE_TEXTS texts), encodes their texts in one batch and answers them all
-        in one callback on the event loop. Under load the loop then wakes once for several requests instead
-        of once each, which on a busy host cost it more than the request's own work; a call that finds a
-        thread free is taken alone, as before. Each call keeps its own limit, truncation and errors."""
+        With `merge` (bulk work: ModelService.tokenize passes it for requests that are not urgent), calls that
+        wait for a thread together are tokenized together: a thread that comes free takes the calls queued by
+        then (its share of them, up to MERGE_TEXTS texts and MERGE_CHARS characters; a larger call alone),
+        encodes their texts in one batch and answers them all in one callback on the event loop. Under load
+        the loop then wakes once for several requests instead of once each, which on a busy host cost it more
+        than the request's own work. Each call keeps its own limit, truncation and errors (a batch the
+        tokenizer fails is tokenized again call by call). Urgent calls are never merged: they do not wait for
+        another request's texts."""
         if len(texts) == 1 and len(texts[0]) <= INLINE_CHARS:
             return self._encode_sync(texts, limit, truncate, direction)
+        if not merge:
+            return await self._run(self._encode_sync, texts, limit, truncate, direction)
         loop = asyncio.get_running_loop()
-        call = _Pending(texts, limit, truncate, direction, loop.create_future(), loop)
+        call = _Pending(texts, sum(map(len, texts)), limit, truncate, direction, loop.create_future(), loop)
         with self._lock:
             self._pending.append(call)
         try:
@@ -212,39 +220,61 @@ class TokenizerPool:
             raise
         return await call.future
 
+    def _take(self) -> list[_Pending]:
+        """The calls one turn tokenizes together: the oldest queued, then more while they fit, at most this
+        thread's share of the queue (the other threads take the rest in parallel)."""
+        taken: list[_Pending] = []
+        texts = chars = 0
+        with self._lock:
+            share = -(-len(self._pending) // self._workers)
+            while self._pending and len(taken) < share:
+                call = self._pending[0]
+                if call.future.done():  # its caller left (cancelled): nothing to tokenize for it
+                    self._pending.popleft()
+                    continue
+                if taken and (texts + len(call.texts) > MERGE_TEXTS or chars + call.chars > MERGE_CHARS):
+                    break
+                self._pending.popleft()
+                taken.append(call)
+                texts, chars = texts + len(call.texts), chars + call.chars
+                if chars > MERGE_CHARS:  # a large call goes alone
+                    break
+        return taken
+
     def _drain(self) -> None:
         """On a tokenizer thread: take the calls queued now, tokenize their texts in one batch, answer them."""
-        taken: list[_Pending] = []
-        count = 0
-        with self._lock:
-            while self._pending and (not taken or count + len(self._pending[0].texts) <= MERGE_TEXTS):
-                call = self._pending.popleft()
-                if call.future.done():  # its caller left (cancelled): nothing to tokenize for it
-                    continue
-                taken.append(call)
-                count += len(call.texts)
+        taken = self._take()
         if not taken:
             return
         answers: list[tuple[asyncio.Future, list[Tokenized] | None, BaseException | None]] = []
         try:
-            texts = taken[0].texts if len(taken) == 1 else [text for call in taken for text in call.texts]
-            encodings = self._encodings(texts)
-        except BaseException as exc:  # the tokenizer itself failed: every call taken hears it
-            answers = [(call.future, None, exc) for call in taken]
-        else:
-            at = 0
-            for call in taken:
-                part, at = encodings[at:at + len(call.texts)], at + len(call.texts)
-                try:
-                    answers.append((call.future, self._cut(part, call.limit, call.truncate, call.direction), None))
-                except InputTooLong as exc:  # this call's texts only
-                    answers.append((call.future, None, exc))
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for call, answer in zip(taken, answers, strict=True):
-            by_loop.setdefault(call.loop, []).append(answer)
-        for loop, some in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
-                loop.call_soon_threadsafe(_answer, some)
+            encodings: list[Encoding] | None = None
+            try:
+                texts = taken[0].texts if len(taken) == 1 else [text for call in taken for text in call.texts]
+                encodings = self._encodings(texts)
+            except BaseException as exc:  # one call's text the tokenizer cannot take must not fail the others
+                if len(taken) == 1:
+                    answers.append((taken[0].future, None, exc))
+            start = 0
+            for at, call in enumerate(taken):
+                end = start + len(call.texts)
+                if at >= len(answers):
+                    try:
+                        mine = self._encodings(call.texts) if encodings is None else encodings[start:end]
+                        answers.append((call.future, self._cut(mine, call.limit, call.truncate, call.direction),
+                                        None))
+                    except BaseException as exc:  # InputTooLong, or anything else: this call's alone
+                        answers.append((call.future, None, exc))
+                start = end
+        finally:  # every call taken is answered, whatever happened above
+            for call in taken[len(answers):]:
+                answers.append((call.future, None, RuntimeError("tokenization failed")))
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+            for call, answer in zip(taken, answers, strict=True):
+                by_loop.setdefault(call.loop, []).append(answer)
+            for loop, some in by_loop.items():
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
+                    loop.call_soon_threadsafe(_answer, some)
 
     @staticmethod
     def from_ids(token_lists: list[list[int]], limit: int, truncate: bool, direction: Direction) -> list[Tokenized]:
