@@ -42,6 +42,7 @@ def _answer(answers: list[tuple[asyncio.Future, list | None, BaseException | Non
         else:
             future.set_result(result)
 
+
 class InputTooLong(ValueError):
     def __init__(self, index: int, tokens: int, limit: int) -> None:
         super().__init__(
