@@ -17,11 +17,13 @@ saying so, when the rest of the budget would not hold it):
    shape), seq 512, budgets 16k and 64k: padded transformers vs packed, eager vs torch.compile, bf16 vs
    our FP8 vs torchao's float8 (row-wise) where installed; model FLOP/s and utilisation of the
    GPU's dense bf16 peak (measured: a large bf16 GEMM, and the datasheet figure).
+5. `cold_start`: process start -> first answer of `embedfleet serve --device cuda` for the bge-large shape
+   and the 0.6B decoder, weights on local disk, with the runtime's own phases (three starts each).
 
 On a machine without CUDA it prints one JSON line saying so and exits 0.
 
     python3 bench/gpu.py                  # everything, about 5 minutes on an H100
-    python3 bench/gpu.py --only latency   # or: server, profile, forward
+    python3 bench/gpu.py --only latency   # or: server, profile, forward, coldstart
     python3 bench/gpu.py --budget-s 240   # stop starting sections after 240 s
 """
 
@@ -32,6 +34,7 @@ import base64
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +42,19 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, Server, add_results_dir, corpus, gpu_log_name, percentiles, record, run_meta
+from _common import (
+    ROOT,
+    SOURCE_PATHS,
+    Server,
+    add_results_dir,
+    corpus,
+    free_port,
+    gpu_log_name,
+    percentiles,
+    record,
+    run_meta,
+    stop_process,
+)
 
 sys.path.insert(0, str(ROOT))
 
@@ -393,6 +408,46 @@ def latency_figures(models: dict[str, Path], emit, deadline: float) -> None:
     engine_latency(path, emit)
 
 
+def coldstart_figures(models: dict[str, Path], emit, deadline: float) -> None:
+    """Process start -> ready -> first answer of `embedfleet serve --device cuda` for the bge-large shape and the
+    0.6B decoder, weights (safetensors, random) on local disk as a node's cache holds them: the runtime's own
+    phases from GET /load (milliseconds: weights, engine load, warm-up, ready) and the first answer as a client
+    polling every 50 ms sees it. The runtime has one loader (safetensors, memory-mapped); a streaming loader to
+    set beside it does not exist."""
+    import httpx
+
+    for name in ("encoder-bge-large", "decoder-0.6b"):
+        for attempt in range(n(3, 1)):
+            if time.monotonic() > deadline:
+                emit({"figure": "cold_start", "model": name, "round": attempt, "skipped": "time budget"})
+                continue
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(SOURCE_PATHS), HF_HUB_OFFLINE="1")
+            started = time.monotonic()
+            with open(LOG_DIR / f"server-coldstart-{name}.log", "ab") as sink:
+                proc = subprocess.Popen([sys.executable, "-m", "embedfleet.runtime.cli", "serve", "--host", "127.0.0.1",
+                                         "--port", str(port), "--model", str(models[name]), "--device", device(),
+                                         "--dtype", "bfloat16"], env=env, stdout=sink, stderr=sink)
+            try:
+                answered = None
+                with httpx.Client(base_url=url, timeout=30) as client:
+                    while answered is None and time.monotonic() - started < 600 and proc.poll() is None:
+                        try:
+                            if client.post("/v1/embeddings", json={"input": "a first question"}).status_code == 200:
+                                answered = time.monotonic() - started
+                                break
+                        except httpx.TransportError:
+                            pass
+                        time.sleep(0.05)
+                    startup = client.get("/load").json().get("startup", {}) if answered is not None else {}
+            finally:
+                stop_process(proc)
+            emit({"figure": "cold_start", "model": name, "round": attempt, "device": device(),
+                  "first_answer_s": None if answered is None else round(answered, 3),
+                  "runtime_phases_s": startup.get("phases", {}), "weights_source": startup.get("weights_source")})
+
+
 def engine_latency(path: Path, emit) -> None:
     """The same 128-token query straight into the engine, with and without its CUDA graphs: the server's
     p50 less this is the host path's share."""
@@ -582,7 +637,7 @@ def forward_figures(models: dict[str, Path], gpu: str, emit, deadline: float) ->
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", help="comma-separated sections to run: server, latency, profile, forward")
+    p.add_argument("--only", help="comma-separated sections to run: server, latency, profile, forward, coldstart")
     p.add_argument("--filter", help="regex: only the server runs (minilm-bfloat16, minilm-fp8, minilm-bfloat16-padded, "
                    "bge-large-server) and forward variants (model/variant/dtype) it matches")
     p.add_argument("--budget-s", type=float, default=300.0, help="start no section after this many seconds")
@@ -616,7 +671,8 @@ def main() -> int:
     sections = {"server": lambda m: server_figures(m, emit, deadline),
                 "latency": lambda m: latency_figures(m, emit, deadline),
                 "profile": lambda m: profile_figure(emit, LOG_DIR),
-                "forward": lambda m: forward_figures(m, gpu, emit, deadline)}
+                "forward": lambda m: forward_figures(m, gpu, emit, deadline),
+                "coldstart": lambda m: coldstart_figures(m, emit, deadline)}
     with tempfile.TemporaryDirectory(prefix="embedfleet-gpu-bench-") as tmp:
         models = build_models(Path(tmp))
         emit({"figure": "models_built", "seconds": round(time.monotonic() - began, 1)})

@@ -11,6 +11,7 @@
 #   4. the decoder's forward rows (bf16, torchao float8 row- and tensor-wise, ours)   bench.decoder.log
 #   5. the encoder's forward rows (the bge-large shape, packed, compiled, FP8 kinds)  bench.encoder.log
 #   6. the single-query latency and the profile of one server batch                 bench.latency.log
+#   7. process start -> first answer for the bge-large shape and the 0.6B decoder   bench.coldstart.log
 # Writes the logs, the figures (<gpu>.jsonl, every row with the commit, the machine and the command), server
 # logs and a profile table under $OUT.
 set -u
@@ -61,6 +62,7 @@ fi
 phase decoder 120 150 --only forward --filter '^decoder'
 phase encoder 90 110 --only forward --filter '^encoder-bge-large/packed'
 phase latency 60 60 --only latency,profile
+phase coldstart 90 120 --only coldstart
 for f in bench/results/*.jsonl; do  # the GPU logs: the -cpu ones are not this machine's
   case $f in *-cpu.jsonl) ;; *) cp "$f" "$OUT/" ;; esac
 done
