@@ -142,7 +142,7 @@ def verify_model(settings: RuntimeSettings) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    hold()  # no collections while the server starts; the app's lifespan releases it once ready (startgc.py)
+    hold()  # rare collections while the server starts; the app's lifespan releases it once ready (startgc.py)
     try:
         return _run(args)
     finally:
@@ -171,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
 
         if settings.standby:
             log.info("--standby: the split's supervisor already replaces an engine that dies; not used")
-        release()  # the supervisor starts nothing itself and lives as long as the pod
+        release()  # the supervisor starts nothing itself and lives as long as the pod: usual thresholds
         return supervise(settings, list(getattr(args, "argv", sys.argv[2:])), fronts)
     if settings.standby and role_name is None:  # a parent that imports once and replaces a server that dies
         from embedfleet.runtime.standby import run as standby

@@ -87,7 +87,7 @@ def create_app(models: Models, gate_state: GateState,
                 if on_load_failed:
                     on_load_failed()
             finally:
-                release()  # the start is over: collection resumes, its objects frozen (startgc.py)
+                release()  # the start is over: its objects frozen, the usual thresholds back (startgc.py)
 
         load_task["t"] = asyncio.create_task(load())
         yield
