@@ -48,6 +48,13 @@ async def backfill(url: str, model: str, texts: list[str], n_per_request: int, c
 
 
 async def online(url: str, model: str, concurrency: int, requests: int, path: str = "/v1/embeddings") -> dict:
+    samples, elapsed = await online_samples(url, model, concurrency, requests, path)
+    return {"concurrency": concurrency, "requests_per_s": round(requests / elapsed, 2), **percentiles(samples)}
+
+
+async def online_samples(url: str, model: str, concurrency: int, requests: int,
+                         path: str = "/v1/embeddings") -> tuple[list[float], float]:
+    """Each short query's seconds as the client saw it, and the seconds all of them took."""
     samples: list[float] = []
     queries = [f"how do I reset my password {i}" for i in range(requests)]
     connector = aiohttp.TCPConnector(limit=concurrency)
@@ -69,7 +76,7 @@ async def online(url: str, model: str, concurrency: int, requests: int, path: st
         started = time.perf_counter()
         await asyncio.gather(*(one(q) for q in queries))
         elapsed = time.perf_counter() - started
-    return {"concurrency": concurrency, "requests_per_s": round(len(queries) / elapsed, 2), **percentiles(samples)}
+    return samples, elapsed
 
 
 def measure(url: str | None, model: str, n: int, per_request: int, concurrency: int, flags: list[str],
