@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.answers import assert_same_answer
 from tests.procs import RuntimeServer, start_runtime
 from tests.runtime.test_split import MODEL, TEXTS, assert_one_quota_per_pod, children, fresh
 
@@ -86,7 +87,7 @@ def test_both_engines_take_work_and_the_answers_are_one_process_s(engines, serve
             want = one.post(path, json=body)
             for _ in range(4):  # new connections, over both fronts and so both engines
                 got = fresh(engines, "POST", path, json=body)
-                assert (got.status_code, got.content) == (want.status_code, want.content), (path, got.text[:300])
+                assert_same_answer(got, want, path)
 
 
 def test_a_tenant_quota_is_one_per_pod_across_engines(engines):
