@@ -15,9 +15,12 @@ pessimistic one is believed:
   to what it has done so far (its tokens over its elapsed time), before it ends.
 
 A batch's seconds are wall clock: its engine time, plus the gap before it while work was already
-waiting (time the event loop spent before it could plan the batch drains nothing either). A lone
-tiny batch (mostly the engine's fixed cost per call) reads as a slow rate, and may make admission
-pessimistic for a moment; it only ever happens on a short queue, which admission lets through anyway.
+waiting (time the event loop spent before it could plan the batch drains nothing either). Its tokens
+are its inputs' plus one engine call's fixed cost (--batch-overhead-tokens, added by the bookkeeping):
+a lone query is a dozen tokens and mostly fixed cost, and counted by its own tokens alone a run of
+queries read as a rate several times below what the bulk batches that follow drain at, which refused
+a backfill for waits ten times its real one. Work queued ahead is counted by its own tokens: its
+batches' fixed costs are shared across many inputs once there is a queue.
 
 `estimate` is the decision, a pure function of the figures; `DrainRate` keeps the figures.
 """
