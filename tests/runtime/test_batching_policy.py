@@ -112,6 +112,29 @@ def test_bulk_batches_are_sized_by_measured_speed():
         assert bm._budget(bulk) == 16384
 
 
+def test_a_preemptible_engine_runs_bulk_batches_one_layer_of_which_takes_the_slice():
+    """A query waits one layer of a bulk batch on an engine that pauses between layers (preemption), so
+    its bulk batches are sized for one layer to take `bulk_batch_seconds` (or the shared slice), not the
+    whole batch: six layers, six times the tokens, up to --max-batch-tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from embedfleet.runtime.core.batcher import BatchManager
+    from embedfleet.runtime.metrics import RuntimeMetrics
+
+    with ThreadPoolExecutor(1) as pool:
+        bm = BatchManager(lambda batch: batch, 16384, 32, 10**6, RuntimeMetrics().for_model("m"), pool,
+                          bulk_batch_seconds=0.1, shared_batch_seconds=0.02)
+        bm._tokens_per_s = 10_000.0
+        bulk = [Entry(0, 10, False), Entry(1, 20, False)]
+        assert bm._budget(bulk) == 1000
+        bm.preemptible_in(6)
+        assert bm._budget(bulk) == 6000, "one of six layers takes the bulk slice"
+        bm._last_urgent = time.monotonic()
+        assert bm._budget(bulk) == 1200, "one of six layers takes the shared slice"
+        bm._last_urgent, bm._tokens_per_s = float("-inf"), 100_000.0
+        assert bm._budget(bulk) == 16384, "never past --max-batch-tokens"
+
+
 @given(entries, st.integers(1, 8192), st.integers(1, 64))
 def test_packed_batches_are_the_oldest_that_fit(queue, max_tokens, max_items):
     """A packed engine pays for real tokens: the batch holds the anchor, fits the budget in real tokens
