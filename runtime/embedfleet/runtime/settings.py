@@ -89,7 +89,8 @@ class RuntimeSettings(BaseSettings):
         "padding (CPU engine: ~45; raise it on GPUs, where a call costs more than its tokens)")
     bulk_batch_seconds: float = Field(
         0.1, ge=0, description="size batches of bulk (non-urgent) work to take about this long at the measured "
-        "speed, which bounds how long an urgent query waits behind one; 0: only --max-batch-tokens bounds them")
+        "speed, which bounds how long an urgent query waits behind one (with --preempt-bulk, one layer of the batch "
+        "takes this long: a query waits for one layer); 0: only --max-batch-tokens bounds them")
     shared_batch_seconds: float = Field(
         0.02, ge=0, description="while urgent requests are arriving (one in the last second), cut bulk batches to "
         "about this long instead, so a query mid-backfill waits for a short batch only; 0: off")
