@@ -28,7 +28,7 @@ class Bookkeeping:
     def __init__(self, metrics: ModelMetrics, now: float, packed: bool = False, overhead_tokens: int = 0) -> None:
         """`now`: time.monotonic(), where the decayed sums start; `packed`: the engine pads nothing, so a
         batch's tokens are its real ones (embedfleet_batch_tokens); `overhead_tokens`: one engine call's
-        fixed cost in tokens (--batch-overhead-tokens), which every batch is counted with in the drain rate."""
+        fixed cost in tokens (--batch-overhead-tokens): batches smaller than it stay out of the drain rate."""
         self.metrics = metrics
         self.packed = packed
         self.overhead_tokens = overhead_tokens
@@ -100,15 +100,19 @@ class Bookkeeping:
         if ended - started > self.longest_batch:
             self.longest_batch = ended - started
             self.metrics.batch_seconds_max.set(self.longest_batch)
-        # Each batch drains its tokens and one engine call's fixed cost: counted without it, a run of lone
-        # queries (a dozen tokens, mostly fixed cost) read as a rate several times below what bulk batches
-        # drain at, and a backfill that followed was refused for waits ten times its real one.
-        drained = tokens + self.overhead_tokens
+        # A batch of fewer tokens than one engine call's fixed cost is mostly that cost: a run of lone queries
+        # (a dozen tokens each) read as a rate several times below what queued work drains at, and a backfill
+        # that followed was refused for waits ten times its real one. Such batches run only when nothing
+        # queues behind them (queued work forms larger batches), where admission lets work through anyway,
+        # so they stay out of the rate; what is queued and the rate remain in the same unit, plain tokens.
+        small = tokens < self.overhead_tokens
         if not scheduled:  # run during a pause: its own time only (the pause is not the bulk batch's)
-            self.observe(ended, drained, ended - started)
+            if not small:
+                self.observe(ended, tokens, ended - started)
             return
         # The drain rate counts the gap since the previous batch when work was already waiting then:
         # time the event loop spent before it could plan this batch drains nothing either.
         since = self.last_end if self.last_end is not None else started
-        self.observe(ended, drained, ended - since - paused)
+        if not small:
+            self.observe(ended, tokens, ended - since - paused)
         self.last_end = ended if waiting else None

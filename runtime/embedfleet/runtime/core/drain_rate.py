@@ -15,12 +15,11 @@ pessimistic one is believed:
   to what it has done so far (its tokens over its elapsed time), before it ends.
 
 A batch's seconds are wall clock: its engine time, plus the gap before it while work was already
-waiting (time the event loop spent before it could plan the batch drains nothing either). Its tokens
-are its inputs' plus one engine call's fixed cost (--batch-overhead-tokens, added by the bookkeeping):
-a lone query is a dozen tokens and mostly fixed cost, and counted by its own tokens alone a run of
-queries read as a rate several times below what the bulk batches that follow drain at, which refused
-a backfill for waits ten times its real one. Work queued ahead is counted by its own tokens: its
-batches' fixed costs are shared across many inputs once there is a queue.
+waiting (time the event loop spent before it could plan the batch drains nothing either). A batch of
+fewer tokens than one engine call's fixed cost (--batch-overhead-tokens) is left out by the bookkeeping:
+a lone query is a dozen tokens and mostly fixed cost, a run of them read as a rate several times below
+what the bulk batches that follow drain at, and a backfill was refused for waits ten times its real
+one. Such batches only run with nothing queued behind them, where admission admits anyway.
 
 `estimate` is the decision, a pure function of the figures; `DrainRate` keeps the figures.
 """
