@@ -41,6 +41,9 @@ def _same(got: Any, want: Any, path: str) -> str | None:
             return f"{path}: keys {sorted(got) if isinstance(got, dict) else type(got)} != {sorted(want)}"
         return next((d for k in want if (d := _same(got[k], want[k], f"{path}.{k}")) is not None), None)
     if path.endswith(".embedding") or (isinstance(want, list) and want and isinstance(want[0], float)):
+        kinds = [type(x) for x in want] if isinstance(want, list) else None
+        if type(got) is not type(want) or (kinds is not None and [type(x) for x in got] != kinds):
+            return f"{path}: a {type(got).__name__} of other kinds where a {type(want).__name__} was"
         a, b = _vector(got), _vector(want)
         if a is None or b is None or a.shape != b.shape:
             return f"{path}: not the same kind of vector"

@@ -36,6 +36,8 @@ def test_float_rounding_passes() -> None:
     ({"a": 1}, {"a": 1, "b": 2}),
     ([[0.1, 0.2]], [[0.1, 0.2], [0.3, 0.4]]),
     ([{"index": 0, "score": 0.5}], [{"index": 1, "score": 0.5}]),
+    ({"embedding": b64([0.1, 0.2])}, {"embedding": [0.1, 0.2]}),  # encoding_format ignored
+    ({"embedding": [12, -3]}, {"embedding": [12.0, -3.0]}),  # int8 asked, floats sent
 ])
 def test_a_real_difference_fails(got, want) -> None:
     with pytest.raises(AssertionError):
