@@ -307,8 +307,8 @@ class BatchManager:
         `shared_batch_seconds`: the batch in the engine is what the next query waits for, and a backfill
         then trades some throughput for the queries' latency. An engine that pauses between layers for
         queries (preemption) makes a query wait one layer of a bulk batch, not all of it: its bulk batches
-        are then sized so that one layer takes those seconds. On two CPU cores a 0.1 s budget was about ten
-        inputs a batch, where batches of 32 ran 1.3x as many embeddings a second."""
+        are then sized so that one layer takes those seconds (whole-batch budgets made bulk batches of a
+        few inputs on two CPU cores, each paying the call's fixed cost)."""
         if not self.bulk_batch_seconds or not self._tokens_per_s or any(e.urgent for e in entries):
             return self.max_batch_tokens
         seconds, floor = self.bulk_batch_seconds, MIN_BULK_TOKENS  # never starve bulk work into tiny batches

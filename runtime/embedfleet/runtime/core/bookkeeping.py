@@ -100,11 +100,7 @@ class Bookkeeping:
         if ended - started > self.longest_batch:
             self.longest_batch = ended - started
             self.metrics.batch_seconds_max.set(self.longest_batch)
-        # A batch of fewer tokens than one engine call's fixed cost is mostly that cost: a run of lone queries
-        # (a dozen tokens each) read as a rate several times below what queued work drains at, and a backfill
-        # that followed was refused for waits ten times its real one. Such batches run only when nothing
-        # queues behind them (queued work forms larger batches), where admission lets work through anyway,
-        # so they stay out of the rate; what is queued and the rate remain in the same unit, plain tokens.
+        # batches smaller than one call's fixed cost stay out of the drain rate (why: core/drain_rate.py)
         small = tokens < self.overhead_tokens
         if not scheduled:  # run during a pause: its own time only (the pause is not the bulk batch's)
             if not small:
