@@ -371,3 +371,16 @@ def test_lone_queries_do_not_make_a_backfill_look_slow():
             await bm.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_bulk_batch_paused_for_queries_is_not_read_as_slow():
+    """The batch in the engine lowers the rate when it overruns it (`estimate`), by its tokens over its own
+    elapsed time: the time it spent paused while queries' batches ran is theirs, not its slowness. A bulk
+    batch of 1,000 tokens at 1,000 tokens/s, 1.5 s in, of which 0.6 s paused, is on time."""
+    with ThreadPoolExecutor(1) as pool:
+        bm = BatchManager(lambda batch: batch, 16384, 32, 10**6, RuntimeMetrics().for_model("m"), pool)
+        bm.seed_rate(1_000, 1.0)
+        bm._running_tokens, bm._running_since = 1_000, time.perf_counter() - 1.5
+        assert bm.drain_rate() == pytest.approx(1_000 / 1.5, rel=0.05), "1.5 s of its own: overrunning"
+        bm._paused_s = 0.6
+        assert bm.drain_rate() == 1_000.0, "0.9 s of its own: within the rate"

@@ -180,7 +180,8 @@ class BatchManager:
         Q tokens ahead finishes after Q / (rate - arrivals), not Q / rate). Never below MIN_BULK_SHARE
         of the rate, since bulk work waiting past its promotion time runs as urgent."""
         now = time.perf_counter()
-        running_s = now - self._running_since if self._running_tokens else 0.0
+        # the running batch's own time: pauses it spent running queries' batches are not its slowness
+        running_s = max(0.0, now - self._running_since - self._paused_s) if self._running_tokens else 0.0
         rate = self._books.drain.rate(now, self._running_tokens, running_s)
         if not urgent and rate:
             rate = max(rate - self.urgent_arrival_rate(), MIN_BULK_SHARE * rate)
@@ -397,7 +398,7 @@ class BatchManager:
     def _running(self, batch: list[Item]) -> None:
         """`batch` is the engine's batch now (admission counts it as ahead of every request)."""
         self._running_tokens = sum(item.length for item in batch)
-        self._running_since = time.perf_counter()
+        self._running_since, self._paused_s = time.perf_counter(), 0.0
 
     def _take_batch(self) -> list[Item]:
         """Plan a batch and do its bookkeeping at once (the scheduler does the bookkeeping while the
