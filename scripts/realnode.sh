@@ -328,7 +328,8 @@ up() {
   printf 'apiVersion: audit.k8s.io/v1\nkind: Policy\nrules:\n- level: Metadata\n' > "$D/audit-policy.yaml"
   local ec ep ap; ec=$(port); ep=$(port); ap=$(port); echo "$ap" > "$D/apiserver.port"
   bg etcd "$KB/etcd" --data-dir "$D/etcd" --listen-client-urls "http://127.0.0.1:$ec" --advertise-client-urls "http://127.0.0.1:$ec" \
-    --listen-peer-urls "http://127.0.0.1:$ep" --initial-advertise-peer-urls "http://127.0.0.1:$ep" --initial-cluster "default=http://127.0.0.1:$ep"
+    --listen-peer-urls "http://127.0.0.1:$ep" --initial-advertise-peer-urls "http://127.0.0.1:$ep" --initial-cluster "default=http://127.0.0.1:$ep" \
+    --unsafe-no-fsync
   bg apiserver "$KB/kube-apiserver" --etcd-servers="http://127.0.0.1:$ec" --secure-port="$ap" --bind-address="$GW" \
     --advertise-address="$GW" --service-cluster-ip-range="$SVC_CIDR" \
     --authorization-mode=Node,RBAC --token-auth-file="$D/tokens.csv" --cert-dir="$D/certs" \

@@ -15,6 +15,7 @@ import copy
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,6 +238,31 @@ class Fleet:
     def marks(self) -> None:
         for cluster in (self.hub, *self.spokes.values()):
             cluster.audit_mark()
+
+    def operator_writes(self) -> list[str]:
+        """Every operator's writes since the marks (the hub's on every cluster, each spoke's own), heartbeats
+        left out."""
+        found = writes(self.hub.audit(), self.hub_proc.user) if self.hub_proc is not None else []
+        for name, spoke in self.spokes.items():
+            events = spoke.audit()
+            found += writes(events, hub_user(name))
+            if self.spoke_procs.get(name) is not None:
+                found += writes(events, self.spoke_procs[name].user)
+        return found
+
+    def wait_quiet(self, quiet: float = 3.0, timeout: float = 90.0) -> None:
+        """Until no operator has written for `quiet` seconds (heartbeats aside): settled placement can still
+        have status to report (a Deployment's controller marks it Available after its pods are Ready, later
+        on a busy machine), and a steady-state window must start after that, not after a fixed sleep."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.marks()
+            time.sleep(quiet)
+            found = self.operator_writes()
+            if not found:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the operators kept writing for {timeout:.0f}s:\n" + "\n".join(found[-10:]))
 
     def hub_object(self, name: str, namespace: str) -> dict[str, Any]:
         return self.hub.get_json("embeddingdeployment", name, "-n", namespace) or {}

@@ -76,7 +76,7 @@ def test_placement_by_policy_and_status_from_the_spokes(fleet: Fleet) -> None:
 
 def test_an_idle_fleet_writes_nothing_but_heartbeats(fleet: Fleet) -> None:
     fleet.wait_settled(*SPREAD, {"eu": 2, "us": 2})
-    time.sleep(3)  # the spokes' reconciles of the last changes die down
+    fleet.wait_quiet()  # the spokes' reports of the last changes are written
     fleet.marks()
     window = 12.0  # a dozen hub rounds and heartbeats
     time.sleep(window)
