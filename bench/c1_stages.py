@@ -95,6 +95,7 @@ STAGES = (
 
 def stages(events: list[tuple[str, int]], windows: list[tuple[int, int]]) -> dict[str, list[float]]:
     """Each stage's microseconds per request, from the events inside each client window."""
+    events = sorted(events, key=lambda e: e[1])  # the server's threads append out of order: bisect needs order
     times = [t for _, t in events]
     out: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
     for sent, done in windows:

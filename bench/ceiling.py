@@ -101,11 +101,21 @@ class CeilingProcess:
 
     def backfill(self, n: int, seed: int = 0) -> dict:
         self._conn.send(("backfill", n, seed))
-        return self._conn.recv()
+        return self._answer()
 
     def single(self, reps: int) -> list[float]:
         self._conn.send(("single", reps))
-        return self._conn.recv()
+        return self._answer()
+
+    def _answer(self, timeout_s: float = 1800.0):
+        """The child's answer; an error, not a hang, when it died or stopped answering."""
+        if not self._conn.poll(timeout_s):
+            self.close()
+            raise RuntimeError(f"the ceiling process gave no answer in {timeout_s:.0f} s")
+        try:
+            return self._conn.recv()
+        except EOFError as exc:
+            raise RuntimeError(f"the ceiling process ended (exit code {self._proc.exitcode})") from exc
 
     def close(self) -> None:
         try:
