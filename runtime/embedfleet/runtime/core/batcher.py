@@ -90,7 +90,7 @@ class BatchManager:
         self._kick_pending = False  # a _kick is scheduled on the loop
         self._running_since = 0.0  # time.perf_counter() when the batch in the engine started
         # the drain rate, the tenants' fairness ledger, the urgent arrival rate, the batches' metrics
-        self._books = Bookkeeping(metrics, time.monotonic(), packed, overhead_tokens, max_batch_requests)
+        self._books = Bookkeeping(metrics, time.monotonic(), packed, overhead_tokens)
         # Preemption (see `preempt_point`): shared with the engine thread under `_preempt_lock`.
         self.preemptible = False  # the engine calls preempt_point between layers (ModelService.load wires it)
         self._stretch = 1.0  # the share of a bulk batch's time between two pauses (1 / its layers)

@@ -25,17 +25,13 @@ ARRIVALS_WINDOW_S = 5.0  # the urgent arrival rate is measured over about this m
 class Bookkeeping:
     """The running figures of one batch manager and the metrics of its batches."""
 
-    def __init__(self, metrics: ModelMetrics, now: float, packed: bool = False, overhead_tokens: int = 0,
-                 max_items: int = 0) -> None:
+    def __init__(self, metrics: ModelMetrics, now: float, packed: bool = False, overhead_tokens: int = 0) -> None:
         """`now`: time.monotonic(), where the decayed sums start; `packed`: the engine pads nothing, so a
         batch's tokens are its real ones (embedfleet_batch_tokens); `overhead_tokens`: one engine call's
-        fixed cost in tokens (--batch-overhead-tokens): batches smaller than it stay out of the drain rate,
-        unless they hold `max_items` inputs (--max-batch-requests: a flood of tiny inputs, whose queue drains
-        in batches just like them)."""
+        fixed cost in tokens (--batch-overhead-tokens): batches smaller than it stay out of the drain rate."""
         self.metrics = metrics
         self.packed = packed
         self.overhead_tokens = overhead_tokens
-        self.max_items = max_items
         self.drain = DrainRate()  # clock: time.perf_counter()
         self.tokens_per_s = 0.0  # the long-run rate (sizes bulk batches)
         self.last_end: float | None = None  # when the last batch finished, if work was waiting then
@@ -105,7 +101,7 @@ class Bookkeeping:
             self.longest_batch = ended - started
             self.metrics.batch_seconds_max.set(self.longest_batch)
         # batches smaller than one call's fixed cost stay out of the drain rate (why: core/drain_rate.py)
-        small = tokens < self.overhead_tokens and not (self.max_items and len(batch) >= self.max_items)
+        small = tokens < self.overhead_tokens
         if not scheduled:  # run during a pause: its own time only (the pause is not the bulk batch's)
             if not small:
                 self.observe(ended, tokens, ended - started)

@@ -19,11 +19,7 @@ waiting (time the event loop spent before it could plan the batch drains nothing
 fewer tokens than one engine call's fixed cost (--batch-overhead-tokens) is left out by the bookkeeping:
 a lone query is a dozen tokens and mostly fixed cost, a run of them read as a rate several times below
 what the bulk batches that follow drain at, and a backfill was refused for waits ten times its real
-one. A batch that small runs only when little of its class is queued (a query alone, or beside a
-backfill), where its time says little of what the queue drains at. The exception is a batch holding
---max-batch-requests tiny inputs: a flood of them drains in batches just like it, so it counts (on a
-GPU, where the fixed cost is thousands of tokens, a queue of short queries would otherwise never be
-measured).
+one. Such batches only run with nothing queued behind them, where admission admits anyway.
 
 `estimate` is the decision, a pure function of the figures; `DrainRate` keeps the figures.
 """
