@@ -250,7 +250,7 @@ class Fleet:
                 found += writes(events, self.spoke_procs[name].user)
         return found
 
-    def wait_quiet(self, quiet: float = 3.0, timeout: float = 90.0) -> None:
+    def wait_quiet(self, quiet: float = 3.0, timeout: float = 30.0) -> None:
         """Until no operator has written for `quiet` seconds (heartbeats aside): settled placement can still
         have status to report (a Deployment's controller marks it Available after its pods are Ready, later
         on a busy machine), and a steady-state window must start after that, not after a fixed sleep."""

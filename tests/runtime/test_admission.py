@@ -384,3 +384,5 @@ def test_a_bulk_batch_paused_for_queries_is_not_read_as_slow():
         assert bm.drain_rate() == pytest.approx(1_000 / 1.5, rel=0.05), "1.5 s of its own: overrunning"
         bm._paused_s = 0.6
         assert bm.drain_rate() == 1_000.0, "0.9 s of its own: within the rate"
+        bm._paused_s, bm._pause_started = 0.0, time.perf_counter() - 0.6
+        assert bm.drain_rate() == 1_000.0, "a pause still under way is not its time either"

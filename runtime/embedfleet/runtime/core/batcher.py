@@ -105,6 +105,7 @@ class BatchManager:
         # engine thread side
         self._in_interrupt = False
         self._paused_s = 0.0  # of the running bulk batch, spent running posted batches
+        self._pause_started = 0.0  # perf_counter() when the posted batch now on the engine started (0: none)
         self._engine_loop: asyncio.AbstractEventLoop | None = None
         metrics.max_batch_requests.set(max_batch_requests)
         metrics.max_batch_tokens.set(max_batch_tokens)
@@ -181,7 +182,10 @@ class BatchManager:
         of the rate, since bulk work waiting past its promotion time runs as urgent."""
         now = time.perf_counter()
         # the running batch's own time: pauses it spent running queries' batches are not its slowness
-        running_s = max(0.0, now - self._running_since - self._paused_s) if self._running_tokens else 0.0
+        running_s = 0.0
+        if self._running_tokens:
+            pause = self._pause_started  # a pause under way counts too (read once: the engine thread clears it)
+            running_s = max(0.0, now - self._running_since - self._paused_s - (now - pause if pause else 0.0))
         rate = self._books.drain.rate(now, self._running_tokens, running_s)
         if not urgent and rate:
             rate = max(rate - self.urgent_arrival_rate(), MIN_BULK_SHARE * rate)
@@ -492,12 +496,13 @@ class BatchManager:
 
     def _run_posted(self, batch: list[Item], inputs: list) -> None:
         self._in_interrupt = True  # its own layers' pauses do nothing
-        started = time.perf_counter()
+        started = self._pause_started = time.perf_counter()
         try:
             rows, error = self._run_engine(inputs)
         finally:
             self._in_interrupt = False
         ended = time.perf_counter()
+        self._pause_started = 0.0  # cleared before it is added: a read between the two counts it in neither
         self._paused_s += ended - started
         try:
             assert self._engine_loop is not None

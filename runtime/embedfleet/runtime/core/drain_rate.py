@@ -12,14 +12,16 @@ pessimistic one is believed:
   seconds spent draining them, and the same over the last `batches` batches alone, so that a slowed
   engine is seen within a batch or two;
 - running: a batch still in the engine that has taken longer than the rate predicts lowers the rate
-  to what it has done so far (its tokens over its elapsed time), before it ends.
+  to what it has done so far (its tokens over its elapsed time, less any pauses in which queries'
+  batches ran: preemption), before it ends.
 
 A batch's seconds are wall clock: its engine time, plus the gap before it while work was already
 waiting (time the event loop spent before it could plan the batch drains nothing either). A batch of
 fewer tokens than one engine call's fixed cost (--batch-overhead-tokens) is left out by the bookkeeping:
 a lone query is a dozen tokens and mostly fixed cost, a run of them read as a rate several times below
 what the bulk batches that follow drain at, and a backfill was refused for waits ten times its real
-one. Such batches only run with nothing queued behind them, where admission admits anyway.
+one. Such batches run when little of their class is queued (a query alone, or beside a backfill):
+their time says little of what a queue drains at.
 
 `estimate` is the decision, a pure function of the figures; `DrainRate` keeps the figures.
 """
@@ -53,7 +55,7 @@ def estimate(long_run: float, window: tuple[float, float] = (0.0, 0.0), last: tu
     """The rate to judge work by: the least of the long-run rate, the recent figures (`window`: the
     tokens and seconds of the batches that ended in the last seconds; `last`: the same of the last few
     batches alone; (0, 0) where there are none) and what the batch in the engine (`running_tokens`,
-    started `running_s` ago) has done so far. 0 while nothing is measured.
+    running for `running_s` seconds of its own) has done so far. 0 while nothing is measured.
 
     Properties (tested with hypothesis): never above the long-run rate, nor above any recent figure;
     slower recent batches never raise it; a running batch that has taken longer than the rate allows
