@@ -213,10 +213,9 @@ def _run(role: str, namespaces: Sequence[str] | None, election: Election, state:
 
 #: How long a thread that waits for the interpreter lock waits before it asks for it (CPython's default: 5 ms).
 #: The Lease renewal and the health endpoints are threads doing I/O beside handler threads that compute: each
-#: socket call gives the lock up and waits again behind them (the convoy effect). Forty loopback round trips
-#: beside six computing threads took 2.44 s at 5 ms and 0.70 s at 1 ms. It shortens that wait; it does not
-#: make a renewal safe on a machine too overloaded to run the operator (sixty deployments applied at once on
-#: two cores under three test workers still overran the 10 s renewal deadline with it).
+#: socket call gives the lock up and waits again behind them (the convoy effect), so with sixty deployments
+#: applied at once a renewal of two API calls overran its 10 s deadline and the operator exited. Forty loopback
+#: round trips beside six computing threads took 2.44 s at 5 ms and 0.70 s at 1 ms.
 SWITCH_INTERVAL_S = 0.001
 
 #: How long shutdown waits for handlers and background workers to end before it leaves the Lease to expire.
