@@ -19,7 +19,6 @@ import concurrent.futures
 import importlib
 import logging
 import os
-import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,7 +148,6 @@ def run_operator(
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     election = election or Election()
     configure_logging(verbose=verbose, debug=debug)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     state = ProcessState()
     metrics.set_leader(role, False)
     if metrics_port:
@@ -210,13 +208,6 @@ def _run(role: str, namespaces: Sequence[str] | None, election: Election, state:
             hand_over(elector, handler_pool)
     return 0
 
-
-#: How long a thread that waits for the interpreter lock waits before it asks for it (CPython's default: 5 ms).
-#: The Lease renewal and the health endpoints are threads doing I/O beside handler threads that compute: each
-#: socket call gives the lock up and waits again behind them (the convoy effect), so with sixty deployments
-#: applied at once a renewal of two API calls overran its 10 s deadline and the operator exited. Forty loopback
-#: round trips beside six computing threads took 2.44 s at 5 ms and 0.70 s at 1 ms.
-SWITCH_INTERVAL_S = 0.001
 
 #: How long shutdown waits for handlers and background workers to end before it leaves the Lease to expire.
 SETTLE_S = 10.0
