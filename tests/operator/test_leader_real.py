@@ -231,3 +231,53 @@ def test_a_release_that_succeeds_stands_the_watchdog_down(cluster: Cluster) -> N
     assert holder(cluster, "released") == ""
     assert not leader.is_leader
     assert not lost.event.wait(TIMING["renew_deadline"] + 1)
+
+
+def counting(leader: LeaderElector) -> list[str]:
+    """The methods of every call the elector makes from now on."""
+    calls: list[str] = []
+    request = leader.kube.request
+
+    def counted(method: str, *args, **kwargs):
+        calls.append(method)
+        return request(method, *args, **kwargs)
+
+    leader.kube.request = counted  # type: ignore[method-assign]
+    return calls
+
+
+def test_the_leader_renews_in_one_call_and_reads_again_after_an_edit(cluster: Cluster) -> None:
+    """Renewals are one compare-and-swap on the version of the leader's own last write (each call on a slow
+    API server takes a share of the renew deadline). An edit by someone else (a label) changes the version:
+    that round reads the Lease and still renews, since this process is still its holder."""
+    lost = Lost()
+    leader = elector(cluster, "one-call", "leader", lost)
+    assert leader.acquire()
+    try:
+        calls = counting(leader)
+        first = leader.renewed_at
+        wait_until(lambda: leader.renewed_at > first and len(calls) >= 3, 10, "three renewals")
+        assert set(calls) == {"PATCH"}, calls
+        cluster.kubectl("label", "lease", "one-call", "-n", NS, "team=platform")
+        edited, count = time.monotonic(), len(calls)
+        wait_until(lambda: leader.renewed_at > edited, 10, "a renewal after the edit")
+        assert calls[count:count + 3] == ["PATCH", "GET", "PATCH"], calls  # refused, read, renewed
+        assert holder(cluster, "one-call") == "leader" and leader.is_leader and lost.at is None
+    finally:
+        leader.release()
+    assert holder(cluster, "one-call") == ""
+
+
+def test_a_lease_taken_by_hand_ends_the_leader_at_its_next_round(cluster: Cluster) -> None:
+    """Someone writes another holder into the Lease (a second operator with a wrong lease name fixed by
+    hand, say): the one-call renewal is refused, the read shows another holder, and the leader stops."""
+    lost = Lost()
+    leader = elector(cluster, "taken", "leader", lost)
+    assert leader.acquire()
+    try:
+        cluster.kubectl("patch", "lease", "taken", "-n", NS, "--type=merge", "-p",
+                        '{"spec": {"holderIdentity": "intruder"}}')
+        assert lost.event.wait(TIMING["retry_period"] + 2), "acting on after another process took the Lease"
+        assert not leader.is_leader and holder(cluster, "taken") == "intruder"
+    finally:
+        leader.release()
