@@ -386,3 +386,37 @@ def test_a_bulk_batch_paused_for_queries_is_not_read_as_slow():
         assert bm.drain_rate() == 1_000.0, "0.9 s of its own: within the rate"
         bm._paused_s, bm._pause_started = 0.0, time.perf_counter() - 0.6
         assert bm.drain_rate() == 1_000.0, "a pause still under way is not its time either"
+
+
+def test_a_batch_run_after_the_forward_is_not_counted_again_in_the_next_gap():
+    """A query's batch posted too late for a pause of the bulk batch runs after its forward, before its
+    answer. Its time goes into the drain rate as its own; the next batch's gap must start when the engine
+    was free again, not when the bulk forward ended (that counted the query's batch twice)."""
+    from embedfleet.runtime.core.jobs import Item, Job
+
+    def engine(inputs):
+        time.sleep(0.05)
+        return [[0.0] for _ in inputs]
+
+    class Loop:  # the engine thread hands its results to the loop: record them instead
+        calls: list = []
+
+        def call_soon_threadsafe(self, fn, *args):
+            self.calls.append((fn.__name__, args))
+
+    with ThreadPoolExecutor(1) as pool:
+        bm = BatchManager(engine, 16384, 32, 10**6, RuntimeMetrics().for_model("m"), pool)
+        bm.preemptible_in(6)
+        loop = Loop()
+        job = Job([[1] * 100], urgent=True, future=None, remaining=1)  # type: ignore[arg-type]
+        bm._posted = ([Item(job, 0, 0)], [[1] * 100])
+        bm._accepting = True
+        bm._compute(loop, [Item(job, 0, 1)], [[1] * 100])
+        (posted, posted_args), (finish, finish_args) = loop.calls
+        assert (posted, finish) == ("_finish_posted", "_finish")
+        assert finish_args[5] < posted_args[-1] <= finish_args[7], "the gap starts after the query's batch"
+        bm._kick = lambda: None  # type: ignore[method-assign]  # (plans the next batch: nothing queued here)
+        bm._queued_tokens = 100  # work waiting: the next batch's gap counts from the engine's free time
+        batch, inputs, _rows, _error, started, ended, paused, free = finish_args
+        bm._after(batch, inputs, started, ended, paused, True, free)
+        assert bm._books.last_end == free

@@ -539,23 +539,25 @@ class BatchManager:
         started = time.perf_counter()
         rows, error = self._run_engine(inputs)
         ended = time.perf_counter()
-        paused = self._paused_s
+        paused, free = self._paused_s, ended
         if self.preemptible:
             with self._preempt_lock:
                 self._accepting = False
                 posted, self._posted = self._posted, None
             if posted is not None:  # posted after the last pause: it goes before this batch's answer
                 self._run_posted(*posted)
+                free = time.perf_counter()  # its time is its own in the drain rate, not the next gap's
         try:
-            loop.call_soon_threadsafe(self._finish, batch, inputs, rows, error, started, ended, paused)
+            loop.call_soon_threadsafe(self._finish, batch, inputs, rows, error, started, ended, paused, free)
         except RuntimeError:  # the loop closed while this batch ran (shutdown): nobody is waiting
             pass
 
     def _finish(self, batch: list[Item], inputs: list, rows, error: BaseException | None, started: float,
-                ended: float, paused: float = 0.0) -> None:
+                ended: float, paused: float = 0.0, free: float | None = None) -> None:
         """On the loop: complete the requests whose rows are all in, then (next turn, after their
         answers) the bookkeeping and the next batch. `paused`: of ended - started, the time spent
-        running posted batches (preemption), which is not this batch's."""
+        running posted batches (preemption), which is not this batch's; `free`: when the engine was free
+        for the next batch (after a batch posted too late for a pause ran; default `ended`)."""
         self._busy = False
         self._bulk_running = False
         self._running_tokens = 0
@@ -564,7 +566,7 @@ class BatchManager:
         self._deliver(batch, rows, error, started, ended, paused)
         if error is None and self._loop is not None:  # the answers go out first; the rest is bookkeeping
             self._kick_pending = True
-            self._loop.call_soon(self._after, batch, inputs, started, ended, paused, True)
+            self._loop.call_soon(self._after, batch, inputs, started, ended, paused, True, free)
         elif error is not None:
             self._schedule_kick()
 
@@ -596,10 +598,10 @@ class BatchManager:
                 job.future.set_result(job.results)
 
     def _after(self, batch: list[Item], inputs: list, started: float, ended: float, paused: float,
-               scheduled: bool) -> None:
+               scheduled: bool, free: float | None = None) -> None:
         """Bookkeeping of a batch answered last turn; `scheduled`: it was the engine's batch (not one run
         during a pause), so the next batch is planned now."""
-        self._books.record(batch, started, ended, paused, scheduled, waiting=bool(self._queued_tokens))
+        self._books.record(batch, started, ended, paused, scheduled, waiting=bool(self._queued_tokens), free=free)
         if any(item.job.trace is not None for item in batch):  # tracing on (tracing.py); answers are out
             trace_batch([(item.job.trace, item.length) for item in batch], started + paused, ended, self.packed)
         if scheduled:

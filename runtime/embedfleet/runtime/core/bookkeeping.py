@@ -85,10 +85,12 @@ class Bookkeeping:
         self.served = {t: v * keep for t, v in self.served.items() if v * keep >= 1.0}
 
     def record(self, batch: list[Item], started: float, ended: float, paused: float, scheduled: bool,
-               waiting: bool) -> None:
+               waiting: bool, free: float | None = None) -> None:
         """The metrics and the drain rate of a batch answered (times: time.perf_counter()); `scheduled`:
-        it was the engine's batch, not one run during a pause; `waiting`: work is queued now. Lengths
-        are the items' own (measured once, at submit), not the inputs' measured again."""
+        it was the engine's batch, not one run during a pause; `waiting`: work is queued now; `free`: when
+        the engine was free for the next batch (default `ended`; later when a batch run after this one's
+        forward, with its own time in the rate, held it). Lengths are the items' own (measured once, at
+        submit), not the inputs' measured again."""
         lengths = [item.length for item in batch]
         tokens = sum(lengths)
         self.metrics.batch_size.observe(len(batch))
@@ -111,4 +113,4 @@ class Bookkeeping:
         since = self.last_end if self.last_end is not None else started
         if not small:
             self.observe(ended, tokens, ended - since - paused)
-        self.last_end = ended if waiting else None
+        self.last_end = (ended if free is None else free) if waiting else None
