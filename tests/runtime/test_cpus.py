@@ -144,3 +144,17 @@ def test_a_process_held_to_half_a_cpu_by_its_cgroup_sizes_itself_to_one_core():
                 import time
 
                 time.sleep(0.05)
+
+
+def test_a_batch_overhead_past_the_planners_bound_is_refused_with_its_name(monkeypatch):
+    """Batches under the fixed cost stay out of admission's drain rate: a cost no engine call has would
+    leave admission with nothing to learn from, so the setting is bounded like the measured one."""
+    from embedfleet.runtime.settings import MAX_OVERHEAD_TOKENS
+
+    monkeypatch.setenv("EMBEDFLEET_BATCH_OVERHEAD_TOKENS", str(MAX_OVERHEAD_TOKENS))
+    assert RuntimeSettings().batch_overhead_tokens == MAX_OVERHEAD_TOKENS
+    monkeypatch.setenv("EMBEDFLEET_BATCH_OVERHEAD_TOKENS", str(MAX_OVERHEAD_TOKENS + 1))
+    with pytest.raises(Exception) as caught:
+        RuntimeSettings()
+    message = describe_error(caught.value)
+    assert "batch_overhead_tokens" in message and str(MAX_OVERHEAD_TOKENS) in message, message

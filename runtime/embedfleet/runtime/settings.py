@@ -27,6 +27,10 @@ from embedfleet.runtime.cpus import available_cores
 from embedfleet.runtime.models.spec import TASKS, Task
 from embedfleet.runtime.tenants import Tenants
 
+#: The largest fixed cost of one engine call, in tokens, the batch planner takes (set or measured). Past it a
+#: value is a mistake: batches under it stay out of admission's drain rate, so admission would learn nothing.
+MAX_OVERHEAD_TOKENS = 16_384
+
 Device = Literal["cpu", "cuda"]
 MAX_FRONTS = 64
 AUTO_MAX_FRONTS = 8  # --fronts auto: at most this many fronts (a GPU node's cores beyond it serve the engine)
@@ -85,8 +89,8 @@ class RuntimeSettings(BaseSettings):
         16384, ge=1, description="token budget of one engine batch (padded: longest x count)")
     max_batch_requests: int = Field(32, ge=1, description="most inputs in one engine batch")
     batch_overhead_tokens: int = Field(
-        48, ge=0, description="fixed cost of one engine call, in tokens, that the batch planner weighs against "
-        "padding (CPU engine: ~45; raise it on GPUs, where a call costs more than its tokens)")
+        48, ge=0, le=MAX_OVERHEAD_TOKENS, description="fixed cost of one engine call, in tokens, that the batch "
+        "planner weighs against padding (CPU engine: ~45; raise it on GPUs, where a call costs more than its tokens)")
     bulk_batch_seconds: float = Field(
         0.1, ge=0, description="size batches of bulk (non-urgent) work to take about this long at the measured "
         "speed, which bounds how long an urgent query waits behind one (with --preempt-bulk, one layer of the batch "

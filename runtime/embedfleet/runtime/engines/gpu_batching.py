@@ -23,12 +23,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from embedfleet.runtime.engines.cuda import MemoryBudgetError, largest_fitting_budget
+from embedfleet.runtime.settings import MAX_OVERHEAD_TOKENS
 
 MAX_GPU_BATCH_TOKENS = 65_536  # past this a batch takes long enough to delay queries for no throughput gain
 MIN_GPU_BATCH_TOKENS = 4_096
 TOKENS_PER_INPUT = 32  # a budget's worth of short inputs: inputs per batch = budget / this
 GPU_REQUESTS = (64, 1024)  # inputs per batch, at least and at most
-MAX_OVERHEAD_TOKENS = 16_384
 
 
 @dataclass(frozen=True)
