@@ -28,8 +28,10 @@ from tests.procs import child_env, spawn
 CHART = Path(os.environ.get("EMBEDFLEET_TEST_CHART") or ROOT / "charts" / "embedfleet")
 #: What an operator may be answered without it being a bug: 404 on a GET of something that does not
 #: exist yet is how "create if missing" starts; 429 is the server asking to retry (e.g. "storage is
-#: (re)initializing" right after a CRD is installed), which clients do.
-BENIGN = {(404, "get"), (404, "list"), (404, "delete"), (429, "list"), (429, "watch"), (429, "get")}
+#: (re)initializing" right after a CRD is installed), which clients do; 409 on a Lease is leader election's
+#: compare-and-swap refusing a write against a version that changed (the leader then reads it and decides).
+BENIGN = {(404, "get"), (404, "list"), (404, "delete"), (429, "list"), (429, "watch"), (429, "get"),
+          (409, "leases")}
 
 
 def is_kopf_patch_precondition(event: AuditEvent) -> bool:
