@@ -191,7 +191,8 @@ port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); 
 # The control plane runs at a higher CPU priority than the node and the tests (as root; else unchanged): in a
 # cluster it has machines of its own, here it shares two cores with image imports and servers, and an API
 # server starved for seconds makes the operator miss its Lease's renew deadline.
-CP_NICE=(nice -n -5)
+CP_NICE=()
+if [ "$(nice -n -5 nice 2>/dev/null)" = "$(( $(nice) - 5 ))" ]; then CP_NICE=(nice -n -5); fi
 
 bg() {  # bg NAME CMD...: start in the background, log to $D/NAME.log, record the PID
   local name=$1; shift; "$@" > "$D/$name.log" 2>&1 & echo "$! $name" >> "$D/pids"

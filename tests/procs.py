@@ -50,18 +50,24 @@ def child_env(extra: dict[str, str | None] | None = None) -> dict[str, str]:
     return env
 
 
-def _die_with(parent: int):
+def _die_with(parent: int, nice: int = 0):
     def preexec() -> None:  # in the child, between fork and exec: no locks, no imports
         if _LIBC is not None:
             _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
+        if nice:
+            try:  # a higher priority needs root (CAP_SYS_NICE); without it the child runs at ours
+                os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+            except OSError:
+                pass
     return preexec
 
 
-def spawn(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
-    """subprocess.Popen in its own session, killed with pytest (see the module docstring)."""
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with(os.getpid()), **popen_kwargs)
+def spawn(cmd: list[str], nice: int = 0, **popen_kwargs) -> subprocess.Popen:
+    """subprocess.Popen in its own session, killed with pytest (see the module docstring); `nice` is added
+    to the child's niceness (negative: a higher CPU priority, where this process may grant it)."""
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with(os.getpid(), nice), **popen_kwargs)
     _SPAWNED[:] = [p for p in _SPAWNED if p.poll() is None]
     _SPAWNED.append(proc)
     return proc

@@ -120,19 +120,19 @@ class Proc:
             return ""
 
 
-#: The control plane's processes run at a higher CPU priority than the tests' own (``nice -n -5``; as
+#: The control plane's processes run at a higher CPU priority than the tests' own (niceness 5 lower; as
 #: root, else at the tests' priority). In a cluster the control plane has machines of its own; here it
 #: shares two cores with the servers and builds the tests start, and an API server starved for seconds
 #: makes controllers miss their leases' renew deadlines, a fault of the test machine, not of the product.
-CONTROL_PLANE_NICE = ["nice", "-n", "-5"]
+CONTROL_PLANE_NICE = -5
 
 
 def spawn(name: str, argv: list[str], log_dir: Path, env: Mapping[str, str] | None = None) -> Proc:
     """A control-plane process (etcd, API server, controllers, kwok), at `CONTROL_PLANE_NICE`."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "ab") as log:
-        popen = spawn_child(CONTROL_PLANE_NICE + argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})})
+        popen = spawn_child(argv, nice=CONTROL_PLANE_NICE, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     return Proc(name, popen, log_path)
 
 

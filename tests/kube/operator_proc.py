@@ -28,10 +28,16 @@ from tests.procs import child_env, spawn
 CHART = Path(os.environ.get("EMBEDFLEET_TEST_CHART") or ROOT / "charts" / "embedfleet")
 #: What an operator may be answered without it being a bug: 404 on a GET of something that does not
 #: exist yet is how "create if missing" starts; 429 is the server asking to retry (e.g. "storage is
-#: (re)initializing" right after a CRD is installed), which clients do; 409 on a Lease is leader election's
-#: compare-and-swap refusing a write against a version that changed (the leader then reads it and decides).
-BENIGN = {(404, "get"), (404, "list"), (404, "delete"), (429, "list"), (429, "watch"), (429, "get"),
-          (409, "leases")}
+#: (re)initializing" right after a CRD is installed), which clients do.
+BENIGN = {(404, "get"), (404, "list"), (404, "delete"), (429, "list"), (429, "watch"), (429, "get")}
+
+
+def is_election_compare_and_swap(event: AuditEvent) -> bool:
+    """The leader renews its election Lease (``<release>-operator``) with a PATCH against the version of
+    its own last write; 409 means the Lease changed since, and the leader reads it and decides. That is
+    optimistic concurrency working. Any other 409 on a Lease (the spoke's heartbeat, a create) is not."""
+    return (event.code == 409 and event.verb == "patch" and event.resource == "leases"
+            and event.name.endswith("-operator"))
 
 
 def is_kopf_patch_precondition(event: AuditEvent) -> bool:
@@ -123,7 +129,8 @@ class OperatorProcess:
         for event in (e for e in everything if e.user == self.user):
             if event.code < 400 or event.code >= 500:
                 continue
-            if is_kopf_patch_precondition(event) or deleted_before(event, everything):
+            if is_kopf_patch_precondition(event) or is_election_compare_and_swap(event) \
+                    or deleted_before(event, everything):
                 continue
             if (event.code, event.verb) in allowed or (event.code, event.resource) in allowed:
                 continue

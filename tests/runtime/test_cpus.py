@@ -158,3 +158,9 @@ def test_a_batch_overhead_past_the_planners_bound_is_refused_with_its_name(monke
         RuntimeSettings()
     message = describe_error(caught.value)
     assert "batch_overhead_tokens" in message and str(MAX_OVERHEAD_TOKENS) in message, message
+    monkeypatch.setenv("EMBEDFLEET_BATCH_OVERHEAD_TOKENS", "600")
+    monkeypatch.setenv("EMBEDFLEET_MAX_BATCH_TOKENS", "512")
+    with pytest.raises(Exception) as caught:
+        RuntimeSettings()
+    message = describe_error(caught.value)
+    assert "batch_overhead_tokens (600) is more than max_batch_tokens (512)" in message, message

@@ -338,10 +338,10 @@ class LeaderElector:
         while not self._stop.wait(self.retry_period):
             if self._lost:
                 return
-            started = self.clock()
+            started, deadline = self.clock(), self.deadline
             try:
-                if self.try_once(self.deadline):
-                    self._log_slow(started)
+                if self.try_once(deadline):
+                    self._log_slow(started, deadline)
                     continue
                 log.error("leader election: lost lease %s/%s (gone, or another process holds it)",
                           self.namespace, self.name)
@@ -357,13 +357,14 @@ class LeaderElector:
             self._lose()
             return
 
-    def _log_slow(self, started: float) -> None:
-        """A renewal that took longer than its retry period is logged with how much of the renew deadline
-        it left: the early sign of a leader about to lose its Lease (a busy API server or process)."""
-        took = self.clock() - started
-        if took > self.retry_period:
+    def _log_slow(self, started: float, deadline: float) -> None:
+        """A renewal that took longer than its retry period is logged with how much was left of the renew
+        deadline it had to meet: the early sign of a leader about to lose its Lease (a busy API server or
+        process)."""
+        now = self.clock()
+        if now - started > self.retry_period:
             log.warning("leader election: renewal took %.1f s; %.1f s of the renew deadline were left",
-                        took, self.deadline - self.clock())
+                        now - started, deadline - now)
 
     def _watch_deadline(self) -> None:
         """Ends the acting at the renew deadline even while a renewal call is still under way."""

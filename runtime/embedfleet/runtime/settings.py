@@ -283,6 +283,10 @@ class RuntimeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> RuntimeSettings:
+        if "batch_overhead_tokens" in self.model_fields_set and self.batch_overhead_tokens > self.max_batch_tokens:
+            raise ValueError(f"batch_overhead_tokens ({self.batch_overhead_tokens}) is more than max_batch_tokens "
+                             f"({self.max_batch_tokens}): every batch would be under one call's fixed cost, and "
+                             "admission would learn nothing from any")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("cuda_graphs: needs device cuda")
         if self.compile and self.device != "cuda":
