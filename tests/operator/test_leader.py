@@ -17,6 +17,7 @@ from embedfleet.operator.leader import (
     decide,
     expired,
     format_time,
+    next_round_in,
     observe,
 )
 
@@ -100,6 +101,18 @@ def test_the_leader_stops_before_any_standby_can_take_the_lease(duration: int, s
     earliest = seen.at + max(seen.record.duration, 1)
     assert not expired(seen, earliest - 1e-6)
     assert leader_stops < earliest
+
+
+@given(retry=st.floats(0.1, 2.9), took=st.floats(0, 30))
+def test_a_slow_renewal_costs_the_next_round_only_what_it_took_beyond_the_period(retry: float, took: float) -> None:
+    """Rounds start every retry period from the last one's start: after a renewal that started at 0 and
+    took ``took`` seconds, the next starts at max(retry, took) and keeps the rest of the renew deadline
+    (which counts from 0). Counted from the end instead, it would lose ``retry`` more."""
+    ended = took
+    starts_at = ended + next_round_in(0.0, ended, retry)
+    assert starts_at >= ended  # never before the last round ended
+    assert starts_at == max(retry, took)
+    assert next_round_in(0.0, ended, retry) > 0 or took >= retry  # no wait only after a round that was the wait
 
 
 @given(deadline=st.floats(-100, 100), now=st.floats(-100, 100))

@@ -7,7 +7,8 @@ The operator sees a pod from the outside, through the timestamps Kubernetes reco
 * ``init``: scheduled -> the ``Initialized`` condition (init containers: the ``fetch-model`` container's
   image pull and its ``embedfleet cache pull``, a node cache link or a download);
 * ``image_pull``: initialized -> the last container's ``state.running.startedAt`` (the runtime image's
-  pull and the container's start);
+  pull and the container's creation and start: the runtime's process exists from its creation, so the
+  runtime's own ``ready`` begins inside this phase);
 * ``runtime_start``: started -> the ``Ready`` condition (inside the runtime: imports, weights read,
   engine load, warm-up; the runtime reports those parts itself, runtime/embedfleet/runtime/cold_start.py,
   and the operator adds them to its Event when it can reach the pod).

@@ -2,7 +2,8 @@
 
 The same protocol as client-go's ``leaderelection`` (what controller-runtime and the kube-controller-manager
 use): a candidate takes the Lease when it is free or its holder stopped renewing for
-``leaseDurationSeconds``, the leader renews it every ``retry_period``, and a leader that cannot renew
+``leaseDurationSeconds``, the leader renews it every ``retry_period`` (counted from the last round's
+start: `next_round_in`), and a leader that cannot renew
 within ``renew_deadline`` stops acting at once (the process exits; its pod restarts as a candidate).
 On a clean shutdown the leader releases the Lease, so a standby takes over in one retry period instead
 of one lease duration: only once its work has ended (main.py waits for kopf's handler threads and the
@@ -171,6 +172,19 @@ def call_timeout(deadline: float, now: float) -> float | None:
     return left if left >= MIN_CALL_S else None
 
 
+def next_round_in(last_started: float, now: float, retry_period: float) -> float:
+    """Seconds until the leader's next renewal round: rounds start every ``retry_period`` counted from the
+    last round's start, and at once when that round took longer.
+
+    The renew deadline counts from the start of the last successful renewal, so a round that started
+    ``retry_period`` after the previous one *ended* would lose the previous round's whole duration from
+    its own budget (``renew_deadline - retry_period - duration``). Counted from the start, a slow API
+    server costs the next round only what the slow call took beyond the period: the next round keeps
+    ``renew_deadline - max(retry_period, duration)``. A round that takes at least the period is itself
+    the wait, so this never loops without pause."""
+    return max(0.0, last_started + retry_period - now)
+
+
 def default_identity() -> str:
     """Pod name when running in a pod (the chart sets POD_NAME), else host and PID."""
     return identity()
@@ -335,7 +349,8 @@ class LeaderElector:
         return False
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.retry_period):
+        started = self.renewed_at  # the acquiring round's start
+        while not self._stop.wait(next_round_in(started, self.clock(), self.retry_period)):
             if self._lost:
                 return
             started, deadline = self.clock(), self.deadline
