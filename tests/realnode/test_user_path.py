@@ -162,6 +162,9 @@ def test_example_serves_through_the_gateway_with_the_in_process_vectors(release:
     # the runtime's parts lie inside its process start -> ready (the Event rounds each to a tenth: 0.2 s of slack)
     parts = sum(runtime.get(p, 0.0) for p in ("weights", "weights_verify", "engine_load", "warmup"))
     assert parts <= runtime["ready"] + 0.2, runtime
+    # the process starts after the pod's creation and is ready before the pod is: inside the pod's phases, which
+    # add up to creation -> Ready (the Event's tenths: 0.2 s of slack; the creation's whole second: one more)
+    assert runtime["ready"] <= sum(pod.values()) + 1.2, (pod, runtime)
     for runtime_pod in ready_runtimes(release, name):
         assert_process_inside_pod(runtime_pod)
     gw = gateway_ip(release)
@@ -193,9 +196,11 @@ def test_example_serves_through_the_gateway_with_the_in_process_vectors(release:
 def assert_process_inside_pod(pod: dict[str, Any]) -> None:
     """The runtime's own start against its pod's timestamps (docs/observability.md, "Cold starts"): its
     process is made when the container is created, so it exists before the kubelet stamps the container
-    started (``startedAt`` is written once the start call returns, seconds later on a loaded node), and it
-    is ready before the pod's ``Ready`` condition. Kubernetes writes both to the second (one second of
-    slack); the runtime's ``process_started`` is to the millisecond. Both clocks are this node's."""
+    started (``startedAt`` is written once the start call returns), and it is ready before the pod's
+    ``Ready`` condition. Kubernetes writes both to the second (one second of slack); the runtime's
+    ``process_started`` is to the millisecond. Both clocks are this node's. A runtime whose server was
+    started again inside the container (a standby parent's new child) would start after ``startedAt``:
+    the message shows the restart count and the phases."""
     startup = httpx.get(f"http://{pod['status']['podIP']}:{RUNTIME_PORT}/load", timeout=10).json()["startup"]
     process = parse_time(startup["process_started"])
     (container,) = [c for c in pod["status"]["containerStatuses"] if c["name"] == "runtime"]
@@ -204,7 +209,8 @@ def assert_process_inside_pod(pod: dict[str, Any]) -> None:
     assert process and started and ready, (startup, container, pod["status"]["conditions"])
     second = timedelta(seconds=1)
     assert parse_time(pod["metadata"]["creationTimestamp"]) <= process < started + second, (
-        startup["process_started"], pod["metadata"]["creationTimestamp"], container["state"])
+        startup["process_started"], pod["metadata"]["creationTimestamp"], container["state"],
+        container.get("restartCount"), startup["phases"])
     assert process + timedelta(seconds=startup["phases"]["ready"]) < ready + second, (startup, ready)
 
 
