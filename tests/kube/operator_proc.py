@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from tests.kube.controlplane import CONTROL_PLANE_NICE, ROOT, AuditEvent, Cluster, free_port, wait_until
+from tests.kube.controlplane import ROOT, AuditEvent, Cluster, free_port, wait_until
 from tests.procs import child_env, spawn
 
 #: The chart under test; EMBEDFLEET_TEST_CHART points tests at another copy (e.g. a release's).
@@ -175,11 +175,8 @@ def start_operator(
         pod_env["EMBEDFLEET_OPERATOR_METRICS_PORT"] = str(free_port())
     log_path = workdir / f"{name}.log"
     with open(log_path, "ab") as log:
-        # At the control plane's priority: in a cluster the operator's pod has a CPU request of its own (the
-        # chart's resources); here it shares two cores with other files' servers and builds, and a leader
-        # starved for seconds misses its renew deadline and exits, a fault of the test machine.
         popen = spawn(
-            argv, nice=CONTROL_PLANE_NICE, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
             env=child_env({**pod_env, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
                            **(env or {})}),
         )
