@@ -104,6 +104,11 @@ def test_a_refused_node_list_is_reported_not_swallowed(fresh_plane: ControlPlane
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "nodes-read"},
          "subjects": [{"kind": "ServiceAccount", "name": "spoke", "namespace": NS}]},
     )
+    # The API server's authorizer reads roles and bindings from its own watch: a grant takes effect a moment
+    # after it is written. Wait until it has, as the spoke's identity sees it, before the beat that needs it.
+    spoke_user = f"--as=system:serviceaccount:{NS}:spoke"
+    wait_until(lambda: all(cluster.kubectl("auth", "can-i", "list", what, "-n", NS, spoke_user, check=False)
+                           .stdout.strip() == "yes" for what in ("nodes", "pods")), 30, "the new grants in effect")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="embedfleet.operator.spoke.heartbeat"):
         beat.beat()

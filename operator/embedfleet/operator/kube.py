@@ -333,8 +333,9 @@ class Kube(KubeClient):
             content_type=MERGE_PATCH,
         )
 
-    def patch_status(self, kind: str, name: str, namespace: str | None, status: Mapping[str, Any]) -> None:
-        self.patch_merge(kind, name, namespace, {"status": dict(status)}, subresource="status")
+    def patch_status(self, kind: str, name: str, namespace: str | None, status: Mapping[str, Any]) -> dict[str, Any]:
+        """The object as written (its ``resourceVersion`` tells when a watch has caught up with the write)."""
+        return self.patch_merge(kind, name, namespace, {"status": dict(status)}, subresource="status")
 
     def has_resource(self, api_version: str, plural: str) -> bool:
         """Whether the server serves a resource (e.g. ServiceMonitor only where its CRD is installed).

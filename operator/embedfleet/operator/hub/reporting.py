@@ -43,12 +43,25 @@ class Reporter:
     def __init__(self, hub: Kube, informers: Mapping[str, Informer]) -> None:
         self.hub = hub
         self.informers = informers
+        #: (informer, object key) -> the resourceVersion of this hub's last status write to it, until the
+        #: informer has caught up with it (`settled`)
+        self._written: dict[tuple[str, str], str] = {}
+
+    def settled(self, informer: str, obj: Mapping[str, Any]) -> bool:
+        """Whether the view ``obj`` came from already shows this hub's own last status write to it. A status
+        computed from a view that does not (the watch event of the write has not arrived) repeats that write
+        with new transition times, and its Events again: such an object waits for the next round."""
+        version = self._written.get((informer, object_key(obj)))
+        watching = self.informers.get(informer)
+        return not version or watching is None or watching.caught_up(version)
 
     def reconcile(self, obj: dict[str, Any], placement: Placement, target: int,
                   views: Mapping[str, SpokeView], outcomes: Mapping[str, Mapping[str, Outcome]],
                   decision: waves.Decision | None = None, deprecation: str | None = None) -> None:
         """Status and Events of one hub object from what each spoke's copy is after this pass's writes
         (``deprecation``: the sentence for a deprecated field its spec relies on, said in ``Accepted``)."""
+        if not self.settled("deployments", obj):
+            return
         key = object_key(obj)
         status = obj.get("status") or {}
         old_rows = {r["name"]: r for r in status.get("clusters") or []}
@@ -183,6 +196,8 @@ class Reporter:
                 message)
 
     def write_status(self, obj: dict[str, Any], wanted: dict[str, Any]) -> None:
+        if not self.settled("deployments", obj):
+            return
         changes = convert.status_changes(obj.get("status"), wanted)
         if changes and self.patch_status("deployments", ED, obj, changes):
             log.info("status of %s: %s", object_key(obj), json.dumps(changes, sort_keys=True)[:2000])
@@ -196,10 +211,21 @@ class Reporter:
         watching = self.informers.get(informer)
         if watching is None or watching.holds(obj):
             try:
-                self.hub.patch_status(kind, meta["name"], meta.get("namespace"), changes)
+                written = self.hub.patch_status(kind, meta["name"], meta.get("namespace"), changes)
+                self._remember(informer, obj, written)
                 return True
             except KubeError as exc:
                 if exc.status != 404:
                     raise
         log.info("%s %s was deleted since it was read; its status is not written", kind, object_key(obj))
         return False
+
+    def _remember(self, informer: str, obj: Mapping[str, Any], written: Any) -> None:
+        """Keep the version of a status write until the informer shows it; entries it shows are dropped
+        here, so the map holds only writes still in flight (no growth with deleted objects)."""
+        version = str(((written or {}).get("metadata") or {}).get("resourceVersion") or "") \
+            if isinstance(written, Mapping) else ""
+        self._written = {k: v for k, v in self._written.items()
+                         if (w := self.informers.get(k[0])) is not None and not w.caught_up(v)}
+        if version:
+            self._written[(informer, object_key(obj))] = version
