@@ -48,12 +48,21 @@ class Reporter:
         self._written: dict[tuple[str, str], str] = {}
 
     def settled(self, informer: str, obj: Mapping[str, Any]) -> bool:
-        """Whether the view ``obj`` came from already shows this hub's own last status write to it. A status
-        computed from a view that does not (the watch event of the write has not arrived) repeats that write
-        with new transition times, and its Events again: such an object waits for the next round."""
-        version = self._written.get((informer, object_key(obj)))
-        watching = self.informers.get(informer)
-        return not version or watching is None or watching.caught_up(version)
+        """Whether ``obj`` (a view of the object, read at the round's start) already shows this hub's own last
+        status write to it. A status computed from a view that does not (the watch event of the write had not
+        arrived) repeats that write with new transition times, and its Events again: such an object waits
+        for the next round. Judged on the object's own resourceVersion, not on how far the watch has got
+        since it was read. Versions that are not integers (never issued by an etcd-backed API server) are
+        not compared: the write goes through, as it did before this check."""
+        key = (informer, object_key(obj))
+        written = self._written.get(key)
+        if not written:
+            return True
+        seen = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+        if not (seen.isdigit() and written.isdigit()) or int(seen) >= int(written):
+            del self._written[key]
+            return True
+        return False
 
     def reconcile(self, obj: dict[str, Any], placement: Placement, target: int,
                   views: Mapping[str, SpokeView], outcomes: Mapping[str, Mapping[str, Outcome]],
@@ -221,11 +230,9 @@ class Reporter:
         return False
 
     def _remember(self, informer: str, obj: Mapping[str, Any], written: Any) -> None:
-        """Keep the version of a status write until the informer shows it; entries it shows are dropped
-        here, so the map holds only writes still in flight (no growth with deleted objects)."""
+        """Keep the version of a status write until a view of the object shows it (`settled` drops it then;
+        an object deleted before that leaves one entry, until the hub process ends)."""
         version = str(((written or {}).get("metadata") or {}).get("resourceVersion") or "") \
             if isinstance(written, Mapping) else ""
-        self._written = {k: v for k, v in self._written.items()
-                         if (w := self.informers.get(k[0])) is not None and not w.caught_up(v)}
         if version:
             self._written[(informer, object_key(obj))] = version
