@@ -31,6 +31,9 @@ def test_a_status_write_for_an_object_deleted_mid_round(fresh_plane: ControlPlan
     try:
         hub.reconcile_all()  # starts the informers; writes the first status of both
         informer = hub.informers["deployments"]
+        # views that show those writes (the hub holds back a status computed from one that does not)
+        wait_until(lambda: all(hub.reporter.settled("deployments", o) for o in informer.items().values()), 10,
+                   "the first status writes back through the watch")
         snapshot = informer.items()
         assert {"embeddings/watched", "embeddings/unwatched"} <= set(snapshot)
         stale_watched, stale_unwatched = snapshot["embeddings/watched"], snapshot["embeddings/unwatched"]
