@@ -43,8 +43,8 @@ class Reporter:
     def __init__(self, hub: Kube, informers: Mapping[str, Informer]) -> None:
         self.hub = hub
         self.informers = informers
-        #: (informer, object key) -> the resourceVersion of this hub's last status write to it, until the
-        #: informer has caught up with it (`settled`)
+        #: (informer, object key) -> the resourceVersion of this hub's last status write to it, until a view
+        #: of the object shows it (`settled`; only deployments are checked: other kinds keep one entry each)
         self._written: dict[tuple[str, str], str] = {}
 
     def settled(self, informer: str, obj: Mapping[str, Any]) -> bool:
