@@ -184,8 +184,9 @@ class RuntimeSettings(BaseSettings):
         "start-up, so a query does not pay a kernel launch per operation; models without the packed path bucket "
         "every shape and compile it instead (torch.compile reduce-overhead). Default: on for packed models")
     packed: bool = Field(
-        True, description="device cuda: run BERT-family embedders on packed sequences (no padding, variable-length "
-        "FlashAttention), so a batch costs its tokens, not its longest row; --no-packed: the padded path")
+        True, description="run BERT-family embedders on packed sequences (no padding; on CUDA variable-length "
+        "FlashAttention, on CPU the native BERT modules with attention by length group), so a batch costs its "
+        "tokens, not its longest row; --no-packed: the padded path")
     compile: bool = Field(
         False, description="device cuda, packed models: torch.compile the transformer layers (fuses norms, "
         "activations and FP8's activation scaling into fewer kernels; adds start-up time)")

@@ -160,13 +160,14 @@ class TorchEngine:
         self._forward = self.model
         self.graph_shapes: list[tuple[int, int]] = []  # captured at warm-up when cuda_graphs is on
         self.max_batch_requests = max_batch_requests
-        self.packed: PackedEncoder | None = None  # engines/packed.py: CUDA, BERT-family embedders
-        self.packed_reason = "not on CUDA"
-        if self.device.type == "cuda" and packed:
+        # engines/packed.py on CUDA, engines/packed_cpu.py on CPU (the native BERT modules): BERT-family embedders
+        self.packed: PackedEncoder | None = None
+        self.packed_reason = "--no-packed"
+        if packed:
             self._setup_packed(compile)
         if dtype == "fp8":
             self._enable_fp8(fp8_min_cosine, fp8_strict, fp8_activation_scaling)
-        self._packed_graphs = bool(self.packed is not None and cuda_graphs is not False)
+        self._packed_graphs = bool(self.device.type == "cuda" and self.packed is not None and cuda_graphs is not False)
         if self.device.type == "cuda":
             self._setup_cuda(max_batch_tokens, bool(cuda_graphs) and self.packed is None)
 
@@ -193,12 +194,20 @@ class TorchEngine:
 
     def _setup_packed(self, compile: bool) -> None:
         why = packed_unsupported(self.model, self.spec.model_type, self.spec.task, self.device, self.dtype)
+        if why is None and self.device.type == "cpu" and self.implementation != "native":
+            why = "on CPU only the native BERT modules run packed (engines/bert_native.py)"
         if why is not None:
             self.packed_reason = why
             log.info("packed sequences off for %s: %s (padded batches)", self.spec.name, why)
             return
-        self.packed = PackedEncoder(self.model, self.spec.model_type, self.spec.pooling, self.device, compile=compile)
         self.packed_reason = ""
+        if self.device.type == "cpu":
+            from embedfleet.runtime.engines.packed_cpu import CpuPackedEncoder
+
+            self.packed = CpuPackedEncoder(self.model, self.spec.model_type, self.spec.pooling)
+            log.info("packed sequences on for %s (attention by length group)", self.spec.name)
+            return
+        self.packed = PackedEncoder(self.model, self.spec.model_type, self.spec.pooling, self.device, compile=compile)
         log.info("packed sequences on for %s (variable-length FlashAttention%s)", self.spec.name,
                  ", compiled layers" if compile else "")
 
@@ -284,6 +293,8 @@ class TorchEngine:
 
         for layer in list(layers)[1:]:
             layer.register_forward_pre_hook(pause)
+        if self.packed is not None:  # the packed CPU path calls its layers' parts, not the layer modules
+            self.packed.pause = callback  # type: ignore[attr-defined]
         return len(layers)
 
     def warmup(self) -> None:
