@@ -240,7 +240,7 @@ def main() -> None:
     texts = corpus(args.texts)
     counts = [0, *(int(n) for n in args.fronts.split(","))]
     if args.packed == "both" and args.model_engine:
-        sys.exit("--packed both needs the null engine (the CPU engine pads)")
+        sys.exit("--packed both needs the null engine (the model engine packs or pads as the model allows)")
     engines = [int(m) for m in args.engines.split(",")]
     configs = {f"fronts_{n}": (n, False, 1) for n in counts}
     configs |= {f"fronts_{n}_engines_{m}": (n, False, m) for n in counts if n for m in engines if m > 1}

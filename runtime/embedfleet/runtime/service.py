@@ -242,7 +242,8 @@ class ModelService:
                                self.settings.max_queue_tokens, self.metrics, self.engine_thread,
                                self.settings.batch_overhead_tokens, self.settings.bulk_batch_seconds,
                                self.settings.shared_batch_seconds, self.settings.max_queue_seconds,
-                               packed=getattr(engine, "runs_packed", False))
+                               packed=getattr(engine, "runs_packed", False),
+                               by_length=getattr(engine, "packs_by_length", False))
         if self.settings.preempt_bulk and getattr(engine, "preemptible", False):
             batcher.preemptible_in(engine.between_layers(batcher.preempt_point))  # type: ignore[attr-defined]
         tokens, seconds = await loop.run_in_executor(self.engine_thread, self._timed_batch, run)

@@ -70,7 +70,7 @@ def meta_router(models: Models, gate_state: GateState) -> APIRouter:
                            int8_min_cosine=s.int8_min_cosine, revision=s.revision or None,
                            **card_fields(s.engine.int8_gate if s.engine is not None else None),
                            batching=s.batching.card() if s.batching is not None else None,
-                           packed=getattr(s.engine, "packed", None) is not None if settings.device == "cuda" else None,
+                           packed=getattr(s.engine, "runs_packed", None),
                            vector_space=s.vector_space, fingerprint=s.fingerprint,
                            probe_set=s.probe.outputs.probe_set if s.probe is not None else None)
                  for s in models.services.values() if tenant.allows(s.name)]

@@ -121,7 +121,7 @@ class ModelCard(BaseModel):
     int8_max_prob_diff: float | None = None
     # on CUDA: the batching served (engines/gpu_batching.py) and what chose each value ("user" or "device")
     batching: dict | None = None
-    packed: bool | None = None  # on CUDA: batches run as packed sequences (engines/packed.py)
+    packed: bool | None = None  # runs packed sequences (engines/packed.py, packed_cpu.py); None: not torch
     # revisions (docs/rollouts.md): also answers `<id>@<revision>`; requests pinned to another space get 409
     revision: str | None = None
     vector_space: str | None = None

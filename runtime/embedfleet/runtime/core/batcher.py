@@ -61,9 +61,11 @@ class BatchManager:
     def __init__(self, engine_fn: EngineFn, max_batch_tokens: int, max_batch_requests: int,
                  max_queue_tokens: int, metrics: ModelMetrics, engine_thread: Executor,
                  overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, bulk_batch_seconds: float = 0.0,
-                 shared_batch_seconds: float = 0.0, urgent_wait_s: float = 0.0, packed: bool = False) -> None:
+                 shared_batch_seconds: float = 0.0, urgent_wait_s: float = 0.0, packed: bool = False,
+                 by_length: bool = False) -> None:
         self.engine_fn = engine_fn
         self.packed = packed  # the engine runs packed sequences: batches cost real tokens (core/batching.py)
+        self.by_length = by_length  # ...and its batches' time is their tokens (CPU): short inputs batch together
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.max_queue_tokens = max_queue_tokens
@@ -382,7 +384,7 @@ class BatchManager:
             return []
         queue = self._queue  # each Item is its own planner entry
         chosen = sorted(plan_batch(queue, self._budget(queue), self.max_batch_requests, self.overhead_tokens,
-                                   self._books.served, self.packed))
+                                   self._books.served, self.packed, self.by_length))
         batch = [queue[i] for i in chosen]
         keep = [True] * len(queue)
         for i in chosen:

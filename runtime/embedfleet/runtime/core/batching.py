@@ -16,11 +16,16 @@ its fixed overhead (measured on the CPU engine: ~4.5 ms, the time of ~45 tokens)
 found without trying every one (`best_window`), so a GPU's batches of a thousand inputs plan as fast as
 a CPU's of thirty-two.
 
-An engine that runs packed sequences (CUDA, BERT-family embedders: engines/packed.py) pays for its real
+An engine that runs packed sequences (BERT-family embedders: engines/packed.py, engines/packed_cpu.py) pays for its real
 tokens, not for rows x the longest row: there, padding costs nothing and every extra batch costs its fixed
 overhead again, on the GPU and on the host that plans, hands over and answers it. Its batches (`packed`)
 are the anchor and then the oldest items of the class that fit, up to the budget counted in real tokens:
 as few batches as the budget allows, and no sort by length.
+
+On CPU a packed batch's time is its tokens, and there a lone query batched with thirty passages waits for
+all of them (a GPU runs such a batch in milliseconds). A packed CPU engine's batches (`group_lengths`) are the
+anchor and then the items nearest it in length, shorter ones first, that fit: as full as the oldest-first
+batch, still unpadded, but a short query's batch holds short inputs.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ def pick_anchor(queue: Sequence[Queued], candidates: list[int], served: Mapping[
 
 def plan_batch(queue: Sequence[Queued], max_tokens: int, max_items: int,
                overhead_tokens: int = DEFAULT_OVERHEAD_TOKENS, served: Mapping[str, float] | None = None,
-               packed: bool = False) -> list[int]:
+               packed: bool = False, group_lengths: bool = False) -> list[int]:
     """Indices into `queue` of the next batch.
 
     Invariants (property-tested): non-empty when the queue is; contains the anchor; cost (padded, or
@@ -105,6 +110,8 @@ def plan_batch(queue: Sequence[Queued], max_tokens: int, max_items: int,
         own = [i for i in candidates if queue[i].tenant == tenant]
         if len(own) >= max_items or sum(queue[i].length for i in own) >= max_tokens:
             candidates = own
+    if packed and group_lengths:
+        return nearest_that_fit(queue, candidates, anchor, max_tokens, max_items)
     if packed:
         return oldest_that_fit(queue, candidates, anchor, max_tokens, max_items)
     order = by_length(queue, candidates)
@@ -130,6 +137,33 @@ def oldest_that_fit(queue: Sequence[Queued], candidates: list[int], anchor: int,
             room -= length
             if len(chosen) == max_items or room <= 0:
                 break
+    return chosen
+
+
+def nearest_that_fit(queue: Sequence[Queued], candidates: list[int], anchor: int, max_tokens: int,
+                     max_items: int) -> list[int]:
+    """The anchor, then `candidates` no longer than it from the longest down, then longer ones from the
+    shortest up, each while its real tokens fit in `max_tokens` (an item that does not fit is passed over
+    for shorter ones; past the anchor, every later one is longer still)."""
+    chosen = [anchor]
+    room = max_tokens - queue[anchor].length
+    if len(candidates) == 1 or max_items == 1 or room <= 0:
+        return chosen
+    order = by_length(queue, candidates)
+    pos = order.index(anchor)
+    for i in reversed(order[:pos]):
+        if queue[i].length <= room:
+            chosen.append(i)
+            room -= queue[i].length
+            if len(chosen) == max_items or room <= 0:
+                return chosen
+    for i in order[pos + 1:]:
+        if queue[i].length > room:
+            break
+        chosen.append(i)
+        room -= queue[i].length
+        if len(chosen) == max_items or room <= 0:
+            break
     return chosen
 
 

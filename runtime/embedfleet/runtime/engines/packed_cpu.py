@@ -13,11 +13,13 @@ the batch's sequences are grouped by length (power-of-two widths from 32), each 
 padded [rows, heads, width, head_dim] block with one index, run through one SDPA call with a key mask, and
 the results gathered back into packed order with one index for the whole batch. A group pads only its
 attention, never the linear layers, and attention is a small share of a short-sequence model's work. A
-batch whose sequences already lie as one block of equal lengths (a lone query) is not gathered at all.
+group's rows are longer than half its width (all but the narrowest, whose rows are at most 32 tokens), so its
+block holds less than twice its real tokens: the batch's attention memory stays within twice what its
+token budget (`--max-batch-tokens`) gives padded rows of one length. A batch whose sequences already lie as
+one block of equal lengths (a lone query) is not gathered at all.
 
 The query, key and value projections run as one matrix product: their weights are rebound as views of
-one [3 x hidden, hidden] tensor, so the padded path (classification, `--no-packed`) reads the same
-memory and no second copy is held.
+one [3 x hidden, hidden] tensor, so no second copy of them is held.
 
 Every batch's state is its own (no shared staging buffer): with preemption a query's batch runs inside a
 bulk batch's forward pass (`pause`, between layers), on the same thread.

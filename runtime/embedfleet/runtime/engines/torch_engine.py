@@ -273,6 +273,12 @@ class TorchEngine:
         return self.packed is not None and self.spec.task == "embed"
 
     @property
+    def packs_by_length(self) -> bool:
+        """Whether the planner should batch packed inputs of similar lengths (CPU: a batch's time is its
+        tokens, so a query batched with passages waits for them; core/batching.py `nearest_that_fit`)."""
+        return self.runs_packed and self.device.type == "cpu"
+
+    @property
     def preemptible(self) -> bool:
         """Whether `between_layers` can be served: on CPU, where a layer runs when Python calls it (on CUDA
         the host only queues kernels, so a pause there would not free the device) and the model is not
