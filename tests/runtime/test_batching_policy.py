@@ -135,21 +135,25 @@ def test_a_preemptible_engine_runs_bulk_batches_one_layer_of_which_takes_the_sli
         assert bm._budget(bulk) == 16384, "never past --max-batch-tokens"
 
 
-@given(entries, st.integers(1, 8192), st.integers(1, 64))
-def test_packed_batches_are_the_oldest_that_fit(queue, max_tokens, max_items):
+@given(entries, st.integers(1, 8192), st.integers(1, 64), st.booleans())
+def test_packed_batches_leave_out_only_what_does_not_fit(queue, max_tokens, max_items, group_lengths):
     """A packed engine pays for real tokens: the batch holds the anchor, fits the budget in real tokens
-    (a lone item always may), and leaves out only what no longer fits, so no extra batch is paid for."""
-    chosen = plan_batch(queue, max_tokens, max_items, packed=True)
+    (a lone item always may), and while it has room for more items leaves out only what no longer fits, so
+    no extra batch is paid for. On CPU (`group_lengths`) the anchor's company is the items nearest it in
+    length, shorter ones first: a longer item joins only once no shorter one that would fit is left."""
+    chosen = plan_batch(queue, max_tokens, max_items, packed=True, group_lengths=group_lengths)
     anchor = anchor_of(queue, chosen, max_items)
     if anchor is None:
         return
     assert queue[chosen[0]] == anchor, "the anchor leads"
     total = sum(queue[i].length for i in chosen)
     assert total <= max_tokens or len(chosen) == 1
+    left = [e for i, e in enumerate(queue) if i not in chosen and e.urgent == anchor.urgent]
     if len(chosen) < max_items:
-        room = max_tokens - total
-        left = [e for i, e in enumerate(queue) if i not in chosen and e.urgent == anchor.urgent]
-        assert all(e.length > room for e in left), "an item that fits is never left for another batch"
+        assert all(e.length > max_tokens - total for e in left), "an item that fits is never left for another batch"
+    longer = [queue[i].length for i in chosen if queue[i].length > anchor.length]
+    if group_lengths and longer:  # each shorter one left out did not fit even without the shortest longer one
+        assert all(e.length > anchor.length or e.length > max_tokens - total + min(longer) for e in left)
 
 
 def test_packed_batches_take_all_lengths_at_once():
@@ -161,28 +165,6 @@ def test_packed_batches_take_all_lengths_at_once():
     assert sorted(plan_batch(queue, 16384, 8, packed=True)) == list(range(8)), "the oldest, up to the cap"
     assert sorted(plan_batch(queue, 440, 32, packed=True)) == [0, 1, 2, 3, 5, 7, 9], \
         "the oldest that fit 440 real tokens: 200 + 8 + 200 + 8, then only the short ones"
-
-
-@given(entries, st.integers(1, 8192), st.integers(1, 64))
-def test_packed_cpu_batches_are_the_nearest_lengths_that_fit(queue, max_tokens, max_items):
-    """A packed CPU engine (`group_lengths`): the anchor and items near it in length, shorter ones first; it fits
-    the budget in real tokens (a lone item always may), and while it has room for more items, leaves out
-    only what no longer fits, so no extra batch is paid for; every item left out that is no longer than the
-    anchor was passed over for lack of room."""
-    chosen = plan_batch(queue, max_tokens, max_items, packed=True, group_lengths=True)
-    anchor = anchor_of(queue, chosen, max_items)
-    if anchor is None:
-        return
-    assert queue[chosen[0]] == anchor, "the anchor leads"
-    total = sum(queue[i].length for i in chosen)
-    assert total <= max_tokens or len(chosen) == 1
-    left = [e for i, e in enumerate(queue) if i not in chosen and e.urgent == anchor.urgent]
-    if len(chosen) < max_items:
-        assert all(e.length > max_tokens - total for e in left), "an item that fits is never left"
-    longer = [queue[i] for i in chosen if queue[i].length > anchor.length]
-    if longer:  # longer items join only once no shorter one is left that would have fitted
-        assert all(e.length > anchor.length or e.length > max_tokens - total + min(x.length for x in longer)
-                   for e in left)
 
 
 def test_a_lone_query_on_a_packed_cpu_engine_is_batched_with_short_inputs():
