@@ -269,7 +269,7 @@ class TorchEngine:
     @property
     def runs_packed(self) -> bool:
         """Whether `embed` runs packed sequences: a batch then costs its real tokens, and the batch planner
-        packs the oldest inputs instead of grouping by length (core/batching.py)."""
+        fills batches in real tokens instead of weighing padding (core/batching.py)."""
         return self.packed is not None and self.spec.task == "embed"
 
     @property
