@@ -212,15 +212,20 @@ class AuditEvent:
     credential: str = ""
     #: The request's body, abridged, where the audit policy keeps it (writes to an EmbeddingDeployment's status).
     body: str = ""
+    #: When the API server answered it (the ResponseComplete stage's stamp; 0 when absent).
+    completed: float = 0.0
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> AuditEvent:
         ref = raw.get("objectRef") or {}
         uri = raw.get("requestURI", "")
-        try:
-            received = datetime.fromisoformat(str(raw["requestReceivedTimestamp"]).replace("Z", "+00:00")).timestamp()
-        except (KeyError, ValueError):
-            received = 0.0
+        def stamp(key: str) -> float:
+            try:
+                return datetime.fromisoformat(str(raw[key]).replace("Z", "+00:00")).timestamp()
+            except (KeyError, ValueError):
+                return 0.0
+
+        received = stamp("requestReceivedTimestamp")
         return cls(
             user=(raw.get("user") or {}).get("username", ""),
             verb=raw.get("verb", ""),
@@ -237,6 +242,7 @@ class AuditEvent:
             credential=",".join(((raw.get("user") or {}).get("extra") or {})
                                 .get("authentication.kubernetes.io/credential-id") or []),
             body=json.dumps(raw["requestObject"], sort_keys=True)[:2000] if raw.get("requestObject") else "",
+            completed=stamp("stageTimestamp"),
         )
 
     @property

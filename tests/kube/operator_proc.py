@@ -49,12 +49,15 @@ def is_kopf_patch_precondition(event: AuditEvent) -> bool:
 
 
 def deleted_before(event: AuditEvent, audit: Iterable[AuditEvent]) -> bool:
-    """A 404 on a patch or update of an object someone deleted earlier (by audit time): a controller that
-    read the object, then wrote to it after a delete it had not heard of yet. Every controller meets
-    this race; a 404 on something never deleted is still a failure."""
+    """A 404 on a patch or update of an object whose delete the API server had received before it answered
+    the write (by audit time): a controller that read the object, then wrote to it while a delete it had not
+    heard of yet was under way or done. A write received first can still lose: the server reads the object,
+    the delete removes it, and the write's update finds it gone. Every controller meets this race; a 404 on
+    something never deleted, or deleted only after the answer, is still a failure."""
     if event.code != 404 or event.verb not in ("patch", "update") or not event.name:
         return False
-    return any(e.verb == "delete" and e.code < 300 and e.received <= event.received
+    answered = event.completed or event.received
+    return any(e.verb == "delete" and e.code < 300 and e.received <= answered
                and (e.resource, e.namespace, e.name) == (event.resource, event.namespace, event.name)
                for e in audit)
 

@@ -100,3 +100,23 @@ def test_pod_ips_outside_the_pod_network_never_leave_the_machine(kube_cluster: C
             assert exc.errno in (113, 101), exc  # EHOSTUNREACH / ENETUNREACH: refused on this host
         else:
             raise AssertionError(f"{stray}:8080 answered: traffic left the test's network")
+
+
+def test_a_write_that_loses_a_race_with_a_delete_is_told_apart_from_a_404_on_nothing_deleted() -> None:
+    """operator_proc.deleted_before: a delete received before the 404'd write was answered excuses it, even
+    one received after the write itself (the write read the object, then found it gone); a delete received
+    after the answer, or none, does not."""
+    from tests.kube.controlplane import AuditEvent
+    from tests.kube.operator_proc import deleted_before
+
+    def event(verb: str, code: int, received: float, completed: float = 0.0) -> AuditEvent:
+        return AuditEvent(user="u", verb=verb, code=code, uri="", resource="embeddingdeployments",
+                          subresource="status" if verb == "patch" else "", namespace="ns", name="d",
+                          dry_run=False, received=received, completed=completed)
+
+    write = event("patch", 404, received=10.0, completed=10.5)
+    assert deleted_before(write, [event("delete", 200, 9.0), write])
+    assert deleted_before(write, [event("delete", 200, 10.2), write]), "a delete under way when it was answered"
+    assert not deleted_before(write, [event("delete", 200, 10.6), write]), "deleted only after the answer"
+    assert not deleted_before(write, [write]), "never deleted"
+    assert not deleted_before(write, [event("delete", 404, 9.0), write]), "a delete that failed"
