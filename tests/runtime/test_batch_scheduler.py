@@ -113,7 +113,11 @@ def test_a_failed_batch_fails_its_requests_and_the_next_one_is_served(fault):
         assert (await answer(after)).tolist() == [[3.0, 7.0]]
         assert bm.queued_tokens == 0 and bm.ahead_of(urgent=True) == 0
 
-    with_manager(engine, scenario)
+    metrics = RuntimeMetrics()
+    with_manager(engine, scenario, metrics=metrics)
+    failures = [s.value for family in metrics.registry.collect() for s in family.samples
+                if s.name == "embedfleet_engine_failures_total"]
+    assert failures == [1.0], "one failed batch, counted once; the one after it is not"
 
 
 def test_bookkeeping_follows_each_batch():

@@ -209,6 +209,8 @@ def test_a_failing_query_batch_in_a_pause_fails_only_the_query():
                 await bm.stop()
 
     asyncio.run(main())
+    assert counter(metrics, "embedfleet_engine_failures_total") == 1, "the failed batch in the pause is counted"
+    assert counter(metrics, "embedfleet_preempted_batches_total") == 1
 
 
 BULK = [[101] + [2000 + (i * 37 + k) % 5000 for k in range(248)] + [102] for i in range(32)]  # 32 x 250 tokens

@@ -113,6 +113,10 @@ class RuntimeMetrics:
         self.preempted = Counter(
             "embedfleet_preempted_batches_total", "Batches of queries run while a bulk batch paused between layers "
             "(--preempt-bulk): queries that waited for one layer of it, not all of it", ["model"], registry=r)
+        self.engine_failures = Counter(
+            "embedfleet_engine_failures_total", "Batches the engine failed (an error, or the wrong number of rows): "
+            "their requests are answered 500 and the server keeps serving; a run of them is an engine fault, not "
+            "bad input", ["model"], registry=r)
         # per tenant (tenants.py; `default` without --api-keys): bounded by the keys file, so safe as labels
         self.tenant_requests = Counter(
             "embedfleet_tenant_requests_total", "Requests answered by the engine, per tenant", ["tenant", "model"],
@@ -222,6 +226,7 @@ class ModelMetrics:
     engine_busy: Counter
     expired: Counter
     preempted: Counter
+    engine_failures: Counter
     shed_expected_wait: Counter
     shed_queue_tokens: Counter
     shed_deadline: Counter

@@ -579,6 +579,7 @@ class BatchManager:
         when its first batch started on the engine (a query run in a pause waited for the pause too)."""
         if error is not None:
             log.error("engine failed a batch of %d inputs", len(batch), exc_info=error)
+            self.metrics.engine_failures.inc()  # a batch run in a pause (preemption) too
             for item in batch:
                 if not item.job.future.done():
                     item.job.future.set_exception(error)
