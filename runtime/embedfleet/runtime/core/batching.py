@@ -30,9 +30,9 @@ batch, still unpadded, but a short query's batch holds short inputs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress
+from itertools import accumulate, chain, compress
 from operator import attrgetter
 from typing import Protocol
 
@@ -126,44 +126,39 @@ def oldest_that_fit(queue: Sequence[Queued], candidates: list[int], anchor: int,
                     max_items: int) -> list[int]:
     """The anchor, then `candidates` oldest first while their real tokens fit in `max_tokens` (an item that
     does not fit is passed over for younger, shorter ones: it anchors a batch of its own in its turn)."""
-    chosen = [anchor]
-    room = max_tokens - queue[anchor].length
-    if len(candidates) == 1 or max_items == 1 or room <= 0:
-        return chosen
-    for i in sorted(candidates, key=lambda i: queue[i].seq):
-        length = queue[i].length
-        if length <= room and i != anchor:
-            chosen.append(i)
-            room -= length
-            if len(chosen) == max_items or room <= 0:
-                break
-    return chosen
+    return fill(queue, anchor, lambda: sorted(candidates, key=lambda i: queue[i].seq), len(candidates),
+                max_tokens, max_items)
 
 
 def nearest_that_fit(queue: Sequence[Queued], candidates: list[int], anchor: int, max_tokens: int,
                      max_items: int) -> list[int]:
     """The anchor, then `candidates` no longer than it from the longest down, then longer ones from the
     shortest up, each while its real tokens fit in `max_tokens` (an item that does not fit is passed over
-    for shorter ones; past the anchor, every later one is longer still)."""
+    for shorter ones)."""
+    def order() -> Iterable[int]:
+        ordered = by_length(queue, candidates)
+        pos = ordered.index(anchor)
+        return chain(reversed(ordered[:pos]), ordered[pos + 1:])
+
+    return fill(queue, anchor, order, len(candidates), max_tokens, max_items)
+
+
+def fill(queue: Sequence[Queued], anchor: int, order: Callable[[], Iterable[int]], candidates: int,
+         max_tokens: int, max_items: int) -> list[int]:
+    """The anchor, then the items of `order()` (indices into `queue`, other than the anchor) that still fit
+    in `max_tokens` real tokens, until `max_items`. `order` is called only when another item may join (of
+    `candidates` items in all): a lone query's plan sorts nothing."""
     chosen = [anchor]
     room = max_tokens - queue[anchor].length
-    if len(candidates) == 1 or max_items == 1 or room <= 0:
+    if candidates == 1 or max_items == 1 or room <= 0:
         return chosen
-    order = by_length(queue, candidates)
-    pos = order.index(anchor)
-    for i in reversed(order[:pos]):
-        if queue[i].length <= room:
+    for i in order():
+        length = queue[i].length
+        if length <= room and i != anchor:
             chosen.append(i)
-            room -= queue[i].length
+            room -= length
             if len(chosen) == max_items or room <= 0:
-                return chosen
-    for i in order[pos + 1:]:
-        if queue[i].length > room:
-            break
-        chosen.append(i)
-        room -= queue[i].length
-        if len(chosen) == max_items or room <= 0:
-            break
+                break
     return chosen
 
 

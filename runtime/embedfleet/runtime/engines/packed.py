@@ -106,6 +106,14 @@ def pack_host(batch: Sequence, position_offset: int, tokens_to: int | None = Non
     return out, tokens, segments, longest_bucket(int(lens.max()) if segments else 0)
 
 
+def batch_from(staged: torch.Tensor, tokens: int, segments: int, longest: int, rows: int) -> PackedBatch:
+    """The `PackedBatch` views of one staged `pack_host` array (`staged`, on the device it runs on)."""
+    t, s = tokens, segments
+    return PackedBatch(ids=staged[:t], positions=staged[t:2 * t], type_ids=staged[2 * t:3 * t],
+                       segment=staged[3 * t:4 * t], cu_seqlens=staged[4 * t:4 * t + s + 1].to(torch.int32),
+                       lengths=staged[4 * t + s + 1:].to(torch.float32), max_len=longest, rows=rows)
+
+
 def longest_bucket(n: int) -> int:
     """The longest sequence as the kernel is told it: rounded up to a power of two (at least 64). Any bound
     at or above the real one is correct; a few distinct values keep torch.compile from specialising on
@@ -142,11 +150,7 @@ class PackedEncoder:
         arr, tokens, segments, longest = pack_host(batch, self.position_offset, tokens_to, segments_to)
         host = self._pinned(arr.size)
         host.numpy()[:] = arr
-        dev = host.to(self.device, non_blocking=True)
-        t, s = tokens, segments
-        return PackedBatch(ids=dev[:t], positions=dev[t:2 * t], type_ids=dev[2 * t:3 * t], segment=dev[3 * t:4 * t],
-                           cu_seqlens=dev[4 * t:4 * t + s + 1].to(torch.int32),
-                           lengths=dev[4 * t + s + 1:].to(torch.float32), max_len=longest, rows=len(batch))
+        return batch_from(host.to(self.device, non_blocking=True), tokens, segments, longest, len(batch))
 
     def _pinned(self, n: int) -> torch.Tensor:
         """A reused host buffer (pinned on CUDA). Rewriting it is safe: the engine thread reads each batch's
@@ -159,14 +163,18 @@ class PackedEncoder:
     # -- forward ------------------------------------------------------------------------------
     def hidden(self, b: PackedBatch) -> torch.Tensor:
         """Token states [tokens, hidden] of the packed batch."""
+        x = self.embeddings(b)
+        for layer in self.layers:
+            x = self._layer_fn(layer, x, b.cu_seqlens, b.max_len)
+        return x
+
+    def embeddings(self, b: PackedBatch) -> torch.Tensor:
+        """The embedding layer's output [tokens, hidden]: word, position and (where the model has them) type."""
         emb = self.model.embeddings
         x = emb.word_embeddings(b.ids) + emb.position_embeddings(b.positions)
         if getattr(emb, "token_type_embeddings", None) is not None:
             x = x + emb.token_type_embeddings(b.type_ids)
-        x = emb.LayerNorm(x)
-        for layer in self.layers:
-            x = self._layer_fn(layer, x, b.cu_seqlens, b.max_len)
-        return x
+        return emb.LayerNorm(x)
 
     def _layer(self, layer: torch.nn.Module, x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
         att = layer.attention.self

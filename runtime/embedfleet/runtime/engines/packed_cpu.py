@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.nn import functional
 
-from embedfleet.runtime.engines.packed import PackedBatch, PackedEncoder, pack_host
+from embedfleet.runtime.engines.packed import PackedBatch, PackedEncoder, batch_from, pack_host
 
 MIN_WIDTH = 32  # the narrowest length group: below it attention is a sliver of a layer's work
 
@@ -99,20 +99,12 @@ class CpuPackedEncoder(PackedEncoder):
         """The batch in tensors of its own (the base class reuses one staging buffer, which a query's batch
         run during a preemption pause would overwrite under a bulk batch still in flight)."""
         arr, tokens, segments, longest = pack_host(batch, self.position_offset, tokens_to, segments_to)
-        dev = torch.from_numpy(arr)
-        t, s = tokens, segments
-        return PackedBatch(ids=dev[:t], positions=dev[t:2 * t], type_ids=dev[2 * t:3 * t], segment=dev[3 * t:4 * t],
-                           cu_seqlens=dev[4 * t:4 * t + s + 1].to(torch.int32),
-                           lengths=dev[4 * t + s + 1:].to(torch.float32), max_len=longest, rows=len(batch))
+        return batch_from(torch.from_numpy(arr), tokens, segments, longest, len(batch))
 
     def embed(self, batch: Sequence) -> torch.Tensor:
         b = self.stage(batch)
         groups = Groups([len(getattr(x, "ids", x)) for x in batch])
-        emb = self.model.embeddings
-        x = emb.word_embeddings(b.ids) + emb.position_embeddings(b.positions)
-        if getattr(emb, "token_type_embeddings", None) is not None:
-            x = x + emb.token_type_embeddings(b.type_ids)
-        x = emb.LayerNorm(x)
+        x = self.embeddings(b)
         for i, layer in enumerate(self.layers):
             if i and self.pause is not None:
                 self.pause()
