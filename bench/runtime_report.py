@@ -7,6 +7,8 @@
 The ceiling runs in a process of its own and alternates with the server round by round (which goes first
 alternates too), so that the host's load falls on both alike; with `--restarts N` both are started afresh
 N times and every round of every pair is pooled, so that no single process' speed decides the ratio.
+Each new pair first runs an unmeasured warm-up round (`--warmup` texts a side): a fresh process's first
+batches run slower while its heap grows, and the round that pays for it would favour whichever side it fell on.
 
 Prints one JSON line, also appended to bench/results/runtime_report-cpu.jsonl: server backfill ÷ ceiling
 (goal >= 1.0) and single-query p50 at concurrency 1 minus the ceiling's single-query p50 (goal <= 1 ms),
@@ -66,7 +68,11 @@ def one_round(ceiling: CeilingProcess, url: str, n: int, seed: int, per_request:
         (c_fill, c_single), (s_fill, s_single) = ceiling_side(), server_side()
     return {"ceiling_inputs": c_fill["inputs"], "ceiling_seconds": c_fill["seconds"],
             "server_inputs": s_fill["inputs"], "server_seconds": s_fill["seconds"],
-            "ceiling_single": c_single, "server_single": s_single}
+            "ceiling_single": c_single, "server_single": s_single, "server_first": server_first}
+
+
+SIDES = ("ceiling", "server")
+WARMUP_SEED = 1_000_000  # the warm-up's texts are none of the rounds'
 
 
 def summary(rounds: list[dict]) -> dict:
@@ -89,6 +95,10 @@ def summary(rounds: list[dict]) -> dict:
         "round_server_over_ceiling": [round(rate("server", [r]) / rate("ceiling", [r]), 3) for r in rounds],
         "round_single_query_overhead_ms": [round(p50_ms("server", [r]) - p50_ms("ceiling", [r]), 3)
                                            for r in rounds],
+        # each side's own figures by round: which side moves when the order changes
+        "round_embeddings_per_s": {side: [round(rate(side, [r]), 2) for r in rounds] for side in SIDES},
+        "round_single_query_ms": {side: [round(p50_ms(side, [r]), 3) for r in rounds] for side in SIDES},
+        "round_server_first": [r["server_first"] for r in rounds],
     }
 
 
@@ -101,6 +111,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per pair of processes")
     p.add_argument("--restarts", type=int, default=2, help="pairs of processes (ceiling, server), one after another")
     p.add_argument("--singles", type=int, default=150, help="single queries per side per round")
+    p.add_argument("--warmup", type=int, default=1_000,
+                   help="texts each side of a new pair runs, unmeasured, before its rounds (0: none)")
     p.add_argument("--infinity", help="path to the infinity_emb executable (installed in its own venv)")
     add_results_dir(p, "runtime_report-cpu.jsonl")
     a = p.parse_args()
@@ -110,6 +122,9 @@ def main() -> None:
         with CeilingProcess(a.dtype) as ceiling:
             server = Server("--dtype", a.dtype)
             try:
+                if a.warmup:  # a fresh process's first batches of each size run slower (its heap grows, caches fill)
+                    one_round(ceiling, server.url, a.warmup, WARMUP_SEED + restart, a.inputs_per_request,
+                              a.concurrency, 20, server_first=False)
                 for i in range(a.rounds):
                     k = restart * a.rounds + i
                     rounds.append(one_round(ceiling, server.url, a.n, k, a.inputs_per_request, a.concurrency,
