@@ -289,3 +289,11 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50_ms": round(float(np.percentile(a, 50)), 3), "p90_ms": round(float(np.percentile(a, 90)), 3),
             "p99_ms": round(float(np.percentile(a, 99)), 3)}
 
+
+def metric(url: str, name: str) -> float:
+    """A server's Prometheus sample `name`, summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+

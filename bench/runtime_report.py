@@ -27,7 +27,7 @@ import statistics
 import subprocess
 
 import serve_load
-from _common import Server, add_results_dir, corpus, free_port, percentiles, record, wait_ready
+from _common import Server, add_results_dir, corpus, free_port, metric, percentiles, record, wait_ready
 from ceiling import CeilingProcess
 from embedfleet.runtime.settings import default_model_dir
 
@@ -58,7 +58,10 @@ def one_round(ceiling: CeilingProcess, url: str, n: int, seed: int, per_request:
         return ceiling.backfill(n, seed), ceiling.single(singles)
 
     def server_side() -> tuple[dict, list[float]]:
-        fill = asyncio.run(serve_load.backfill(url, MODEL, corpus(n, seed=seed), per_request, concurrency))
+        texts = corpus(n, seed=seed)
+        busy = metric(url, ENGINE_BUSY)
+        fill = asyncio.run(serve_load.backfill(url, MODEL, texts, per_request, concurrency))
+        fill["engine_seconds"] = metric(url, ENGINE_BUSY) - busy
         samples, _ = asyncio.run(serve_load.online_samples(url, MODEL, 1, singles))
         return fill, samples
 
@@ -68,10 +71,12 @@ def one_round(ceiling: CeilingProcess, url: str, n: int, seed: int, per_request:
         (c_fill, c_single), (s_fill, s_single) = ceiling_side(), server_side()
     return {"ceiling_inputs": c_fill["inputs"], "ceiling_seconds": c_fill["seconds"],
             "server_inputs": s_fill["inputs"], "server_seconds": s_fill["seconds"],
+            "ceiling_forward_seconds": c_fill["forward_seconds"], "server_engine_seconds": s_fill["engine_seconds"],
             "ceiling_single": c_single, "server_single": s_single, "server_first": server_first}
 
 
 SIDES = ("ceiling", "server")
+ENGINE_BUSY = "embedfleet_engine_busy_seconds_total"
 WARMUP_SEED = 1_000_000  # the warm-up's texts are none of the rounds'
 
 
@@ -95,6 +100,12 @@ def summary(rounds: list[dict]) -> dict:
         "round_server_over_ceiling": [round(rate("server", [r]) / rate("ceiling", [r]), 3) for r in rounds],
         "round_single_query_overhead_ms": [round(p50_ms("server", [r]) - p50_ms("ceiling", [r]), 3)
                                            for r in rounds],
+        # the model's own time on the same texts: the server's engine (embedfleet_engine_busy_seconds_total)
+        # against the ceiling's forward passes; the rest of each side's time is its host path and idle engine
+        "server_engine_over_ceiling_forward": round(sum(r["server_engine_seconds"] for r in rounds)
+                                                    / sum(r["ceiling_forward_seconds"] for r in rounds), 3),
+        "server_engine_share": round(sum(r["server_engine_seconds"] for r in rounds)
+                                     / sum(r["server_seconds"] for r in rounds), 3),
         # each side's own figures by round: which side moves when the order changes
         "round_embeddings_per_s": {side: [round(rate(side, [r]), 2) for r in rounds] for side in SIDES},
         "round_single_query_ms": {side: [round(p50_ms(side, [r]), 3) for r in rounds] for side in SIDES},

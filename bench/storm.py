@@ -39,15 +39,9 @@ import time
 import aiohttp
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
-from _common import Server, add_results_dir, corpus, pinned_to, record
+from _common import Server, add_results_dir, corpus, metric, pinned_to, record
 from embedfleet.gateway.upstreams import server_timing
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def start_hog() -> subprocess.Popen:

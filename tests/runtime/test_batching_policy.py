@@ -139,8 +139,9 @@ def test_a_preemptible_engine_runs_bulk_batches_one_layer_of_which_takes_the_sli
 def test_packed_batches_leave_out_only_what_does_not_fit(queue, max_tokens, max_items, group_lengths):
     """A packed engine pays for real tokens: the batch holds the anchor, fits the budget in real tokens
     (a lone item always may), and while it has room for more items leaves out only what no longer fits, so
-    no extra batch is paid for. On CPU (`group_lengths`) the anchor's company is the items nearest it in
-    length, shorter ones first: a longer item joins only once no shorter one that would fit is left."""
+    no extra batch is paid for. On CPU (`group_lengths`) an urgent anchor's company is the items nearest it in
+    length, shorter ones first: a longer item joins only once no shorter one that would fit is left. A bulk
+    anchor's is the oldest, as without `group_lengths`."""
     chosen = plan_batch(queue, max_tokens, max_items, packed=True, group_lengths=group_lengths)
     anchor = anchor_of(queue, chosen, max_items)
     if anchor is None:
@@ -152,8 +153,10 @@ def test_packed_batches_leave_out_only_what_does_not_fit(queue, max_tokens, max_
     if len(chosen) < max_items:
         assert all(e.length > max_tokens - total for e in left), "an item that fits is never left for another batch"
     longer = [queue[i].length for i in chosen if queue[i].length > anchor.length]
-    if group_lengths and longer:  # each shorter one left out did not fit even without the shortest longer one
-        assert all(e.length > anchor.length or e.length > max_tokens - total + min(longer) for e in left)
+    if group_lengths and anchor.urgent and longer:  # each shorter one left out did not fit even without the
+        assert all(e.length > anchor.length or e.length > max_tokens - total + min(longer) for e in left)  # ...longer
+    if group_lengths and not anchor.urgent:
+        assert chosen == plan_batch(queue, max_tokens, max_items, packed=True), "bulk: oldest first on CPU too"
 
 
 def test_packed_batches_take_all_lengths_at_once():
@@ -175,3 +178,13 @@ def test_a_lone_query_on_a_packed_cpu_engine_is_batched_with_short_inputs():
     assert chosen[0] == 0 and len(chosen) == 8
     assert all(queue[i].length == 10 for i in chosen)
     assert any(queue[i].length == 250 for i in plan_batch(queue, 16384, 8, packed=True))
+
+
+def test_bulk_requests_on_a_packed_cpu_engine_are_batched_in_arrival_order():
+    """A bulk request is answered when its last input is: its inputs go oldest first, so the first request's
+    inputs fill the first batch whatever their lengths, and its client can send the next one while the
+    engine runs the rest (inputs of nearby lengths would take one or two of every request's into each batch)."""
+    queue = [Entry(i, (10, 250, 40, 120)[i % 4], False) for i in range(128)]  # 4 requests x 32, mixed lengths
+    chosen = plan_batch(queue, 16384, 32, packed=True, group_lengths=True)
+    assert chosen == list(range(32))
+
