@@ -153,8 +153,9 @@ def test_packed_batches_leave_out_only_what_does_not_fit(queue, max_tokens, max_
     if len(chosen) < max_items:
         assert all(e.length > max_tokens - total for e in left), "an item that fits is never left for another batch"
     longer = [queue[i].length for i in chosen if queue[i].length > anchor.length]
-    if group_lengths and anchor.urgent and longer:  # each shorter one left out did not fit even without the
-        assert all(e.length > anchor.length or e.length > max_tokens - total + min(longer) for e in left)  # ...longer
+    if group_lengths and anchor.urgent and longer:
+        # each shorter one left out did not fit even without the shortest longer one
+        assert all(e.length > anchor.length or e.length > max_tokens - total + min(longer) for e in left)
     if group_lengths and not anchor.urgent:
         assert chosen == plan_batch(queue, max_tokens, max_items, packed=True), "bulk: oldest first on CPU too"
 

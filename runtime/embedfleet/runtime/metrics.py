@@ -115,8 +115,8 @@ class RuntimeMetrics:
             "(--preempt-bulk): queries that waited for one layer of it, not all of it", ["model"], registry=r)
         self.engine_failures = Counter(
             "embedfleet_engine_failures_total", "Batches the engine failed (an error, or the wrong number of rows): "
-            "their requests are answered 500 and the server keeps serving; a run of them is an engine fault, not "
-            "bad input", ["model"], registry=r)
+            "their requests are answered 5xx (503 when it ran out of memory) and the server keeps serving; a run "
+            "of them is an engine fault, not bad input", ["model"], registry=r)
         # per tenant (tenants.py; `default` without --api-keys): bounded by the keys file, so safe as labels
         self.tenant_requests = Counter(
             "embedfleet_tenant_requests_total", "Requests answered by the engine, per tenant", ["tenant", "model"],

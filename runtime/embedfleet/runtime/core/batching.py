@@ -23,13 +23,13 @@ are the anchor and then the oldest items of the class that fit, up to the budget
 as few batches as the budget allows, and no sort by length.
 
 On CPU a packed batch's time is its tokens, and there a lone query batched with thirty passages waits for
-all of them (a GPU runs such a batch in milliseconds). A packed CPU engine's batches of urgent inputs
-(`group_lengths`), each one a request of its own, are the anchor and then the items nearest it in length,
-shorter ones first, that fit: as full as the oldest-first batch, still unpadded, but a short query's batch
-holds short inputs. Bulk batches stay oldest-first there too: a bulk request is answered when the last of
-its inputs is, so taking its inputs in arrival order answers each request as early as the engine can,
-while nearby lengths spread every request over the whole queue, so that the requests end together and the
-engine idles while their clients send the next ones (3% of a 4 x 32 backfill's time on 2 cores).
+all of them (a GPU runs such a batch in milliseconds). A packed CPU engine's urgent batches (`group_lengths`:
+queries of up to `--urgent-max-inputs` inputs, and bulk work promoted near its deadline) are the anchor and
+then the items nearest it in length, shorter ones first, that fit: as full as the oldest-first batch, still
+unpadded, but a short query's batch holds short inputs. Bulk batches stay oldest-first there too: a bulk
+request is answered when the last of its inputs is, so taking its inputs in arrival order answers each
+request as early as the engine can, while nearby lengths spread every request over the whole queue, so
+that the requests end together and the engine idles while their clients send the next ones.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Why: on CPU the model's time is its matrix products, which cost each token they 
 included. A server cannot sort a whole corpus by length the way an offline loop can: it batches what is
 queued now (a backfill of 4 clients x 32 natural-order texts is 128 inputs), so its padded batches are
 either short (few inputs of similar length, each paying the forward pass' fixed cost) or padded. Packed,
-a batch is its real tokens laid end to end ([tokens, hidden]), so the batch planner fills each batch with
-the inputs nearest the oldest in length (core/batching.py, `nearest_that_fit`) and neither padding nor extra
-batches are paid.
+a batch is its real tokens laid end to end ([tokens, hidden]), so the batch planner fills each batch up to
+its budget (core/batching.py: bulk inputs oldest first, queries with the inputs nearest them in length) and
+neither padding nor extra batches are paid.
 
 Attention is the one step that needs each sequence apart. CPU has no variable-length kernel, and one
 SDPA call per sequence (engines/packed.py's fallback) costs ~40 us of dispatch per sequence and layer. Here

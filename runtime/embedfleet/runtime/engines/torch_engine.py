@@ -274,7 +274,7 @@ class TorchEngine:
 
     @property
     def packs_by_length(self) -> bool:
-        """Whether the planner should batch packed inputs of similar lengths (CPU: a batch's time is its
+        """Whether the planner should batch packed urgent inputs of similar lengths (CPU: a batch's time is its
         tokens, so a query batched with passages waits for them; core/batching.py `nearest_that_fit`)."""
         return self.runs_packed and self.device.type == "cpu"
 
