@@ -224,3 +224,21 @@ def test_inputs_sharing_a_batch_count_its_engine_time_once(clock):
         assert (job.queue_s, job.inference_s, engine_busy(metrics)) == (0.0, 1.0, 1.0)
 
     with_manager(engine, scenario, metrics=metrics)
+
+
+def test_the_engine_gets_its_next_batch_before_the_answered_requests_resume():
+    """A request's handler resumes after its batch and encodes its response, a millisecond or more for a
+    bulk request; the engine must not sit idle meanwhile. When the first request's awaiter runs, the
+    second request's batch is already on the engine (the manager is busy with it)."""
+    engine = Engine()
+
+    async def scenario(bm: BatchManager, _pool) -> None:
+        first = bm.submit([[1]], urgent=False)
+        second = bm.submit([[2]], urgent=False)  # max_requests=1: the next batch
+        seen: list[tuple[bool, int]] = []
+        first.future.add_done_callback(lambda _f: seen.append((bm._busy, bm._queued_tokens)))
+        await answer(first)
+        assert seen == [(True, 0)], "the second batch left the queue for the engine before the first answer"
+        assert (await answer(second)).tolist() == [[1.0, 2.0]]
+
+    with_manager(engine, scenario, max_requests=1)
