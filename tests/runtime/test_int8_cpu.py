@@ -145,3 +145,25 @@ def test_openvino_and_nncf_telemetry_never_loads() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     nncf_impl, ovc_impl, module = out.stdout.split()
     assert nncf_impl != "NNCFTelemetry" and ovc_impl.endswith("telemetry_stub") and module == "None", out.stdout
+
+
+@pytest.mark.parametrize(("flags", "implementation", "packed"), [
+    ({}, "native", True),
+    ({"packed": False}, "native", False),
+    ({"model_impl": "transformers"}, "transformers", False),
+])
+def test_the_float32_serving_a_refused_int8_is_the_one_the_flags_ask_for(
+        spec: ModelSpec, built: tuple[Path, Int8CpuEngine], flags: dict, implementation: str, packed: bool) -> None:
+    """--no-int8-strict serves float32 where the gate refuses int8: the server's own float32 engine, with its
+    --no-packed and --model-impl, not the transformers' modules the build was exported from (which on CPU
+    never run packed) nor an engine with the defaults."""
+    from embedfleet.runtime.service import build_engine
+    from embedfleet.runtime.settings import RuntimeSettings
+
+    root, _ = built
+    settings = RuntimeSettings(dtype="int8", int8_strict=False, int8_min_cosine=1.0, engine_cache_dir=root,
+                               num_threads=THREADS, **flags)
+    engine = build_engine(settings, spec)
+    assert isinstance(engine, TorchEngine) and engine.effective_dtype == "float32"
+    assert engine.int8_gate is not None and not engine.int8_gate.passed
+    assert (engine.implementation, engine.packed is not None) == (implementation, packed)

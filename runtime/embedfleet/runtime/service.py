@@ -90,21 +90,32 @@ def build_engine(settings: RuntimeSettings, spec: ModelSpec) -> Engine:
         why = refusal(spec, settings.device)
         if why:
             raise Int8Rejected(why)
+        def float32() -> Engine:  # what serves where int8 is refused and --no-int8-strict allows it
+            return torch_engine(settings, spec, "float32")
+
         if spec.task != "embed":  # rerankers and classifiers: judged on scores and labels, not cosines
             return build_int8_scoring_engine(spec, num_threads=settings.num_threads or settings.cores(),
-                                             strict=settings.int8_strict, cache_root=settings.engine_cache_dir)
+                                             strict=settings.int8_strict, cache_root=settings.engine_cache_dir,
+                                             fallback=float32)
         return build_int8_engine(spec, num_threads=settings.num_threads or settings.cores(),
                                  min_cosine=settings.int8_min_cosine, strict=settings.int8_strict,
-                                 cache_root=settings.engine_cache_dir)
+                                 cache_root=settings.engine_cache_dir, fallback=float32)
     if settings.engine == "trtllm":
         from embedfleet.runtime.engines.trtllm_engine import TrtLlmEngine
 
         return TrtLlmEngine(spec, settings)
+    return torch_engine(settings, spec, settings.dtype)
+
+
+def torch_engine(settings: RuntimeSettings, spec: ModelSpec, dtype: str) -> Engine:
+    """The torch engine as the settings ask for it, in `dtype` (the settings' own, or float32 where int8 was
+    refused): the float32 that serves a refused int8 honours --no-packed, --model-impl and the batching flags
+    like any other."""
     from embedfleet.runtime.engines.torch_engine import TorchEngine
 
     # on CUDA a budget the user did not set is chosen from free memory after loading (engines/gpu_batching.py)
     sized = settings.device != "cuda" or "max_batch_tokens" in settings.model_fields_set
-    return TorchEngine(spec, device=settings.device, dtype=settings.dtype,
+    return TorchEngine(spec, device=settings.device, dtype=dtype,
                        num_threads=settings.num_threads or settings.cores(),
                        max_batch_tokens=settings.max_batch_tokens if sized else None,
                        fp8_min_cosine=settings.fp8_min_cosine,

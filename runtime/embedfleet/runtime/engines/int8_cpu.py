@@ -375,9 +375,11 @@ class Int8CpuEngine:
 
 def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = DEFAULT_MIN_COSINE,
                       strict: bool = True, cache_root: Path | None = None,
-                      sets: Int8Sets | None = None) -> Int8CpuEngine | TorchEngine:
+                      sets: Int8Sets | None = None,
+                      fallback: Callable[[], TorchEngine] | None = None) -> Int8CpuEngine | TorchEngine:
     """The int8 engine if the gate passes; otherwise Int8Rejected (strict) or the float32 torch engine, whose
-    `int8_gate` then carries the refused measurement. `sets` defaults to `int8_sets` for the model."""
+    `int8_gate` then carries the refused measurement. `sets` defaults to `int8_sets` for the model; `fallback`
+    makes that float32 engine (the server's, from its settings; default `fallback_engine`'s)."""
     why = refusal(spec, "cpu")
     if why:
         raise Int8Rejected(why)
@@ -410,10 +412,22 @@ def build_int8_engine(spec: ModelSpec, *, num_threads: int, min_cosine: float = 
         raise Int8Rejected(f"{summary}; the server will not start (serve --dtype float32, lower --int8-min-cosine, "
                            "or pass --no-int8-strict to serve float32 when int8 is refused)")
     log.warning("%s: %s; serving float32 (--no-int8-strict)", spec.name, summary)
-    engine = fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads)
+    fp32 = None if fallback is not None else fp32  # freed before the settings' float32 engine loads
+    engine = fallback_engine(fp32, fallback, spec, num_threads)
     engine.int8_gate = gate
     engine.build_source = source  # the int8 build was made (or found) and judged, though float32 serves
     return engine
+
+
+def fallback_engine(fp32: TorchEngine | None, fallback: Callable[[], TorchEngine] | None, spec: ModelSpec,
+                    num_threads: int) -> TorchEngine:
+    """The float32 engine that serves where int8 was refused: `fallback()`'s (the server's settings: packed or
+    not, native modules or transformers', its batching), else the one the build loaded, else a default one.
+    The build's own float32 engine is transformers' modules (the int8 graph is exported from them), which on
+    CPU do not run packed, so it serves only where no `fallback` is given."""
+    if fallback is not None:
+        return fallback()
+    return fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads)
 
 
 def _probe(manifest: dict[str, Any], path: Path, load_fp32: Callable[[], TorchEngine], spec: ModelSpec,

@@ -38,6 +38,7 @@ from embedfleet.runtime.engines.int8_cpu import (
     CacheKey,
     Int8Rejected,
     build_once,
+    fallback_engine,
     no_telemetry,
     quantize_module,
     refusal,
@@ -135,7 +136,8 @@ class Int8ScoringEngine:
 
 def build_int8_scoring_engine(spec: ModelSpec, *, num_threads: int, strict: bool = True,
                               cache_root: Path | None = None,
-                              sets: ScoringSets | None = None) -> Int8ScoringEngine | TorchEngine:
+                              sets: ScoringSets | None = None,
+                              fallback: Callable[[], TorchEngine] | None = None) -> Int8ScoringEngine | TorchEngine:
     """The int8 engine if the gate passes; otherwise Int8Rejected (strict) or the float32 torch engine,
     whose `int8_gate` carries the refused measurement. Cached by model digest like the embedders' build.
     `sets` defaults to `scoring_sets` for the model."""
@@ -170,7 +172,8 @@ def build_int8_scoring_engine(spec: ModelSpec, *, num_threads: int, strict: bool
         raise Int8Rejected(f"{summary}; the server will not start (serve --dtype float32, or pass "
                            "--no-int8-strict to serve float32 when int8 is refused)")
     log.warning("%s: %s; serving float32 (--no-int8-strict)", spec.name, summary)
-    engine = fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads)
+    fp32 = None if fallback is not None else fp32  # freed before the settings' float32 engine loads
+    engine = fallback_engine(fp32, fallback, spec, num_threads)
     engine.int8_gate = gate
     engine.build_source = source  # the int8 build was made (or found) and judged, though float32 serves
     return engine
