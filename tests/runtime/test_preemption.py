@@ -58,32 +58,38 @@ class LayeredEngine:
 
     LAYERS = 4
     HOLD = 999
+    HOLD_NEXT = 998  # held the same way, on its own events
 
     def __init__(self) -> None:
         self.pause = lambda: None
         self.release = threading.Event()
         self.at_boundary = threading.Event()
+        self.release_next = threading.Event()
+        self.at_boundary_next = threading.Event()
         self.log: list[str] = []
 
     def __call__(self, batch: list) -> np.ndarray:
-        name = "bulk" if batch[0][0] == self.HOLD else f"batch{batch[0][0]}"
+        first = batch[0][0]
+        name = {self.HOLD: "bulk", self.HOLD_NEXT: "next"}.get(first, f"batch{first}")
         self.log.append(f"{name}:start")
         for layer in range(1, self.LAYERS):
-            if layer == 1 and batch[0][0] == self.HOLD:
-                self.at_boundary.set()
-                assert self.release.wait(PATIENCE_S), "the test never released the bulk batch"
+            if layer == 1 and first in (self.HOLD, self.HOLD_NEXT):
+                at, release = (self.at_boundary, self.release) if first == self.HOLD else \
+                    (self.at_boundary_next, self.release_next)
+                at.set()
+                assert release.wait(PATIENCE_S), "the test never released the bulk batch"
             self.pause()
         self.log.append(f"{name}:end")
         return np.array([[len(x), x[-1]] for x in batch], dtype=np.float32)
 
 
-def run_scenario(scenario, preemptible: bool = True) -> tuple[LayeredEngine, RuntimeMetrics]:
+def run_scenario(scenario, preemptible: bool = True, max_requests: int = 32) -> tuple[LayeredEngine, RuntimeMetrics]:
     engine = LayeredEngine()
     metrics = RuntimeMetrics()
 
     async def main() -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="engine") as pool:
-            bm = BatchManager(engine, 16384, 32, 10**6, metrics.for_model("m"), pool)
+            bm = BatchManager(engine, 16384, max_requests, 10**6, metrics.for_model("m"), pool)
             if preemptible:
                 engine.pause = bm.preempt_point
                 bm.preemptible_in(LayeredEngine.LAYERS)
@@ -92,6 +98,7 @@ def run_scenario(scenario, preemptible: bool = True) -> tuple[LayeredEngine, Run
                 await scenario(bm, engine)
             finally:
                 engine.release.set()
+                engine.release_next.set()
                 await bm.stop()
 
     asyncio.run(main())
@@ -206,6 +213,7 @@ def test_a_failing_query_batch_in_a_pause_fails_only_the_query():
                 assert (await asyncio.wait_for(after.future, PATIENCE_S)).tolist() == [[2.0, 5.0]]
             finally:
                 engine.release.set()
+                engine.release_next.set()
                 await bm.stop()
 
     asyncio.run(main())
@@ -276,3 +284,51 @@ def test_a_query_sent_during_a_long_bulk_batch_is_answered_first(runtime_factory
     waited_ms, bulk_ms = int(query.headers["x-queue-time"]), int(bulk.headers["x-inference-time"])
     assert waited_ms >= 0.5 * bulk_ms, (order, waited_ms, bulk_ms)
     assert srv.metric("embedfleet_preempted_batches_total") == 0
+
+
+def test_the_next_bulk_batch_waits_on_the_engine_thread_and_a_query_still_goes_at_the_next_pause():
+    """With a bulk batch running, the next bulk batch is handed to the engine thread at once (it starts
+    when the running one ends, without waiting for the loop); bulk admission counts it, a query's does
+    not: a query posted meanwhile runs at the running batch's next pause, before the handed-over batch."""
+    async def scenario(bm: BatchManager, engine: LayeredEngine) -> None:
+        first = bm.submit([[LayeredEngine.HOLD, 1], [LayeredEngine.HOLD, 2]], urgent=False)
+        second = bm.submit([[5, 1], [5, 2]], urgent=False)  # two inputs a batch: the next batch
+        await until(engine.at_boundary.is_set)
+        assert bm._next is not None and bm.queued_tokens == 0, "the second batch is on the engine thread"
+        # a query waits for one layer of the running batch (4 tokens / 4 layers); bulk work for both batches
+        assert (bm.ahead_of(urgent=True), bm.ahead_of(urgent=False)) == (1, 8)
+        query = bm.submit([[7, 3]], urgent=True)
+        await until(lambda: bm._posted is not None)
+        engine.release.set()
+        assert (await asyncio.wait_for(query.future, PATIENCE_S)).tolist() == [[2.0, 3.0]]
+        assert (await asyncio.wait_for(first.future, PATIENCE_S)).tolist() == [[2.0, 1.0], [2.0, 2.0]]
+        assert (await asyncio.wait_for(second.future, PATIENCE_S)).tolist() == [[2.0, 1.0], [2.0, 2.0]]
+        assert engine.log == ["bulk:start", "batch7:start", "batch7:end", "bulk:end", "batch5:start", "batch5:end"]
+        for _ in range(3):
+            await asyncio.sleep(0)  # bookkeeping turns
+        assert bm.idle and bm.ahead_of(False) == 0
+
+    run_scenario(scenario, max_requests=2)
+
+
+def test_a_handed_over_bulk_batch_pauses_for_queries_from_its_start():
+    """The running batch hands its acceptance of queries' batches over to the bulk batch waiting behind
+    it: a query arriving once that one runs is run at its next pause, not after it."""
+    async def scenario(bm: BatchManager, engine: LayeredEngine) -> None:
+        first = bm.submit([[LayeredEngine.HOLD, 1], [LayeredEngine.HOLD, 2]], urgent=False)
+        second = bm.submit([[LayeredEngine.HOLD_NEXT, 1], [LayeredEngine.HOLD_NEXT, 2]], urgent=False)
+        await until(engine.at_boundary.is_set)
+        engine.release.set()
+        await until(engine.at_boundary_next.is_set)  # the handed-over batch runs, held at a boundary
+        await asyncio.wait_for(first.future, PATIENCE_S)
+        await until(lambda: bm._next is None and bm._running_tokens == 4)  # the loop saw the hand-over
+        assert (bm.ahead_of(urgent=True), bm.ahead_of(urgent=False)) == (1, 4)
+        query = bm.submit([[7, 3]], urgent=True)
+        await until(lambda: bm._posted is not None)
+        engine.release_next.set()
+        assert (await asyncio.wait_for(query.future, PATIENCE_S)).tolist() == [[2.0, 3.0]]
+        assert (await asyncio.wait_for(second.future, PATIENCE_S)).tolist() == [[2.0, 1.0], [2.0, 2.0]]
+        assert engine.log == ["bulk:start", "bulk:end", "next:start", "batch7:start", "batch7:end", "next:end"]
+
+    _, metrics = run_scenario(scenario, max_requests=2)
+    assert counter(metrics, "embedfleet_preempted_batches_total") == 1

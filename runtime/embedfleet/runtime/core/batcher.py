@@ -83,6 +83,9 @@ class BatchManager:
         self._queued_tokens = 0  # running totals: see the module docstring
         self._urgent_tokens = 0
         self._running_tokens = 0  # in the engine now
+        # a bulk batch handed to the engine thread behind the running bulk one (see `_prefetch`), its tokens
+        self._next: tuple[list[Item], bool] | None = None  # (the batch, whether it is bulk)
+        self._next_tokens = 0
         self._seq = 0
         # the one thread that ever touches the model (see ModelService.load); an EngineThread hands a batch
         # over without a Future (core/engine_thread.py), any other Executor with one
@@ -99,6 +102,7 @@ class BatchManager:
         self._preempt_lock = threading.Lock()
         self._accepting = False  # a bulk batch is on the engine thread and may be paused for a query's batch
         self._posted: tuple[list[Item], list] | None = None  # the batch to run at the next pause
+        self._next_bulk = False  # a bulk batch was handed over behind the running one: it accepts next
         # loop side
         self._bulk_running = False  # the batch on the engine thread is bulk work on a preemptible engine
         self._interrupting = False  # a posted batch is not answered yet (one at a time)
@@ -154,7 +158,7 @@ class BatchManager:
     def idle(self) -> bool:
         """Nothing queued, posted or on the engine: the server's own work (the start-up probe) may take the
         engine thread now without delaying a request."""
-        return not self._jobs and not self._running_tokens and not self._posted_tokens
+        return not self._jobs and not self._running_tokens and not self._next_tokens and not self._posted_tokens
 
     @property
     def saturated(self) -> bool:
@@ -163,11 +167,13 @@ class BatchManager:
     def ahead_of(self, urgent: bool) -> int:
         """Tokens the engine runs before a new request of this kind: urgent work only waits for urgent
         work (the planner serves it first) and the batch in the engine, of which only one layer when it is
-        a bulk batch that pauses for queries (preemption); bulk work waits for everything."""
+        a bulk batch that pauses for queries (preemption); bulk work waits for everything, the batch handed
+        over behind the running one included (urgent work only when that one is not bulk)."""
         running = self._running_tokens
         if urgent and self._bulk_running:  # it runs at the bulk batch's next pause: at most one layer away
             running = math.ceil(running * self._stretch)
-        return running + self._posted_tokens + (self._urgent_tokens if urgent else self._queued_tokens)
+        behind = self._next_tokens if not urgent or (self._next is not None and not self._next[1]) else 0
+        return running + self._posted_tokens + behind + (self._urgent_tokens if urgent else self._queued_tokens)
 
     def urgent_arrival_rate(self, now: float | None = None) -> float:
         """Urgent tokens submitted per second lately (a decayed sum over ARRIVALS_WINDOW_S)."""
@@ -421,10 +427,11 @@ class BatchManager:
 
     def _schedule_kick(self) -> None:
         """Plan on the next loop turn, not now: requests tokenized in the same turn share the batch.
-        With the engine running bulk work and urgent work queued, plan a batch to run at its next pause."""
+        With the engine running bulk work, urgent work queued is planned to run at its next pause, and
+        bulk work, when nothing is handed over behind it yet, to run after it (`_prefetch`)."""
         if self._loop is None:
             return
-        if not self._busy:
+        if not self._busy or (self._bulk_running and self._next is None and not self._urgent_tokens):
             if not self._kick_pending:
                 self._kick_pending = True
                 self._loop.call_soon(self._kick)
@@ -435,7 +442,10 @@ class BatchManager:
     def _kick(self) -> None:
         """If the engine is free, hand it the next batch; the bookkeeping runs once it is computing."""
         self._kick_pending = False
-        if self._loop is None or self._busy:
+        if self._loop is None:
+            return
+        if self._busy:
+            self._prefetch()
             return
         batch = self._plan()
         if not batch:
@@ -454,6 +464,41 @@ class BatchManager:
         self._account(batch)
         if bulk and self._urgent_tokens:  # promoted work, or urgent work the planner left for a tenant's turn
             self._schedule_kick()
+        else:
+            self._prefetch()
+
+    def _prefetch(self) -> None:
+        """With a bulk batch on a preemptible engine and no urgent work queued, hand the engine thread the
+        next bulk batch too, so that it starts it the moment the running one ends. Planned on the loop
+        only once the running batch's answer came back, the next batch waited for the loop to take its
+        turn and for the engine thread to wake and get a core back from whatever ran meanwhile (the
+        answers' encoding, the next requests' parsing and tokenizing, the clients): a millisecond or more
+        between batches on two cores, up to a scheduler slice. Queries lose nothing: one arriving later
+        runs at the next pause of whichever bulk batch is running (`preempt_point`), and the one handed
+        over keeps taking them from its start. Bulk work planned a batch early waits one batch longer.
+        While a queued request has a deadline (`x-request-timeout`), nothing is handed over early: only
+        queued work is dropped when its deadline passes (504, never run)."""
+        if self._loop is None or not self._bulk_running or self._next is not None or self._urgent_tokens:
+            return
+        self._live_queue()  # (promotes bulk work that reached its time: it then goes at the next pause)
+        if self._urgent_tokens:
+            self._schedule_kick()
+            return
+        if any(job.deadline is not None for job in self._jobs):  # work handed over is not expired: keep it queued
+            return
+        batch = self._plan()
+        if not batch:
+            return
+        bulk = not any(item.job.urgent for item in batch)
+        with self._preempt_lock:
+            if self._accepting:  # the running batch hands its acceptance over when it ends
+                self._next_bulk = bulk
+            else:  # it has ended already (its answer is on the way): this batch is the engine's next at once
+                self._accepting = bulk
+        self._next = (batch, bulk)
+        self._next_tokens = sum(item.length for item in batch)
+        self._post(self._compute, self._loop, batch, [item.job.inputs[item.index] for item in batch])
+        self._account(batch)
 
     # -- preemption ------------------------------------------------------------------------
     # The engine cannot be interrupted mid-layer, but on CPU it can pause between layers: a query that
@@ -544,7 +589,7 @@ class BatchManager:
         paused, free = self._paused_s, ended
         if self.preemptible:
             with self._preempt_lock:
-                self._accepting = False
+                self._accepting, self._next_bulk = self._next_bulk, False  # the batch handed over behind it
                 posted, self._posted = self._posted, None
             if posted is not None:  # posted after the last pause: it goes before this batch's answer
                 self._run_posted(*posted)
@@ -564,9 +609,14 @@ class BatchManager:
         The next batch goes first: planning it takes tens of microseconds, while the answers' handlers
         (which run before anything queued after them) encode their responses, a millisecond or more for a
         bulk request. Answers first left the engine idle for that time after every batch."""
-        self._busy = False
-        self._bulk_running = False
-        self._running_tokens = 0
+        if self._next is not None:  # the batch handed over behind this one started when this one ended
+            (_, self._bulk_running), self._next = self._next, None
+            self._running_tokens, self._next_tokens = self._next_tokens, 0
+            self._running_since = free if free is not None else ended  # (its pauses are the engine thread's)
+        else:
+            self._busy = False
+            self._bulk_running = False
+            self._running_tokens = 0
         if error is not None:
             self._books.last_end = None
             self._deliver(batch, rows, error, started, ended, paused)
