@@ -50,13 +50,17 @@ class Engine:
 PATIENCE_S = 10  # how long a test waits for an answer: only so that a broken scheduler cannot hang it
 
 
-def with_manager(engine: Engine, scenario, max_requests: int = 32, metrics: RuntimeMetrics | None = None) -> None:
+def with_manager(engine: Engine, scenario, max_requests: int = 32, metrics: RuntimeMetrics | None = None,
+                 preemptible: bool = False) -> None:
     """Run `scenario(bm, pool)` on a started manager over one engine thread, past start()'s own (empty)
-    planning turn, and stop the manager afterwards."""
+    planning turn, and stop the manager afterwards. `preemptible`: the manager treats the engine as one
+    that pauses between layers (it hands the next bulk batch over early); this engine never pauses."""
 
     async def main() -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="engine") as pool:
             bm = BatchManager(engine, 16384, max_requests, 10**6, (metrics or RuntimeMetrics()).for_model("m"), pool)
+            if preemptible:
+                bm.preemptible_in(1)
             bm.start()
             await asyncio.sleep(0)
             try:
@@ -242,3 +246,21 @@ def test_the_engine_gets_its_next_batch_before_the_answered_requests_resume():
         assert (await answer(second)).tolist() == [[1.0, 2.0]]
 
     with_manager(engine, scenario, max_requests=1)
+
+
+def test_a_failed_bulk_batch_does_not_take_the_one_handed_over_behind_it():
+    """The running bulk batch fails while the next one waits on the engine thread: the first request gets
+    the error, the second its rows, and the server serves the next request."""
+    engine = Engine()
+    engine.fail = True
+
+    async def scenario(bm: BatchManager, _pool) -> None:
+        first = bm.submit([[1]], urgent=False)
+        second = bm.submit([[2]], urgent=False)  # max_requests=1: handed over behind the first
+        with pytest.raises(RuntimeError, match="engine broke"):
+            await answer(first)
+        assert (await answer(second)).tolist() == [[1.0, 2.0]]
+        assert (await answer(bm.submit([[3]], urgent=False))).tolist() == [[1.0, 3.0]]
+        assert len(engine.batches) == 3
+
+    with_manager(engine, scenario, max_requests=1, preemptible=True)

@@ -332,3 +332,23 @@ def test_a_handed_over_bulk_batch_pauses_for_queries_from_its_start():
 
     _, metrics = run_scenario(scenario, max_requests=2)
     assert counter(metrics, "embedfleet_preempted_batches_total") == 1
+
+
+def test_nothing_is_handed_over_early_while_a_queued_request_has_a_deadline():
+    """Only queued work is dropped when its deadline passes (504, never run): a bulk request with a
+    deadline stays queued behind the running bulk batch, and bulk work queued beside it too."""
+    async def scenario(bm: BatchManager, engine: LayeredEngine) -> None:
+        first = bm.submit([[LayeredEngine.HOLD, 1], [LayeredEngine.HOLD, 2]], urgent=False)
+        timed = bm.submit([[5, 1], [5, 2]], urgent=False, deadline=time.monotonic() + 60)
+        await until(engine.at_boundary.is_set)
+        other = bm.submit([[6, 1], [6, 2]], urgent=False)
+        for _ in range(3):
+            await asyncio.sleep(0)  # the loop turns in which a hand-over would be planned
+        assert bm._next is None and bm.queued_tokens == 8, "both still queued"
+        engine.release.set()
+        for job in (first, timed, other):
+            await asyncio.wait_for(job.future, PATIENCE_S)
+        assert engine.log == ["bulk:start", "bulk:end", "batch5:start", "batch5:end", "batch6:start", "batch6:end"]
+        assert bm._deadline_jobs == 0
+
+    run_scenario(scenario, max_requests=2)

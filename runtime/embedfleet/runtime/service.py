@@ -346,7 +346,7 @@ class ModelService:
         """The int8/uint8 calibration: the model directory's file (read at load), else the shipped texts
         embedded on first use, once. Lazily, because every start-up would otherwise pay for it (2.5 s for
         all-MiniLM on two busy CPU cores) though most deployments never ask for int8; the first request
-        that does waits for it. The engine thread runs one batch at a time, so it queues with traffic."""
+        that does waits for it. The engine thread runs one call at a time, so it queues with traffic."""
         if self.calibration is None:
             async with self._calibrating:
                 if self.calibration is None:

@@ -2,7 +2,7 @@
 
 Requests enqueue their tokenized inputs and await a future; the scheduler plans a batch with
 `plan_batch` whenever the engine is free, runs it on the engine thread, and scatters rows back in
-each request's input order. Work whose client has gone, or whose deadline has passed, is dropped
+each request's input order. Queued work whose client has gone, or whose deadline has passed, is dropped
 before it reaches the engine.
 
 Scheduling is driven by callbacks, not by a task awaiting the engine: a lone query on an idle server
@@ -85,8 +85,9 @@ class BatchManager(Preemption):
         self._urgent_tokens = 0
         self._running_tokens = 0  # in the engine now
         # a bulk batch handed to the engine thread behind the running bulk one (see `_prefetch`), its tokens
-        self._next: tuple[list[Item], bool] | None = None  # (the batch, whether it is bulk)
+        self._next: tuple[list[Item], bool, float] | None = None  # (the batch, whether bulk, perf_counter posted)
         self._next_tokens = 0
+        self._deadline_jobs = 0  # queued jobs with a deadline (nothing is handed over early while there are any)
         self._seq = 0
         # the one thread that ever touches the model (see ModelService.load); an EngineThread hands a batch
         # over without a Future (core/engine_thread.py), any other Executor with one
@@ -129,8 +130,8 @@ class BatchManager(Preemption):
         self._schedule_kick()
 
     async def stop(self) -> None:
-        """No batch is started after this; one already on the engine thread finishes, and its answer is
-        dropped if the loop has closed by then."""
+        """No batch is planned after this; the one on the engine thread, and a bulk batch handed over behind
+        it (`_prefetch`), finish, and their answers are dropped if the loop has closed by then."""
         self._loop = None
 
     # -- public ----------------------------------------------------------------------------
@@ -265,6 +266,7 @@ class BatchManager(Preemption):
         self._seq += len(items)
         self._queue += items
         self._jobs[job] = items[0]
+        self._deadline_jobs += deadline is not None
         self._queued_tokens += tokens
         if urgent:
             self._urgent_tokens += tokens
@@ -284,7 +286,8 @@ class BatchManager(Preemption):
         return max(0.5 * max_wait, 0.9 * max_wait - own - self.urgent_wait_s)
 
     def cancel(self, job: Job) -> None:
-        """The client went away: its queued inputs never reach the engine."""
+        """The client went away: its queued inputs never reach the engine (those already on the engine
+        thread, in the running batch or a bulk batch handed over behind it, still run)."""
         if job.future.done():
             return
         job.cancelled = True
@@ -310,6 +313,7 @@ class BatchManager(Preemption):
         if job.urgent:
             self._urgent_tokens -= job.queued_tokens
         if self._jobs.pop(job, None) is not None:
+            self._deadline_jobs -= job.deadline is not None
             self._stale = True
         job.queued_tokens = job.queued_items = 0
 
@@ -406,6 +410,7 @@ class BatchManager(Preemption):
                 self._urgent_tokens -= length
             if job.queued_items == 0:
                 del self._jobs[job]
+                self._deadline_jobs -= job.deadline is not None
         return batch
 
     def _running(self, batch: list[Item]) -> None:
@@ -432,7 +437,8 @@ class BatchManager(Preemption):
         bulk work, when nothing is handed over behind it yet, to run after it (`_prefetch`)."""
         if self._loop is None:
             return
-        if not self._busy or (self._bulk_running and self._next is None and not self._urgent_tokens):
+        if not self._busy or (self._bulk_running and self._next is None and not self._urgent_tokens
+                              and not self._deadline_jobs):
             if not self._kick_pending:
                 self._kick_pending = True
                 self._loop.call_soon(self._kick)
@@ -505,13 +511,16 @@ class BatchManager(Preemption):
         running posted batches (preemption), which is not this batch's; `free`: when the engine was free
         for the next batch (after a batch posted too late for a pause ran; default `ended`).
 
-        The next batch goes first: planning it takes tens of microseconds, while the answers' handlers
+        The engine's next batch goes first: planning it takes tens of microseconds, while the answers' handlers
         (which run before anything queued after them) encode their responses, a millisecond or more for a
         bulk request. Answers first left the engine idle for that time after every batch."""
         if self._next is not None:  # the batch handed over behind this one started when this one ended
-            (_, self._bulk_running), self._next = self._next, None
+            (running, self._bulk_running, posted), self._next = self._next, None
             self._running_tokens, self._next_tokens = self._next_tokens, 0
-            self._running_since = free if free is not None else ended  # (its pauses are the engine thread's)
+            # when it started: this one's end, or its own hand-over where that came later (its pauses are the
+            # engine thread's to count)
+            self._running_since = max(free if free is not None else ended, posted)
+            self._account(running)  # its queue wait ends now, not when it was handed over
         else:
             self._busy = False
             self._bulk_running = False

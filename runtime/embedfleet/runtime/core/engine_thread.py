@@ -95,7 +95,7 @@ class EngineThread(Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Calls already handed over still run (`cancel_futures` is not supported: there is no backlog
-        worth cancelling, since the batch manager hands over one batch at a time)."""
+        worth cancelling: the batch manager hands over at most one batch beyond the running one)."""
         with self._lock:
             if not self._closed:
                 self._closed = True

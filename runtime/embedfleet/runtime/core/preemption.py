@@ -25,16 +25,18 @@ class Preemption:
         answers' encoding, the next requests' parsing and tokenizing, the clients): a millisecond or more
         between batches on two cores, up to a scheduler slice. Queries lose nothing: one arriving later
         runs at the next pause of whichever bulk batch is running (`preempt_point`), and the one handed
-        over keeps taking them from its start. Bulk work planned a batch early waits one batch longer.
-        While a queued request has a deadline (`x-request-timeout`), nothing is handed over early: only
-        queued work is dropped when its deadline passes (504, never run)."""
-        if self._loop is None or not self._bulk_running or self._next is not None or self._urgent_tokens:
+        over keeps taking them from its start; a query that arrives between the two, which would have run
+        next, waits up to one layer of the one handed over. Bulk work that arrives after the hand-over
+        (another tenant's, say) waits one batch longer, and work handed over runs even if its client leaves,
+        as the running batch's does. While a queued request has a deadline (`x-request-timeout`), nothing is
+        handed over early: only queued work is dropped when its deadline passes (504, never run). Its queue
+        wait (metrics, traces) ends when it starts, in `_finish`."""
+        if (self._loop is None or not self._bulk_running or self._next is not None or self._urgent_tokens
+                or self._deadline_jobs):  # (work handed over is never expired: with a deadline queued, none is)
             return
         self._live_queue()  # (promotes bulk work that reached its time: it then goes at the next pause)
         if self._urgent_tokens:
             self._schedule_kick()
-            return
-        if any(job.deadline is not None for job in self._jobs):  # work handed over is not expired: keep it queued
             return
         batch = self._plan()
         if not batch:
@@ -45,10 +47,9 @@ class Preemption:
                 self._next_bulk = bulk
             else:  # it has ended already (its answer is on the way): this batch is the engine's next at once
                 self._accepting = bulk
-        self._next = (batch, bulk)
+        self._next = (batch, bulk, time.perf_counter())
         self._next_tokens = sum(item.length for item in batch)
         self._post(self._compute, self._loop, batch, [item.job.inputs[item.index] for item in batch])
-        self._account(batch)
 
     # -- preemption ------------------------------------------------------------------------
     # The engine cannot be interrupted mid-layer, but on CPU it can pause between layers: a query that

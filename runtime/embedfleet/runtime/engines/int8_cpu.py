@@ -34,6 +34,7 @@ models, any device but CPU, and any model the gate fails.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import io
 import json
@@ -426,6 +427,7 @@ def fallback_engine(fp32: TorchEngine | None, fallback: Callable[[], TorchEngine
     The build's own float32 engine is transformers' modules (the int8 graph is exported from them), which on
     CPU do not run packed, so it serves only where no `fallback` is given."""
     if fallback is not None:
+        gc.collect()  # the build's float32 model and the export's graphs, before a second model loads
         return fallback()
     return fp32 or TorchEngine(spec, dtype="float32", num_threads=num_threads)
 
